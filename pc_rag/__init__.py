@@ -1,0 +1,17 @@
+"""pc_rag: reuse the attention KV of document chunks across RAG requests on a local Llama."""
+
+from . import testing
+from .blocks import KVBlock
+from .errors import PCRagError, PromptError, StoreError, UnsupportedModelError
+from .segments import Chunk, Text
+
+__all__ = [
+    "Chunk",
+    "KVBlock",
+    "PCRagError",
+    "PromptError",
+    "StoreError",
+    "Text",
+    "UnsupportedModelError",
+    "testing",
+]

@@ -1,0 +1,64 @@
+"""KV blocks: the cached unit, and the keys that say what a block's KV depends on.
+
+A block holds the keys and values of one segment for every layer, stacked so that copying or relocating it
+is one tensor op over all layers:  keys, values: [layers, kv_heads, tokens, head_dim].
+Keys are stored after RoPE, at positions `start .. start+tokens-1` (HF applies RoPE before the cache).
+Storage treats blocks as plain tensors plus metadata and never needs the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+# Bump when the way blocks are encoded changes (sink prefix, position layout): old entries then never match.
+SCHEME_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    keys: torch.Tensor  # [L, H_kv, T, D], RoPE applied at positions start..start+T-1
+    values: torch.Tensor  # [L, H_kv, T, D]
+    token_ids: tuple[int, ...]
+    start: int
+    meta: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.blake2b(digest_size=20)
+    for p in parts:
+        h.update(struct.pack("<Q", len(p)))  # length-prefixed, so ("ab","c") != ("a","bc")
+        h.update(p)
+    return h.hexdigest()
+
+
+def _ids_bytes(ids: tuple[int, ...]) -> bytes:
+    return struct.pack(f"<{len(ids)}I", *ids)
+
+
+def chunk_key(fingerprint: str, token_ids: tuple[int, ...], context_ids: tuple[int, ...], start: int) -> str:
+    """Key of a chunk encoded on its own: after `context_ids` (the sink prefix), first token at `start`."""
+    return "chunk-" + _digest(
+        b"chunk", str(SCHEME_VERSION).encode(), fingerprint.encode(),
+        _ids_bytes(context_ids), str(start).encode(), _ids_bytes(token_ids),
+    )
+
+
+def prefix_key(fingerprint: str, parent: str, token_ids: tuple[int, ...], start: int) -> str:
+    """Key of one node of the exact-prefix trie: chained to its parent's key, as vLLM chains block hashes,
+    so a node's KV (computed after the whole prefix) is only ever found after that same prefix."""
+    return "prefix-" + _digest(
+        b"prefix", str(SCHEME_VERSION).encode(), fingerprint.encode(),
+        parent.encode(), str(start).encode(), _ids_bytes(token_ids),
+    )

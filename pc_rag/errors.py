@@ -1,0 +1,17 @@
+"""One exception family: every error a user can cause is a PCRagError naming the bad input."""
+
+
+class PCRagError(Exception):
+    """Base class of every error pc_rag raises on purpose."""
+
+
+class PromptError(PCRagError, ValueError):
+    """The prompt itself is unusable (empty, too long, wrong segment type)."""
+
+
+class UnsupportedModelError(PCRagError, ValueError):
+    """The checkpoint is not a Llama-family decoder, or its RoPE cannot be relocated exactly."""
+
+
+class StoreError(PCRagError):
+    """A KV store tier failed; callers treat it as a miss and recompute."""

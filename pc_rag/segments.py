@@ -1,0 +1,111 @@
+"""Prompts as segments, and segments as token ids with position ids.
+
+A prompt is a list of `Text` (computed fresh each request) and `Chunk` (a document whose KV is cached and
+reused). Each segment is tokenized on its own and the token lists are concatenated: the joined string would
+tokenize differently at the boundaries, and keeping the boundaries fixed is what lets a chunk's tokens (and
+so its KV) be identical in every prompt it appears in. `full` mode uses the same segment tokenization, so
+every mode sees exactly the same token ids. Put separators ("\\n\\n") inside the segments you pass.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import PromptError
+
+
+@dataclass(frozen=True)
+class Text:
+    """Free text computed fresh every request (system text, separators, the question).
+
+    `position`: the position id of its first token; None places it right after the previous segment.
+    """
+
+    text: str
+    position: int | None = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A reusable document chunk: encoded once on its own, then reused at any position in any prompt.
+
+    `position`: as for `Text`; `encode_position` (PML schemas) fixes the position the chunk is encoded at,
+    so a chunk used where its schema placed it needs no RoPE relocation.
+    """
+
+    text: str
+    position: int | None = None
+    encode_position: int | None = None
+
+
+Prompt = Sequence[Text | Chunk]
+
+
+@dataclass(frozen=True)
+class TokenSegment:
+    """One segment after tokenization: its ids and the position id of each token."""
+
+    kind: str  # "bos" | "text" | "chunk"
+    token_ids: tuple[int, ...]
+    start: int  # position id of the first token; a segment's tokens have consecutive position ids
+    encode_start: int | None = None  # chunks only: position the chunk's KV is encoded at
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class SegmentTokenizer:
+    """Tokenizes segments on their own, with a bounded memo (chunk texts recur across requests)."""
+
+    def __init__(self, tokenizer, max_entries: int = 65536):
+        self.tokenizer = tokenizer
+        self.bos_id: int | None = tokenizer.bos_token_id
+        self._memo: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._max_entries = max_entries
+
+    def ids(self, text: str) -> tuple[int, ...]:
+        hit = self._memo.get(text)
+        if hit is not None:
+            self._memo.move_to_end(text)
+            return hit
+        ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        self._memo[text] = ids
+        if len(self._memo) > self._max_entries:
+            self._memo.popitem(last=False)
+        return ids
+
+    def segments(self, prompt: Prompt) -> list[TokenSegment]:
+        """Tokenize a prompt and lay out position ids; a BOS sink segment comes first when the model has one."""
+        if isinstance(prompt, (str, Text, Chunk)):
+            raise PromptError("a prompt is a list of pc_rag.Text / pc_rag.Chunk segments, not a single value")
+        if len(prompt) == 0:
+            raise PromptError("the prompt is empty: pass at least one pc_rag.Text or pc_rag.Chunk")
+        out: list[TokenSegment] = []
+        pos = 0
+        for i, seg in enumerate(prompt):
+            if not isinstance(seg, (Text, Chunk)):
+                raise PromptError(f"prompt segment {i} is a {type(seg).__name__}; expected pc_rag.Text or pc_rag.Chunk")
+            ids = self.ids(seg.text)
+            if i == 0 and self.bos_id is not None and ids[:1] != (self.bos_id,) and seg.position in (None, 1):
+                out.append(TokenSegment("bos", (self.bos_id,), 0))
+                pos = 1
+            if not ids:
+                continue  # an empty segment contributes nothing; dropping it keeps positions honest
+            start = pos if seg.position is None else seg.position
+            if start < 0:
+                raise PromptError(f"prompt segment {i} has a negative position ({start})")
+            if isinstance(seg, Chunk):
+                enc = seg.encode_position
+                out.append(TokenSegment("chunk", ids, start, encode_start=enc))
+            else:
+                out.append(TokenSegment("text", ids, start))
+            pos = start + len(ids)
+        if not any(s.kind != "bos" for s in out):
+            raise PromptError("the prompt has no tokens: every segment's text is empty")
+        return out

@@ -1,0 +1,132 @@
+"""An offline Llama checkpoint for tests, benchmarks and the demo: nothing is downloaded.
+
+`build_tiny_llama` trains a byte-level BPE tokenizer on Python's own `pydoc_data.topics` text (so merges
+at segment boundaries behave like a real tokenizer's), builds a `LlamaForCausalLM` with random weights from
+a fixed seed, and saves both with `save_pretrained`, so callers load it through the real
+`from_pretrained` path. The weights are random: the text it generates means nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import PCRagError
+
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+CHAT_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+# Llama-3 style chat template, so that chat code paths run through `apply_chat_template` as with a real model.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_positions: int
+
+
+SIZES = {
+    # GQA (2 KV heads for 4 query heads) so the grouped-query paths are always exercised.
+    "tiny": TinyShape(2048, 64, 2, 4, 2, 128, 2048),
+    # The shape the field notes measured (33M parameters with an 8K vocabulary): 8 layers, hidden 512, 8/4 heads.
+    "bench": TinyShape(8192, 512, 8, 8, 4, 1536, 16384),
+}
+
+
+def pydoc_corpus() -> list[str]:
+    """Python's own documentation topics: real English and code text that ships with every CPython."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+def train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, *CHAT_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(pydoc_corpus(), trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return tok
+
+
+def build_tiny_llama(
+    directory: str | Path,
+    size: str = "tiny",
+    seed: int = 0,
+    rope_scaling: dict | None = None,
+    initializer_range: float = 0.05,
+) -> Path:
+    """Write an HF checkpoint directory (config.json, model.safetensors, tokenizer files); return its path.
+
+    `rope_scaling`: extra RoPE parameters such as
+    `{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256}`.
+    `initializer_range` is above HF's 0.02 so that random logits are peaked enough for greedy decoding
+    not to hinge on float noise.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if size not in SIZES:
+        raise PCRagError(f"unknown test model size {size!r}; choose one of {sorted(SIZES)}")
+    shape = SIZES[size]
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(shape.vocab_size),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        additional_special_tokens=CHAT_TOKENS,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=shape.max_positions,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.save_pretrained(out)
+
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    if rope_scaling:
+        rope_parameters = {"rope_theta": 10000.0, **rope_scaling}
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_positions,
+        rope_parameters=rope_parameters,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        initializer_range=initializer_range,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    (out / "pc_rag_test_model.json").write_text(json.dumps({"size": size, "seed": seed}))
+    return out
