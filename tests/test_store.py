@@ -441,3 +441,20 @@ def test_default_location(tmp_path, monkeypatch):
 
 def test_parse_bytes():
     assert [parse_bytes(s) for s in ["512", "4KiB", "1.5GB", "2 MiB"]] == [512, 4096, 1_500_000_000, 2 << 20]
+
+
+def test_get_with_source_for_any_store(tmp_path):
+    from pc_rag.store import get_with_source
+
+    disk = DiskStore(tmp_path)
+    disk.put(key_of(1), make_block(1))
+    assert get_with_source(disk, key_of(1))[1] == "disk"
+    assert get_with_source(disk, key_of(2)) == (None, None)
+    assert get_with_source(TieredStore([MemoryStore(), disk]), key_of(1))[1] == "disk"
+
+
+def test_cache_directory_removed_while_running_is_recreated(tmp_path):
+    store = DiskStore(tmp_path / "cache")
+    shutil.rmtree(tmp_path / "cache")
+    store.put(key_of(1), make_block(1))
+    assert_same(store.get(key_of(1)), make_block(1))

@@ -1,7 +1,7 @@
 """Where KV blocks live. Storage knows blocks (tensors + metadata) and string keys, never the model.
 
 The engine calls `get(key) -> KVBlock | None`, `put(key, block)`, `tier_stats()` and `clear()`, and
-`get_with_source(key)` on a TieredStore to learn which tier served a block. Build stores with
+`get_with_source(store, key)` to learn which tier served a block. Build stores with
 `open_store(spec)`:
 
     memory.py      MemoryStore: tensors in process memory, LRU bounded by bytes, optional TTL
@@ -18,7 +18,7 @@ from .disk import DiskStore
 from .memory import MemoryStore
 from .redis_tier import RedisStore
 from .spec import default_cache_dir, open_store, parse_bytes
-from .tier import Store, StoreUsageError, TierStats, check_key
+from .tier import Store, StoreUsageError, TierStats, check_key, get_with_source
 from .tiered import TieredStore
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "TieredStore",
     "check_key",
     "default_cache_dir",
+    "get_with_source",
     "open_store",
     "parse_bytes",
 ]

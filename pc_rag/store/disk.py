@@ -116,7 +116,11 @@ class DiskStore:
             return  # larger than the whole budget
         tmp = path.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            self._write(tmp, data)
+            try:
+                self._write(tmp, data)
+            except FileNotFoundError:  # the directory was removed while running: recreate it once
+                self.path.mkdir(parents=True, exist_ok=True)
+                self._write(tmp, data)
             os.replace(tmp, path)
         except OSError as e:
             try:

@@ -47,6 +47,15 @@ class Store(Protocol):
     def tier_stats(self) -> list[TierStats]: ...
 
 
+def get_with_source(store: Store, key: str) -> tuple[KVBlock | None, str | None]:
+    """The block and the name of the tier that served it, for any store: a TieredStore says which of its
+    tiers hit; a single tier answers with its own name."""
+    if hasattr(store, "get_with_source"):
+        return store.get_with_source(key)
+    block = store.get(key)
+    return block, (store.name if block is not None else None)
+
+
 def check_key(key: str) -> str:
     if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
         raise StoreUsageError(
