@@ -458,3 +458,9 @@ def test_cache_directory_removed_while_running_is_recreated(tmp_path):
     shutil.rmtree(tmp_path / "cache")
     store.put(key_of(1), make_block(1))
     assert_same(store.get(key_of(1)), make_block(1))
+
+
+def test_store_does_not_import_model_code():
+    code = "import sys, pc_rag.store; sys.exit('transformers' in sys.modules or 'redis' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0

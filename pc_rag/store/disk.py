@@ -80,6 +80,9 @@ class DiskStore:
         path = self.file_for(key)
         t0 = time.perf_counter()
         try:
+            # One read() then safetensors.torch.load (a copy into owned tensors). Not load_file: its tensors
+            # stay backed by an mmap of the file, which pins it, would change under the tensor if the file
+            # were rewritten in place, and (measured) faulting the pages in was slower than one read.
             data = path.read_bytes()
         except FileNotFoundError:
             with self._lock:
