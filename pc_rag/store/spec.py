@@ -1,0 +1,109 @@
+"""Spec strings -> stores: how a user or a config file says where KV blocks are cached."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from .disk import DiskStore
+from .memory import MemoryStore
+from .redis_tier import RedisStore
+from .tier import Store, StoreUsageError
+from .tiered import TieredStore
+
+SPEC_HELP = (
+    "a store spec is 'memory', 'memory:<size>', 'disk', 'disk:<path>', 'disk:<path>?max_bytes=<size>', "
+    "'redis://host:port/db' (options ?ttl_s=<s>&prefix=<p>), a list of those (top tier first), or a store "
+    "object; sizes are bytes or use KB/MB/GB/TB or KiB/MiB/GiB/TiB"
+)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def default_cache_dir() -> Path:
+    """$PC_RAG_CACHE_DIR, else $XDG_CACHE_HOME/pc_rag, else ~/.cache/pc_rag."""
+    if os.environ.get("PC_RAG_CACHE_DIR"):
+        return Path(os.environ["PC_RAG_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "pc_rag"
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise StoreUsageError(f"bad size {text!r}: use bytes (e.g. 500000000) or a unit like 4GiB, 500MB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def open_store(spec: str | Store | Sequence[str | Store] | None = None) -> Store:
+    """The store the engine should use.
+
+    - None: memory (4 GiB) over disk (20 GiB) under `default_cache_dir()` ($PC_RAG_CACHE_DIR,
+      $XDG_CACHE_HOME/pc_rag or ~/.cache/pc_rag).
+    - a store object (anything with get/put/clear/tier_stats): used as is.
+    - "memory" (4 GiB), "memory:2GiB", "memory?max_bytes=2GiB&ttl_s=600".
+    - "disk" (default directory), "disk:/path/to/dir", "disk:/path?max_bytes=50GiB".
+    - "redis://host:6379/0", "redis://host:6379/0?ttl_s=86400&prefix=pc_rag:" (also rediss://); the size
+      bound is the server's maxmemory with maxmemory-policy allkeys-lru.
+    - a list of the above: tiers, top first, e.g. ["memory:8GiB", "disk:/data/kv", "redis://cache:6379/0"].
+
+    Strings and lists give a TieredStore (even for one tier), so a failing tier degrades to a miss.
+    """
+    if spec is None:
+        return TieredStore([MemoryStore(), DiskStore(default_cache_dir())])
+    if isinstance(spec, str):
+        return TieredStore([_open_tier(spec)])
+    if isinstance(spec, Sequence):
+        return TieredStore([_open_tier(s) for s in spec])
+    if isinstance(spec, Store):
+        return spec
+    raise StoreUsageError(f"cannot make a store from {type(spec).__name__}: {SPEC_HELP}")
+
+
+def _open_tier(spec: str | Store) -> Store:
+    if isinstance(spec, Store):
+        return spec
+    if not isinstance(spec, str):
+        raise StoreUsageError(f"cannot make a store tier from {type(spec).__name__}: {SPEC_HELP}")
+    if spec.startswith(("redis://", "rediss://")):
+        parts = urlsplit(spec)
+        query = dict(parse_qsl(parts.query))
+        ttl = query.pop("ttl_s", None)
+        kwargs = {"prefix": query.pop("prefix")} if "prefix" in query else {}
+        url = urlunsplit(parts._replace(query=urlencode(query)))
+        return RedisStore(url, ttl_s=_number(ttl, spec) if ttl not in (None, "none") else None, **kwargs)
+    kind, _, rest = spec.partition(":")
+    location, _, query_text = rest.partition("?")
+    if "?" in kind:
+        kind, _, query_text = kind.partition("?")
+    options = dict(parse_qsl(query_text))
+    max_bytes = parse_bytes(options.pop("max_bytes")) if "max_bytes" in options else None
+    if kind == "memory":
+        ttl = options.pop("ttl_s", None)
+        _no_extra(options, spec)
+        if location:
+            max_bytes = parse_bytes(location)
+        return MemoryStore(
+            **({"max_bytes": max_bytes} if max_bytes is not None else {}),
+            ttl_s=_number(ttl, spec) if ttl is not None else None,
+        )
+    if kind == "disk":
+        _no_extra(options, spec)
+        path = Path(location).expanduser() if location else default_cache_dir()
+        return DiskStore(path, **({"max_bytes": max_bytes} if max_bytes is not None else {}))
+    raise StoreUsageError(f"unknown store spec {spec!r}: {SPEC_HELP}")
+
+
+def _number(text: str, spec: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise StoreUsageError(f"bad number {text!r} in store spec {spec!r}: {SPEC_HELP}") from None
+
+
+def _no_extra(options: dict[str, str], spec: str) -> None:
+    if options:
+        raise StoreUsageError(f"unknown option(s) {sorted(options)} in store spec {spec!r}: {SPEC_HELP}")
