@@ -2,14 +2,18 @@
 
 from . import testing
 from .blocks import KVBlock
-from .errors import PCRagError, PromptError, StoreError, UnsupportedModelError
+from .errors import PCRagError, PMLError, PromptError, StoreError, UnsupportedModelError
+from .pml import Schema, SchemaRegistry
 from .segments import Chunk, Text
 
 __all__ = [
     "Chunk",
     "KVBlock",
     "PCRagError",
+    "PMLError",
     "PromptError",
+    "Schema",
+    "SchemaRegistry",
     "StoreError",
     "Text",
     "UnsupportedModelError",
