@@ -704,9 +704,10 @@ class SchemaRegistry:
                     f"(line {prev.node.line}) but the schema places it before; imports follow schema order"
                 )
             prev = imp
+        params = [p for p in schema.pieces if p.kind == "param"]
         for imp in imports:
-            for p in schema.pieces:
-                if p.kind == "param" and p.owner == imp.path:
+            for p in params:
+                if p.owner == imp.path:
                     n = len(self.st.ids(imp.args[p.name]))
                     if n > p.length:
                         raise PMLError(
