@@ -181,9 +181,11 @@ def parse_pml(text: str, *, max_chars: int, what: str) -> _Node:
         where = f" inside {builder.stack[-1].describe()}" if builder.stack else ""
         raise PMLError(f"malformed PML {what} at line {line}, column {col}{where}: {e}") from None
     except DefusedXmlException as e:
+        thing = f"<!DOCTYPE {e.name}>" if getattr(e, "name", None) else "a declaration"
         raise PMLError(
-            f"PML {what} at line {builder._line()}: {type(e).__name__} ({e}); "
-            "DTDs, entity declarations and external references are not allowed"
+            f"{thing} at line {builder._line()} of the PML {what}: {type(e).__name__}; DTDs, entity "
+            "declarations and external references are not allowed "
+            "(no entity expansion, no file or network access)"
         ) from None
     except (ValueError, UnicodeError, OverflowError) as e:  # e.g. lone surrogates cannot be encoded for expat
         raise PMLError(f"PML {what} at line {builder._line()} cannot be parsed: {e}") from None
@@ -490,8 +492,9 @@ def _trim_edges(items: list) -> list:
 class _Layout:
     """Places a schema's pieces at token positions (needs the tokenizer for text lengths)."""
 
-    def __init__(self, st: SegmentTokenizer):
+    def __init__(self, st: SegmentTokenizer, max_positions: int):
         self.st = st
+        self.max_positions = max_positions
         self.pieces: list[Piece] = []
         self.modules: dict[tuple[str, ...], ModuleInfo] = {}
         self.unions: list[UnionInfo] = []
@@ -504,6 +507,12 @@ class _Layout:
         for it in mod.body:
             if isinstance(it, str):
                 n = len(self.st.ids(it))
+                if n > self.max_positions:
+                    where = f'<module name="{mod.name}"> at line {mod.line}' if mod.path else "<schema> text"
+                    raise PMLError(
+                        f"{where}: a run of {n} tokens cannot fit in max_positions={self.max_positions}; "
+                        "split it into smaller modules"
+                    )
                 if n:
                     self.pieces.append(Piece("text", mod.path, pos, n, text=it, line=mod.line))
                 pos += n
@@ -577,7 +586,7 @@ class SchemaRegistry:
             if self.schemas[name].source == pml:
                 return self.schemas[name]
             raise PMLError(f"{root.describe()}: a different schema named {name!r} is already registered")
-        layout = _Layout(self.st)
+        layout = _Layout(self.st, self.max_positions)
         length = layout.place(top, self._base)
         schema = Schema(name, pml, length, tuple(layout.pieces), layout.modules, tuple(layout.unions))
         self.schemas[name] = schema
