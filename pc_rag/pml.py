@@ -562,6 +562,8 @@ class SchemaRegistry:
     ):
         if layout not in ("auto", "schema", "compact"):
             raise PMLError(f"layout={layout!r}; choose 'auto', 'schema' or 'compact'")
+        if int(max_positions) < 2:
+            raise PMLError(f"max_positions={max_positions}; it is the model's context length in tokens")
         self.st = segment_tokenizer
         self.max_positions = int(max_positions)
         self.schema_budget = self.max_positions // 2 if schema_budget is None else int(schema_budget)
@@ -894,6 +896,7 @@ def prompt_for(
     Indices are sorted (imports follow schema order); names are kept in the order given. `chat=True` wraps
     the question in `<user>` and ends with an open `<assistant/>` turn.
     """
+    module_names_or_indices = list(module_names_or_indices)
     names = [m for m in module_names_or_indices if not isinstance(m, int)]
     indices = sorted(m for m in module_names_or_indices if isinstance(m, int))
     if names and indices:
