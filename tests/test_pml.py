@@ -220,8 +220,8 @@ def test_free_text_kept_in_order_and_bos_sink_before_a_late_first_import(tokeniz
     )
     assert st.segments(segs)[0].kind == "bos"
 
-    # "Intro" and "mid" fit in the gaps... here they do not: "mid" would run into b's schema positions, so the
-    # prompt is laid out compactly (contiguous, in prompt order), b relocated from its schema position.
+    # Text between a and b would run into b's schema positions (a and b are adjacent), so the prompt is laid
+    # out compactly: contiguous, in prompt order, b relocated from its schema position.
     segs = reg.segments('<prompt schema="ab">Intro <a/> and now a rather long middle part <b/> end</prompt>')
     assert [s.text for s in segs] == [
         "Intro ",
