@@ -3,7 +3,8 @@
 from . import testing
 from .blocks import KVBlock
 from .engine import Engine, Generation, SegmentSource
-from .errors import PCRagError, PromptError, StoreError, UnsupportedModelError
+from .errors import PCRagError, PMLError, PromptError, StoreError, UnsupportedModelError
+from .pml import Schema, SchemaRegistry
 from .segments import Chunk, Text
 
 __all__ = [
@@ -12,7 +13,10 @@ __all__ = [
     "Generation",
     "KVBlock",
     "PCRagError",
+    "PMLError",
     "PromptError",
+    "Schema",
+    "SchemaRegistry",
     "SegmentSource",
     "StoreError",
     "Text",

@@ -13,5 +13,9 @@ class UnsupportedModelError(PCRagError, ValueError):
     """The checkpoint is not a Llama-family decoder, or its RoPE cannot be relocated exactly."""
 
 
+class PMLError(PCRagError, ValueError):
+    """A PML schema or prompt is malformed, hostile or does not fit its schema; names the element and line."""
+
+
 class StoreError(PCRagError):
     """A KV store tier failed; callers treat it as a miss and recompute."""
