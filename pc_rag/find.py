@@ -150,7 +150,7 @@ _INDEXES_LOCK = threading.Lock()
 
 
 def index_for(engine: object) -> ChunkIndex:
-    """The ChunkIndex shared by everything that uses `engine` (created on first use, dropped with the engine)."""
+    """The ChunkIndex shared by all adapters on `engine` (created on first use, dropped with the engine)."""
     with _INDEXES_LOCK:
         index = _INDEXES.get(engine)
         if index is None:
