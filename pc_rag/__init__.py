@@ -2,14 +2,18 @@
 
 from . import testing
 from .blocks import KVBlock
+from .engine import Engine, Generation, SegmentSource
 from .errors import PCRagError, PromptError, StoreError, UnsupportedModelError
 from .segments import Chunk, Text
 
 __all__ = [
     "Chunk",
+    "Engine",
+    "Generation",
     "KVBlock",
     "PCRagError",
     "PromptError",
+    "SegmentSource",
     "StoreError",
     "Text",
     "UnsupportedModelError",

@@ -1,0 +1,205 @@
+"""The engine: a prompt in, generated text out, with chunk KV reused across requests.
+
+    prompt -> token segments (segments.py) -> plan: where each segment's KV comes from (assemble.py)
+    -> assembled cache + first logits -> decode loop (decode.py) -> Generation
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .assemble import MODES, Assembled, Assembler
+from .blocks import chunk_key
+from .decode import Sampler, Sampling, TextStream
+from .errors import PromptError
+from .model import LlamaRunner
+from .segments import Chunk, Prompt, SegmentTokenizer
+from .store import MemoryStore
+
+
+@dataclass(frozen=True)
+class SegmentSource:
+    kind: str  # "bos" | "text" | "chunk"
+    tokens: int
+    source: str  # "fresh" | "prefix" | "chunk"
+    origin: str | None  # store tier that served it, "computed" when this request encoded it, None if fresh
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    token_ids: tuple[int, ...]
+    mode: str
+    finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    prompt_tokens: int
+    cached_tokens: int  # KV reused from the store (cached_tokens + computed_tokens == prompt_tokens)
+    computed_tokens: int
+    ttft_s: float  # from the call to the first token chosen: tokenize, look up, load, relocate, forward
+    total_s: float
+    sources: tuple[SegmentSource, ...]
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.token_ids) - 1
+        return n / (self.total_s - self.ttft_s) if n > 0 and self.total_s > self.ttft_s else float("nan")
+
+
+class Engine:
+    """Generate with a Llama-family HF model, reusing cached chunk KV.
+
+    Modes: "full" (no reuse, the reference), "exact" (longest cached prefix: identical to full),
+    "modular" (default: exact prefix where there is one, then every chunk from its own cached encoding,
+    RoPE-relocated to its place; an approximation, since a chunk never saw what precedes it).
+    """
+
+    def __init__(self, model, tokenizer, store=None):
+        self.runner = LlamaRunner(model, tokenizer)
+        self.tokenizer = tokenizer
+        self.segmenter = SegmentTokenizer(tokenizer)
+        self.store = store if store is not None else MemoryStore()
+        bos = self.segmenter.bos_id
+        # Chunks are encoded after BOS: the first token of a sequence becomes an attention sink, and
+        # without a shared sink each chunk's first token would play that role wherever it is placed.
+        self.assembler = Assembler(self.runner, self.store, (bos,) if bos is not None else ())
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+
+    @classmethod
+    def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu", store=None) -> Engine:
+        runner = LlamaRunner.from_pretrained(str(path_or_id), dtype=dtype, device=device)
+        return cls(runner.model, runner.tokenizer, store=store)
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    # ---- public API ------------------------------------------------------------------------------------
+    def generate(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None) -> Generation:
+        steps = self._run(prompt, mode, max_new_tokens, Sampling(temperature, top_p, seed), stop)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def stream(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
+               top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None) -> Iterator[str]:
+        """Text pieces as they are decoded; never splits a multi-byte character or emits part of a stop string."""
+        steps = self._run(prompt, mode, max_new_tokens, Sampling(temperature, top_p, seed), stop)
+        for piece in steps:
+            if piece:
+                yield piece
+
+    def stream_generation(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32,
+                          temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] | None = None,
+                          seed: int | None = None) -> Iterator[str | Generation]:
+        """Like `stream`, then the final `Generation` (token counts, TTFT) as the last item."""
+        steps = self._run(prompt, mode, max_new_tokens, Sampling(temperature, top_p, seed), stop)
+        while True:
+            try:
+                piece = next(steps)
+            except StopIteration as done:
+                yield done.value
+                return
+            if piece:
+                yield piece
+
+    def next_token_logits(self, prompt: Prompt, mode: str = "modular") -> torch.Tensor:
+        """Next-token logits after the prompt, [vocab] float32."""
+        return self._prefill(prompt, mode, extra_capacity=0).logits
+
+    def warm(self, chunks: Iterable[Chunk | str], progress: bool = True) -> int:
+        """Encode and store chunk KV ahead of time; returns how many chunks were newly encoded."""
+        from tqdm.auto import tqdm
+
+        chunks = list(chunks)
+        sink = self.assembler.sink_ids
+        encoded = 0
+        for c in tqdm(chunks, desc="pc_rag: encoding chunks", unit="chunk", disable=not progress):
+            c = Chunk(c) if isinstance(c, str) else c
+            ids = self.segmenter.ids(c.text)
+            if not ids:
+                continue
+            start = c.encode_position if c.encode_position is not None else len(sink)
+            key = chunk_key(self.runner.fingerprint, ids, sink, start)
+            if self.store.get(key) is None:
+                self.store.put(key, self.assembler.encode_chunk(ids, start))
+                encoded += 1
+        return encoded
+
+    def stats(self) -> dict:
+        return {"tiers": [vars(s).copy() for s in self.store.tier_stats()]}
+
+    # ---- the request path ------------------------------------------------------------------------------
+    def _prefill(self, prompt: Prompt, mode: str, extra_capacity: int) -> Assembled:
+        if mode not in MODES:
+            raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        segments = self.segmenter.segments(prompt)
+        last = max(s.end for s in segments)
+        shape = self.runner.shape
+        if last > shape.max_positions:
+            raise PromptError(
+                f"the prompt needs position ids up to {last}, beyond the model's context of "
+                f"{shape.max_positions} tokens: drop chunks or shorten the text"
+            )
+        total = sum(len(s) for s in segments)
+        if shape.sliding_window is not None and total + extra_capacity > shape.sliding_window:
+            raise PromptError(
+                f"prompt plus max_new_tokens ({total + extra_capacity} tokens) exceeds the model's sliding "
+                f"window of {shape.sliding_window}; pc_rag assembles full attention only"
+            )
+        pieces = self.assembler.plan(segments, mode)
+        return self.assembler.assemble(pieces, extra_capacity)
+
+    def _run(self, prompt, mode, max_new_tokens, sampling: Sampling, stop) -> Iterator[str]:
+        t0 = time.perf_counter()
+        if max_new_tokens < 1:
+            raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        sampler = Sampler(sampling)
+        asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens)
+        token = sampler(asm.logits)
+        ttft = time.perf_counter() - t0
+        if mode != "full":
+            self.assembler.save_prefix_nodes(asm)  # after the first token: not on the TTFT path
+
+        text = TextStream(self.tokenizer, stop)
+        ids: list[int] = []
+        finish = "length"
+        room = self.runner.shape.max_positions - 1 - asm.last_position  # positions left for new tokens
+        for i in range(max_new_tokens):
+            ids.append(token)
+            if token in self.eos_ids:
+                finish = "stop"
+                yield text.finish()
+                break
+            yield text.push(token)
+            if text.stopped:
+                finish = "stop"
+                break
+            if i + 1 == max_new_tokens or i + 1 > room:
+                yield text.finish()
+                break
+            logits = self.runner.forward(asm.cache, [token], [asm.last_position + 1 + i], [asm.prompt_tokens + i])
+            token = sampler(logits)
+        return Generation(
+            text=text.text,
+            token_ids=tuple(ids),
+            mode=mode,
+            finish_reason=finish,
+            prompt_tokens=asm.prompt_tokens,
+            cached_tokens=asm.cached_tokens,
+            computed_tokens=asm.computed_tokens,
+            ttft_s=ttft,
+            total_s=time.perf_counter() - t0,
+            sources=tuple(
+                SegmentSource(p.segment.kind, len(p.segment), p.source, p.origin) for p in asm.pieces
+            ),
+        )
