@@ -2,8 +2,8 @@
 
 The one path every adapter request takes:
     framework messages -> role/content dicts -> the model's own chat template (`render_chat`) -> one string
-    -> `ChunkIndex.split` (registered documents become `Chunk`s) -> `stream_generation` -> text pieces and,
-    at the end, the engine's `Generation` (token counts, `cached_tokens`) -> `usage`.
+    -> `ChunkIndex.split` (registered documents become `Chunk`s) -> `stream_generation` -> text pieces, then
+    the engine's `Generation` (token counts, `cached_tokens`) -> `usage`.
 Completion-style calls skip the chat template and split the prompt string as it is.
 """
 
@@ -85,14 +85,9 @@ class SamplingOptions:
         }
 
 
-def stream_generation(engine, prompt: Sequence[Text | Chunk], options: SamplingOptions) -> Iterator[str]:
-    """Yield the text pieces of one request; the generator's return value is the engine's `Generation`."""
-    stream = engine.stream(prompt, **options.engine_kwargs())
-    result = yield from stream
-    generation = getattr(stream, "generation", None) or result
-    if generation is None:
-        raise PCRagError("the engine's stream ended without a Generation; pc_rag and its adapters disagree")
-    return generation
+def stream_generation(engine, prompt: Sequence[Text | Chunk], options: SamplingOptions) -> Iterator[Any]:
+    """The text pieces of one request (`str`), then the engine's `Generation` as the last item."""
+    return engine.stream_generation(prompt, **options.engine_kwargs())
 
 
 def usage(generation) -> dict[str, int]:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pc_rag.adapters import SamplingOptions, shared_engine, stream_generation
+from pc_rag.adapters import SamplingOptions, shared_engine
 
 
 class EngineFields(BaseModel):
@@ -57,14 +57,3 @@ class EngineFields(BaseModel):
             stop=tuple(stop) if stop else None,
             seed=kwargs.get("seed", self.seed),
         )
-
-
-def pieces_then_generation(engine, prompt, options: SamplingOptions) -> Iterator[tuple[str, Any]]:
-    """(piece, None) for each text piece, then ("", generation) once the engine is done."""
-    stream = stream_generation(engine, prompt, options)
-    while True:
-        try:
-            yield next(stream), None
-        except StopIteration as done:
-            yield "", done.value
-            return

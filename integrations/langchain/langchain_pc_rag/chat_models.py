@@ -25,9 +25,9 @@ from langchain_core.messages import (
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 
-from pc_rag.adapters import chat_prompt, usage
+from pc_rag.adapters import chat_prompt, stream_generation, usage
 
-from ._engine import EngineFields, pieces_then_generation
+from ._engine import EngineFields
 
 _ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system", ToolMessage: "tool"}
 
@@ -96,11 +96,11 @@ class ChatPromptCache(EngineFields, BaseChatModel):
         # BaseChatModel.stream reports each chunk to run_manager itself; reporting here would double it.
         engine = self._engine()
         prompt = chat_prompt(engine, [_message_dict(m) for m in messages])
-        for piece, generation in pieces_then_generation(engine, prompt, self._options(stop, kwargs)):
-            if generation is None:
-                if piece:
-                    yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        for item in stream_generation(engine, prompt, self._options(stop, kwargs)):
+            if isinstance(item, str):
+                yield ChatGenerationChunk(message=AIMessageChunk(content=item))
                 continue
+            generation = item
             yield ChatGenerationChunk(
                 message=AIMessageChunk(
                     content="",

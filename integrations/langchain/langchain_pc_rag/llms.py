@@ -9,9 +9,9 @@ from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import LLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from pc_rag.adapters import completion_prompt, usage
+from pc_rag.adapters import completion_prompt, stream_generation, usage
 
-from ._engine import EngineFields, pieces_then_generation
+from ._engine import EngineFields
 
 
 class PromptCacheLLM(EngineFields, LLM):
@@ -45,14 +45,14 @@ class PromptCacheLLM(EngineFields, LLM):
     ) -> Iterator[GenerationChunk]:
         engine = self._engine()
         segments = completion_prompt(engine, prompt)
-        for piece, generation in pieces_then_generation(engine, segments, self._options(stop, kwargs)):
-            if generation is None:
-                if piece:
-                    # BaseLLM.stream does not report tokens for us (unlike BaseChatModel).
-                    if run_manager:
-                        run_manager.on_llm_new_token(piece)
-                    yield GenerationChunk(text=piece)
+        for item in stream_generation(engine, segments, self._options(stop, kwargs)):
+            if isinstance(item, str):
+                # BaseLLM.stream does not report tokens for us (unlike BaseChatModel).
+                if run_manager:
+                    run_manager.on_llm_new_token(item)
+                yield GenerationChunk(text=item)
             else:
+                generation = item
                 yield GenerationChunk(
                     text="",
                     generation_info={

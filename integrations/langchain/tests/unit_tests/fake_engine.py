@@ -26,19 +26,22 @@ class FakeGeneration:
 
 
 class FakeEngine:
-    """`cached_tokens` is the characters in Chunk segments, so tests can see what was found."""
+    """`stream_generation` as pc_rag.Engine's: text pieces, then a Generation.
+
+    `cached_tokens` counts the characters of Chunk segments, so tests can see what was found.
+    """
 
     def __init__(self, pieces=("Hello", " there")):
         self.tokenizer = FakeTokenizer()
         self.pieces = pieces
         self.calls: list[tuple[list, dict]] = []
 
-    def stream(self, prompt, **kwargs):
+    def stream_generation(self, prompt, **kwargs):
         self.calls.append((list(prompt), kwargs))
         yield from self.pieces
         cached = sum(len(s.text) for s in prompt if type(s).__name__ == "Chunk")
         total = sum(len(s.text) for s in prompt)
-        return FakeGeneration(
+        yield FakeGeneration(
             text="".join(self.pieces),
             token_ids=tuple(range(len(self.pieces))),
             prompt_tokens=total,
