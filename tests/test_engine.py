@@ -1,0 +1,146 @@
+"""Engine modes against references: a plain HF forward, HF generate, and `full` mode.
+
+Tolerances (fp32): 1e-5 for `full` vs a plain HF forward (same math, other kernel order), 1e-4 for
+reused KV (copies and relocations add rounding).
+"""
+
+import pytest
+import torch
+
+import pc_rag
+from pc_rag import Chunk, Text
+
+from .conftest import prompt_ids
+
+
+def rag_prompt(docs, order=(0, 1), question="Question: what does this describe?\nAnswer:"):
+    parts = [Text("You answer questions about Python.\n\n")]
+    for i in order:
+        parts += [Chunk(docs[i]), Text("\n\n")]
+    return parts + [Text(question)]
+
+
+def test_full_equals_plain_hf_forward(engine, docs):
+    prompt = rag_prompt(docs)
+    ref = engine.runner.reference_logits(prompt_ids(engine, prompt))
+    got = engine.next_token_logits(prompt, mode="full")
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() <= 1e-5
+
+
+def test_full_greedy_equals_hf_generate(engine, docs):
+    prompt = rag_prompt(docs)
+    ids = prompt_ids(engine, prompt)
+    x = torch.tensor([ids])
+    hf = engine.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                               eos_token_id=None)[0, len(ids):].tolist()
+    gen = engine.generate(prompt, mode="full", max_new_tokens=12)
+    assert list(gen.token_ids) == hf[: len(gen.token_ids)]
+    assert gen.cached_tokens == 0 and gen.computed_tokens == gen.prompt_tokens == len(ids)
+
+
+def test_exact_reuses_prefix_and_matches_full(engine, docs):
+    engine.generate(rag_prompt(docs, question="First question?"), mode="exact", max_new_tokens=2)
+    prompt = rag_prompt(docs, question="A different question entirely?")
+    segs = engine.segmenter.segments(prompt)
+    gen = engine.generate(prompt, mode="exact", max_new_tokens=16)
+    assert gen.computed_tokens == len(segs[-1])  # only the question
+    assert gen.cached_tokens + gen.computed_tokens == gen.prompt_tokens == sum(len(s) for s in segs)
+    full = engine.generate(prompt, mode="full", max_new_tokens=16)
+    assert gen.token_ids == full.token_ids
+    diff = (engine.next_token_logits(prompt, "exact") - engine.next_token_logits(prompt, "full")).abs().max()
+    assert diff.item() <= 1e-4
+
+
+def test_exact_does_not_reuse_after_a_changed_prefix(engine, docs):
+    engine.generate(rag_prompt(docs, order=(0, 1)), mode="exact", max_new_tokens=1)
+    gen = engine.generate(rag_prompt(docs, order=(1, 0)), mode="exact", max_new_tokens=1)
+    # BOS and the system text are shared; the chunks come in another order, so nothing after is reused.
+    segs = engine.segmenter.segments(rag_prompt(docs, order=(1, 0)))
+    assert gen.cached_tokens == len(segs[0]) + len(segs[1])
+
+
+def test_modular_single_chunk_first_equals_full(engine, docs):
+    prompt = [Chunk(docs[0]), Text("\n\nQuestion: what is it?")]
+    engine.warm([docs[0]], progress=False)
+    gen = engine.generate(prompt, mode="modular", max_new_tokens=16)
+    assert gen.cached_tokens == len(engine.segmenter.ids(docs[0]))
+    full = engine.generate(prompt, mode="full", max_new_tokens=16)
+    assert gen.token_ids == full.token_ids
+    diff = (engine.next_token_logits(prompt, "modular") - engine.next_token_logits(prompt, "full")).abs().max()
+    assert diff.item() <= 1e-4
+
+
+def test_modular_reordered_chunks_are_cached_and_divergence_is_recorded(engine, docs, record_property):
+    engine.generate(rag_prompt(docs, order=(0, 1, 2)), mode="modular", max_new_tokens=2)
+    prompt = rag_prompt(docs, order=(2, 3, 0))  # docs[3] is new, the others are reused at new positions
+    gen = engine.generate(prompt, mode="modular", max_new_tokens=16)
+    chunk_tokens = sum(len(engine.segmenter.ids(docs[i])) for i in (2, 3, 0))
+    assert gen.cached_tokens >= chunk_tokens
+    assert gen.cached_tokens + gen.computed_tokens == gen.prompt_tokens
+    origins = [s.origin for s in gen.sources if s.kind == "chunk"]
+    assert origins == ["memory", "computed", "memory"]
+    assert len(gen.token_ids) == 16 and isinstance(gen.text, str)
+    again = engine.generate(prompt, mode="modular", max_new_tokens=16)
+    assert again.token_ids == gen.token_ids  # reuse is deterministic
+    lf = engine.next_token_logits(prompt, "full")
+    lm = engine.next_token_logits(prompt, "modular")
+    kl = torch.sum(lf.softmax(-1) * (lf.log_softmax(-1) - lm.log_softmax(-1))).item()
+    record_property("modular_vs_full_kl", kl)
+    record_property("modular_vs_full_max_logit_diff", (lf - lm).abs().max().item())
+    assert kl >= 0.0 and torch.isfinite(lm).all()
+
+
+def test_modular_chunk_text_only_prompt_recomputes_last_token(engine, docs):
+    prompt = [Chunk(docs[0]), Chunk(docs[1])]
+    engine.warm(docs[:2], progress=False)
+    gen = engine.generate(prompt, mode="modular", max_new_tokens=4)
+    assert gen.computed_tokens >= 1  # the last token is recomputed to get its logits
+    assert gen.cached_tokens + gen.computed_tokens == gen.prompt_tokens
+
+
+def test_explicit_positions_match_full_with_same_positions(engine, docs):
+    # PML places modules at fixed, non-contiguous positions: a chunk encoded where it is used needs no
+    # relocation, and the reference is a plain forward with the same position ids.
+    n0 = len(engine.segmenter.ids(docs[0]))
+    prompt = [Chunk(docs[0], position=1, encode_position=1), Text("\nQ?", position=n0 + 200)]
+    segs = engine.segmenter.segments(prompt)
+    ids = [t for s in segs for t in s.token_ids]
+    pos = [p for s in segs for p in range(s.start, s.end)]
+    ref = engine.runner.reference_logits(ids, pos)
+    got = engine.next_token_logits(prompt, "modular")
+    assert (got - ref).abs().max().item() <= 1e-4
+
+
+def test_decode_tokens_match_a_step_by_step_reference(engine, docs):
+    prompt = rag_prompt(docs)
+    ids = prompt_ids(engine, prompt)
+    gen = engine.generate(prompt, mode="full", max_new_tokens=6)
+    seq = list(ids)
+    for t in gen.token_ids:
+        assert int(torch.argmax(engine.runner.reference_logits(seq))) == t
+        seq.append(t)
+
+
+@pytest.mark.parametrize("bad", [[], [Text("")], "just a string", [42]])
+def test_bad_prompts_raise_clear_errors(engine, bad):
+    with pytest.raises(pc_rag.PromptError):
+        engine.generate(bad)
+
+
+def test_unknown_mode(engine):
+    with pytest.raises(pc_rag.PromptError, match="unknown mode 'fast'"):
+        engine.generate([Text("hi")], mode="fast")
+
+
+def test_prompt_longer_than_context(engine):
+    with pytest.raises(pc_rag.PromptError, match="context of 2048"):
+        engine.generate([Text("word " * 3000)])
+
+
+def test_non_llama_architecture_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path)
+    with pytest.raises(pc_rag.UnsupportedModelError, match="gpt2"):
+        pc_rag.Engine.from_pretrained(tmp_path)
