@@ -1,0 +1,59 @@
+"""The fields and the request path that the chat model and the completion model share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pc_rag.adapters import SamplingOptions, shared_engine
+
+
+class EngineFields(BaseModel):
+    """Which engine answers, and the sampling defaults; per-call keyword arguments override the defaults."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    model: str | None = Field(
+        default=None, description="Path of a local HF Llama checkpoint; loaded on the first request."
+    )
+    engine: Any = Field(
+        default=None, exclude=True, description="An existing pc_rag.Engine (instead of `model`)."
+    )
+    dtype: str = Field(default="float32", description="Weights dtype when loading `model`.")
+    device: str = Field(default="cpu", description="Device when loading `model`.")
+    mode: str = Field(
+        default="modular", description="pc_rag mode: 'modular' reuses chunk KV, 'full' computes every token."
+    )
+    max_tokens: int = Field(default=256, alias="max_new_tokens", description="Most tokens to generate.")
+    temperature: float = Field(default=0.0, description="0 means greedy decoding.")
+    top_p: float = Field(default=1.0, description="Nucleus sampling mass.")
+    stop: list[str] | None = Field(default=None, description="Strings that end generation (not returned).")
+    seed: int | None = Field(default=None, description="Sampling seed.")
+
+    def _engine(self):
+        if self.engine is not None:
+            return self.engine
+        if not self.model:
+            raise ValueError("pass model=<path of a local HF Llama checkpoint> or engine=<pc_rag.Engine>")
+        return shared_engine(self.model, self.dtype, self.device)
+
+    @property
+    def model_name(self) -> str:
+        if self.model:
+            return self.model
+        path = getattr(getattr(self.engine, "model", None), "name_or_path", None)
+        return str(path or "pc-rag")
+
+    def _options(self, stop: Sequence[str] | None, kwargs: dict[str, Any]) -> SamplingOptions:
+        """Defaults from the fields, overridden by the call's `stop` and keyword arguments."""
+        stop = stop if stop is not None else kwargs.get("stop", self.stop)
+        return SamplingOptions(
+            mode=kwargs.get("mode", self.mode),
+            max_new_tokens=int(kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))),
+            temperature=float(kwargs.get("temperature", self.temperature)),
+            top_p=float(kwargs.get("top_p", self.top_p)),
+            stop=tuple(stop) if stop else None,
+            seed=kwargs.get("seed", self.seed),
+        )

@@ -1,0 +1,48 @@
+"""Registering retrieved documents, so the chat model finds them in whatever prompt the chain builds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from pydantic import ConfigDict, Field
+
+from pc_rag.adapters import register
+
+
+def register_documents(llm, documents: Iterable[Document]) -> int:
+    """Register documents' `page_content` as chunks of `llm`'s engine; return how many were new.
+
+    `llm` is a ChatPromptCache or PromptCacheLLM. Register the exact text the chain will put into the prompt:
+    a chain that rewrites documents (summarises, truncates) before formatting will not hit.
+    """
+    return register(llm._engine(), (d.page_content for d in documents))
+
+
+class PromptCacheRetriever(BaseRetriever):
+    """Wraps any retriever; every document it returns is registered with `llm`'s engine on the way out.
+
+    Drop-in: `create_retrieval_chain(PromptCacheRetriever(retriever=vs.as_retriever(), llm=llm), ...)`.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    retriever: BaseRetriever = Field(description="The retriever whose documents are registered.")
+    llm: Any = Field(description="The ChatPromptCache / PromptCacheLLM whose engine answers the chain.")
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        documents = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()})
+        register_documents(self.llm, documents)
+        return documents
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        documents = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
+        register_documents(self.llm, documents)
+        return documents
