@@ -19,6 +19,7 @@ from .blocks import KVBlock, chunk_key, prefix_key
 from .errors import PromptError, UnsupportedModelError
 from .model import LlamaRunner, SlotCache
 from .segments import TokenSegment
+from .store import get_with_source
 
 MODES = ("full", "exact", "modular")
 
@@ -42,14 +43,6 @@ class Assembled:
     cached_tokens: int
     computed_tokens: int
     last_position: int
-
-
-def _store_get(store, key: str) -> tuple[KVBlock | None, str | None]:
-    get_with_source = getattr(store, "get_with_source", None)
-    if get_with_source is not None:
-        return get_with_source(key)
-    block = store.get(key)
-    return block, (None if block is None else "memory")
 
 
 class Assembler:
@@ -81,7 +74,7 @@ class Assembler:
             # prompt's last token has fresh logits.
             while i < len(segments) - 1:
                 key = prefix_key(self.runner.fingerprint, parent, segments[i].token_ids, segments[i].start)
-                block, origin = _store_get(self.store, key)
+                block, origin = get_with_source(self.store, key)
                 if block is None or block.token_ids != segments[i].token_ids:
                     break
                 pieces.append(Piece(segments[i], slots[i], "prefix", key, block, origin))
@@ -91,7 +84,7 @@ class Assembler:
             if mode == "modular" and seg.kind == "chunk":
                 start = seg.encode_start if seg.encode_start is not None else len(self.sink_ids)
                 key = chunk_key(self.runner.fingerprint, seg.token_ids, self.sink_ids, start)
-                block, origin = _store_get(self.store, key)
+                block, origin = get_with_source(self.store, key)
                 if block is not None and block.token_ids != seg.token_ids:
                     block = None  # a key collision or a foreign entry: never use KV for other tokens
                 if block is None:
@@ -122,7 +115,7 @@ class Assembler:
     # ---- building -------------------------------------------------------------------------------------
     def assemble(self, pieces: list[Piece], extra_capacity: int) -> Assembled:
         total = pieces[-1].slot + len(pieces[-1].segment)
-        cache = self.runner.new_cache(total + extra_capacity)
+        cache = self.runner.acquire_cache(total + extra_capacity)
         fresh_ids: list[int] = []
         fresh_pos: list[int] = []
         fresh_slots: list[int] = []
@@ -137,14 +130,16 @@ class Assembler:
             dk, dv = cache.block_views(p.slot, p.slot + n)
             self.runner.relocate(dk, p.block.keys, seg.start - p.block.start)
             dv.copy_(p.block.values)
-            cached += n
+            if p.origin != "computed":  # encoded by this very request: computed, not reused
+                cached += n
         if not fresh_slots or fresh_slots[-1] != total - 1:
             # The prompt ends inside a cached block: recompute its last token so we have its logits.
             last = pieces[-1].segment
             fresh_ids.append(last.token_ids[-1])
             fresh_pos.append(last.end - 1)
             fresh_slots.append(total - 1)
-            cached -= 1
+            if pieces[-1].origin != "computed":
+                cached -= 1
         # Slots already hold the cached blocks; cache.length must cover them before the forward.
         cache.length = total
         logits = self.runner.forward(cache, fresh_ids, fresh_pos, fresh_slots)

@@ -17,8 +17,9 @@ from .blocks import chunk_key
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
 from .model import LlamaRunner
-from .segments import Chunk, Prompt, SegmentTokenizer
-from .store import MemoryStore
+from .pml import Schema, SchemaRegistry
+from .segments import Chunk, Prompt, SegmentTokenizer, Text
+from .store import get_with_source, open_store
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,16 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, store=None):
+        """`store`: a store object or spec (see `pc_rag.store.open_store`): "memory", "disk:PATH",
+        "redis://host:port/db", or a list of those as tiers. Default: memory over a disk tier in
+        $PC_RAG_CACHE_DIR (else ~/.cache/pc_rag)."""
         self.runner = LlamaRunner(model, tokenizer)
         self.tokenizer = tokenizer
         self.segmenter = SegmentTokenizer(tokenizer)
-        self.store = store if store is not None else MemoryStore()
+        self.store = open_store(store)
+        # PML schemas are laid out at registration; their modules are encoded lazily, on first use, like
+        # any chunk (an eager encode of a thousands-module schema would be minutes of work up front).
+        self.schemas = SchemaRegistry(self.segmenter, self.runner.shape.max_positions)
         bos = self.segmenter.bos_id
         # Chunks are encoded after BOS: the first token of a sequence becomes an attention sink, and
         # without a shared sink each chunk's first token would play that role wherever it is placed.
@@ -112,9 +119,15 @@ class Engine:
             if piece:
                 yield piece
 
+    def add_schema(self, pml: str) -> Schema:
+        """Register a PML schema; later prompts may be PML `<prompt schema="...">` strings."""
+        return self.schemas.add(pml)
+
     def next_token_logits(self, prompt: Prompt, mode: str = "modular") -> torch.Tensor:
         """Next-token logits after the prompt, [vocab] float32."""
-        return self._prefill(prompt, mode, extra_capacity=0).logits
+        asm = self._prefill(prompt, mode, extra_capacity=0)
+        self.runner.release_cache(asm.cache)
+        return asm.logits
 
     def warm(self, chunks: Iterable[Chunk | str], progress: bool = True) -> int:
         """Encode and store chunk KV ahead of time; returns how many chunks were newly encoded."""
@@ -130,7 +143,7 @@ class Engine:
                 continue
             start = c.encode_position if c.encode_position is not None else len(sink)
             key = chunk_key(self.runner.fingerprint, ids, sink, start)
-            if self.store.get(key) is None:
+            if get_with_source(self.store, key)[0] is None:
                 self.store.put(key, self.assembler.encode_chunk(ids, start))
                 encoded += 1
         return encoded
@@ -139,10 +152,16 @@ class Engine:
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()]}
 
     # ---- the request path ------------------------------------------------------------------------------
-    def _prefill(self, prompt: Prompt, mode: str, extra_capacity: int) -> Assembled:
+    def _segments(self, prompt: Prompt | str):
+        if isinstance(prompt, str):
+            # A PML prompt resolves against registered schemas; any other string is one fresh Text.
+            prompt = self.schemas.segments(prompt) if prompt.lstrip().startswith("<prompt") else [Text(prompt)]
+        return self.segmenter.segments(prompt)
+
+    def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int) -> Assembled:
         if mode not in MODES:
             raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        segments = self.segmenter.segments(prompt)
+        segments = self._segments(prompt)
         last = max(s.end for s in segments)
         shape = self.runner.shape
         if last > shape.max_positions:
@@ -174,21 +193,24 @@ class Engine:
         ids: list[int] = []
         finish = "length"
         room = self.runner.shape.max_positions - 1 - asm.last_position  # positions left for new tokens
-        for i in range(max_new_tokens):
-            ids.append(token)
-            if token in self.eos_ids:
-                finish = "stop"
-                yield text.finish()
-                break
-            yield text.push(token)
-            if text.stopped:
-                finish = "stop"
-                break
-            if i + 1 == max_new_tokens or i + 1 > room:
-                yield text.finish()
-                break
-            logits = self.runner.forward(asm.cache, [token], [asm.last_position + 1 + i], [asm.prompt_tokens + i])
-            token = sampler(logits)
+        try:
+            for i in range(max_new_tokens):
+                ids.append(token)
+                if token in self.eos_ids:
+                    finish = "stop"
+                    yield text.finish()
+                    break
+                yield text.push(token)
+                if text.stopped:
+                    finish = "stop"
+                    break
+                if i + 1 == max_new_tokens or i + 1 > room:
+                    yield text.finish()
+                    break
+                pos, slot = asm.last_position + 1 + i, asm.prompt_tokens + i
+                token = sampler(self.runner.forward(asm.cache, [token], [pos], [slot]))
+        finally:  # also when a stream is abandoned: the generator is closed and the buffer returns to the pool
+            self.runner.release_cache(asm.cache)
         return Generation(
             text=text.text,
             token_ids=tuple(ids),

@@ -92,7 +92,8 @@ class SegmentTokenizer:
             if not isinstance(seg, (Text, Chunk)):
                 raise PromptError(f"prompt segment {i} is a {type(seg).__name__}; expected pc_rag.Text or pc_rag.Chunk")
             ids = self.ids(seg.text)
-            if i == 0 and self.bos_id is not None and ids[:1] != (self.bos_id,) and seg.position in (None, 1):
+            # BOS (the attention sink) at position 0 unless the prompt brings its own or claims position 0.
+            if i == 0 and self.bos_id is not None and ids[:1] != (self.bos_id,) and seg.position != 0:
                 out.append(TokenSegment("bos", (self.bos_id,), 0))
                 pos = 1
             if not ids:

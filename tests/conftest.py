@@ -6,6 +6,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if "PC_RAG_CACHE_DIR" not in os.environ:  # engines built with the default store must not write to ~/.cache
+    import tempfile
+
+    os.environ["PC_RAG_CACHE_DIR"] = tempfile.mkdtemp(prefix="pc_rag_test_cache_")
 
 import pc_rag  # noqa: E402
 from pc_rag.store import MemoryStore  # noqa: E402

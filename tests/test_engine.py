@@ -75,8 +75,10 @@ def test_modular_reordered_chunks_are_cached_and_divergence_is_recorded(engine, 
     engine.generate(rag_prompt(docs, order=(0, 1, 2)), mode="modular", max_new_tokens=2)
     prompt = rag_prompt(docs, order=(2, 3, 0))  # docs[3] is new, the others are reused at new positions
     gen = engine.generate(prompt, mode="modular", max_new_tokens=16)
-    chunk_tokens = sum(len(engine.segmenter.ids(docs[i])) for i in (2, 3, 0))
-    assert gen.cached_tokens >= chunk_tokens
+    reused = sum(len(engine.segmenter.ids(docs[i])) for i in (2, 0))
+    new = len(engine.segmenter.ids(docs[3]))
+    assert gen.cached_tokens >= reused  # plus BOS and system text from the exact-prefix trie
+    assert gen.computed_tokens >= new  # encoded by this request: computed, not reused
     assert gen.cached_tokens + gen.computed_tokens == gen.prompt_tokens
     origins = [s.origin for s in gen.sources if s.kind == "chunk"]
     assert origins == ["memory", "computed", "memory"]
@@ -122,10 +124,15 @@ def test_decode_tokens_match_a_step_by_step_reference(engine, docs):
         seq.append(t)
 
 
-@pytest.mark.parametrize("bad", [[], [Text("")], "just a string", [42]])
+@pytest.mark.parametrize("bad", [[], [Text("")], "", Text("a lone segment"), [42]])
 def test_bad_prompts_raise_clear_errors(engine, bad):
     with pytest.raises(pc_rag.PromptError):
         engine.generate(bad)
+
+
+def test_plain_string_is_one_text_segment(engine, docs):
+    ref = engine.next_token_logits([Text(docs[0])], "full")
+    assert torch.equal(engine.next_token_logits(docs[0], "full"), ref)
 
 
 def test_unknown_mode(engine):

@@ -54,5 +54,6 @@ def test_other_llama_family_architectures(tmp_path, tiny_path, docs, arch):
     assert (engine.next_token_logits(prompt, "full") - ref).abs().max().item() <= 1e-5
     engine.warm([docs[0]], progress=False)
     assert (engine.next_token_logits(prompt, "modular") - ref).abs().max().item() <= 1e-4
+    engine.warm([docs[1]], progress=False)
     gen = engine.generate([Text("Intro. "), Chunk(docs[1]), Chunk(docs[0]), Text("\nQ?")], max_new_tokens=4)
     assert gen.cached_tokens >= len(engine.segmenter.ids(docs[0])) + len(engine.segmenter.ids(docs[1]))

@@ -11,10 +11,11 @@ import subprocess
 import time
 
 import pytest
-from test_store import assert_same, key_of, make_block
 
 from pc_rag.errors import StoreError
 from pc_rag.store import MemoryStore, RedisStore, TieredStore
+
+from .test_store import assert_same, key_of, make_block
 
 pytest.importorskip("redis", reason="the redis package is not installed (pip install redis)")
 REDIS_SERVER = shutil.which("redis-server")
