@@ -63,11 +63,14 @@ def test_second_request_reads_cache_and_matches_full_mode():
 
 
 def test_modular_reuses_documents_in_a_new_order():
+    # Documents no earlier test sent: in the first request each is encoded on its own (computed, not
+    # cached); in the second, in another order, each comes from the store at its new position.
+    docs = [Document(page_content=topics[k][:400]) for k in ("while", "for", "if")]
     llm = ChatPromptCache(model=tiny_model_path(), max_tokens=4)
-    rag_chain(llm, DOCS).invoke("What does assert do?")
-    answer = rag_chain(llm, DOCS[::-1]).invoke("What does assert do?")
-    # Every document's KV comes from the store; only the text around them is computed.
+    first = rag_chain(llm, docs).invoke("What does while do?")
+    answer = rag_chain(llm, docs[::-1]).invoke("What does while do?")
     ids = llm._engine().segmenter.ids
-    chunk_tokens = sum(len(ids(d.page_content.strip())) for d in DOCS)
+    chunk_tokens = sum(len(ids(d.page_content.strip())) for d in docs)
+    assert first.usage_metadata["input_tokens"] - first.usage_metadata["input_token_details"]["cache_read"] >= chunk_tokens
     assert answer.usage_metadata["input_token_details"]["cache_read"] >= chunk_tokens
     assert answer.response_metadata["mode"] == "modular"
