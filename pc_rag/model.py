@@ -76,8 +76,8 @@ class _SlotLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._owner.length, 0
 
-    def get_seq_length(self) -> int:
-        return self._owner.length
+    def get_seq_length(self) -> int:  # HF reads it before `update`: the length before this forward's tokens
+        return self._owner.length - self._owner.pending
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
@@ -90,6 +90,7 @@ class SlotCache(Cache):
         self.keys = torch.empty(num_layers, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.empty_like(self.keys)
         self.length = 0  # slots [0, length) are valid
+        self.pending = 0  # tokens the current forward writes
         self.write_range: tuple[int, int] | None = None
         self.write_slots: torch.Tensor | None = None
         super().__init__(layers=[_SlotLayer(self.keys[i], self.values[i], self) for i in range(num_layers)])
@@ -105,6 +106,14 @@ class SlotCache(Cache):
             self.write_range = None
             self.write_slots = torch.tensor(slots, device=self.keys.device)
         self.length = max(self.length, max(slots) + 1)
+        self.pending = len(slots)
+
+    def appends_causally(self, slots: list[int]) -> bool:
+        """True when this forward just appends after everything in the cache (a plain prefill from slot 0,
+        or one decode step): HF's own causal masking is then exact, and sdpa can use its fast causal kernels."""
+        return self.write_range is not None and self.write_range == (self.length - len(slots), self.length) and (
+            len(slots) == 1 or self.write_range[0] == 0
+        )
 
     def block_views(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots [a, b) of every layer: ([L, H_kv, b-a, D], same) views."""
@@ -206,17 +215,20 @@ class LlamaRunner:
         """
         cache.prepare_write(slots)
         dev = self.device
-        q_slots = torch.tensor(slots, device=dev)
-        k_slots = torch.arange(cache.length, device=dev)
-        visible = k_slots[None, :] <= q_slots[:, None]  # [Q, K]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        mask = None
+        if not cache.appends_causally(slots):
+            q_slots = torch.tensor(slots, device=dev)
+            k_slots = torch.arange(cache.length, device=dev)
+            visible = k_slots[None, :] <= q_slots[:, None]  # [Q, K]
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev)
+            mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+            mask = mask[None, None]
         kwargs = {_CACHE_KW: cache}
         with self._lock:
             out = self.model(
                 input_ids=torch.tensor([ids], device=dev),
                 position_ids=torch.tensor([positions], device=dev),
-                attention_mask=mask[None, None],
+                attention_mask=mask,
                 use_cache=True,
                 logits_to_keep=1,
                 **kwargs,
