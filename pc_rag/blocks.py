@@ -62,3 +62,11 @@ def prefix_key(fingerprint: str, parent: str, token_ids: tuple[int, ...], start:
         b"prefix", str(SCHEME_VERSION).encode(), fingerprint.encode(),
         parent.encode(), str(start).encode(), _ids_bytes(token_ids),
     )
+
+
+def scaffold_key(fingerprint: str, segment_ids: list[tuple[int, ...]], context_ids: tuple[int, ...], start: int) -> str:
+    """Key of a scaffold group encoded jointly: its segments (chunks and the text between them) in order."""
+    return "scaffold-" + _digest(
+        b"scaffold", str(SCHEME_VERSION).encode(), fingerprint.encode(),
+        _ids_bytes(context_ids), str(start).encode(), *(_ids_bytes(ids) for ids in segment_ids),
+    )

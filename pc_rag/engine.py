@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .assemble import MODES, Assembled, Assembler
+from .assemble import MODES, Assembled, Assembler, Recompute
 from .blocks import chunk_key
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
@@ -24,9 +24,9 @@ from .store import get_with_source, open_store
 
 @dataclass(frozen=True)
 class SegmentSource:
-    kind: str  # "bos" | "text" | "chunk"
+    kind: str  # "bos" | "text" | "chunk" | "scaffold" (a declared group, chunks and the text between them)
     tokens: int
-    source: str  # "fresh" | "prefix" | "chunk"
+    source: str  # "fresh" | "prefix" | "chunk" | "scaffold"
     origin: str | None  # store tier that served it, "computed" when this request encoded it, None if fresh
 
 
@@ -39,6 +39,7 @@ class Generation:
     prompt_tokens: int
     cached_tokens: int  # KV reused from the store (cached_tokens + computed_tokens == prompt_tokens)
     computed_tokens: int
+    recomputed_tokens: int  # blend: reused chunk tokens recomputed in context (part of computed_tokens)
     ttft_s: float  # from the call to the first token chosen: tokenize, look up, load, relocate, forward
     total_s: float
     sources: tuple[SegmentSource, ...]
@@ -54,8 +55,13 @@ class Engine:
 
     Modes: "full" (no reuse, the reference), "exact" (longest cached prefix: identical to full),
     "modular" (default: exact prefix where there is one, then every chunk from its own cached encoding,
-    RoPE-relocated to its place; an approximation, since a chunk never saw what precedes it).
+    RoPE-relocated to its place; an approximation, since a chunk never saw what precedes it), and "blend"
+    (modular, then a `recompute_ratio` fraction of the reused chunk tokens recomputed with the whole prompt
+    as context, chosen by `blend_selection`).
     """
+
+    # How blend picks the tokens it recomputes; see benchmarks/fidelity.py for the measurement behind it.
+    blend_selection = "deviation"
 
     def __init__(self, model, tokenizer, store=None):
         """`store`: a store object or spec (see `pc_rag.store.open_store`): "memory", "disk:PATH",
@@ -89,8 +95,9 @@ class Engine:
 
     # ---- public API ------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
-                 top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None) -> Generation:
-        steps = self._run(prompt, mode, max_new_tokens, Sampling(temperature, top_p, seed), stop)
+                 top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
+                 recompute_ratio: float = 0.15) -> Generation:
+        steps = self._run(prompt, mode, max_new_tokens, Sampling(temperature, top_p, seed), stop, recompute_ratio)
         while True:
             try:
                 next(steps)
@@ -98,18 +105,19 @@ class Engine:
                 return done.value
 
     def stream(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
-               top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None) -> Iterator[str]:
+               top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
+               recompute_ratio: float = 0.15) -> Iterator[str]:
         """Text pieces as they are decoded; never splits a multi-byte character or emits part of a stop string."""
-        steps = self._run(prompt, mode, max_new_tokens, Sampling(temperature, top_p, seed), stop)
+        steps = self._run(prompt, mode, max_new_tokens, Sampling(temperature, top_p, seed), stop, recompute_ratio)
         for piece in steps:
             if piece:
                 yield piece
 
     def stream_generation(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32,
                           temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] | None = None,
-                          seed: int | None = None) -> Iterator[str | Generation]:
+                          seed: int | None = None, recompute_ratio: float = 0.15) -> Iterator[str | Generation]:
         """Like `stream`, then the final `Generation` (token counts, TTFT) as the last item."""
-        steps = self._run(prompt, mode, max_new_tokens, Sampling(temperature, top_p, seed), stop)
+        steps = self._run(prompt, mode, max_new_tokens, Sampling(temperature, top_p, seed), stop, recompute_ratio)
         while True:
             try:
                 piece = next(steps)
@@ -119,13 +127,20 @@ class Engine:
             if piece:
                 yield piece
 
+    def add_scaffold(self, chunks: Sequence[Chunk | str]) -> None:
+        """Declare chunks that are retrieved together: whenever they appear in a prompt in this order (with
+        only text between them), they are encoded jointly once and reused as one block, so inside the group
+        each chunk sees the ones before it, as in a full prefill."""
+        texts = [c.text if isinstance(c, Chunk) else c for c in chunks]
+        self.assembler.add_scaffold([self.segmenter.ids(t) for t in texts])
+
     def add_schema(self, pml: str) -> Schema:
         """Register a PML schema; later prompts may be PML `<prompt schema="...">` strings."""
         return self.schemas.add(pml)
 
-    def next_token_logits(self, prompt: Prompt, mode: str = "modular") -> torch.Tensor:
+    def next_token_logits(self, prompt: Prompt, mode: str = "modular", recompute_ratio: float = 0.15) -> torch.Tensor:
         """Next-token logits after the prompt, [vocab] float32."""
-        asm = self._prefill(prompt, mode, extra_capacity=0)
+        asm = self._prefill(prompt, mode, extra_capacity=0, recompute_ratio=recompute_ratio)
         self.runner.release_cache(asm.cache)
         return asm.logits
 
@@ -158,7 +173,7 @@ class Engine:
             prompt = self.schemas.segments(prompt) if prompt.lstrip().startswith("<prompt") else [Text(prompt)]
         return self.segmenter.segments(prompt)
 
-    def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int) -> Assembled:
+    def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int, recompute_ratio: float) -> Assembled:
         if mode not in MODES:
             raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         segments = self._segments(prompt)
@@ -175,15 +190,16 @@ class Engine:
                 f"prompt plus max_new_tokens ({total + extra_capacity} tokens) exceeds the model's sliding "
                 f"window of {shape.sliding_window}; pc_rag assembles full attention only"
             )
+        recompute = Recompute(recompute_ratio, self.blend_selection) if mode == "blend" else None
         pieces = self.assembler.plan(segments, mode)
-        return self.assembler.assemble(pieces, extra_capacity)
+        return self.assembler.assemble(pieces, extra_capacity, recompute)
 
-    def _run(self, prompt, mode, max_new_tokens, sampling: Sampling, stop) -> Iterator[str]:
+    def _run(self, prompt, mode, max_new_tokens, sampling: Sampling, stop, recompute_ratio) -> Iterator[str]:
         t0 = time.perf_counter()
         if max_new_tokens < 1:
             raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampler = Sampler(sampling)
-        asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens)
+        asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=recompute_ratio)
         token = sampler(asm.logits)
         ttft = time.perf_counter() - t0
         if mode != "full":
@@ -219,6 +235,7 @@ class Engine:
             prompt_tokens=asm.prompt_tokens,
             cached_tokens=asm.cached_tokens,
             computed_tokens=asm.computed_tokens,
+            recomputed_tokens=asm.recomputed_tokens,
             ttft_s=ttft,
             total_s=time.perf_counter() - t0,
             sources=tuple(

@@ -236,6 +236,29 @@ class LlamaRunner:
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
+    def probe_keys(self, ids: list[int], positions: list[int], num_layers: int) -> torch.Tensor:
+        """Keys of the first `num_layers` layers for a plain causal prefill of `ids`: [num_layers, H_kv, T, D].
+
+        The selection probe of `blend`: a few layers over every token, a fraction of a full prefill.
+        """
+        inner = self.model.model
+        cache = self.new_cache(len(ids))
+        cache.prepare_write(list(range(len(ids))))
+        dev = self.device
+        pos = torch.tensor([positions], device=dev)
+        hidden = inner.embed_tokens(torch.tensor([ids], device=dev))
+        rope = inner.rotary_emb(hidden, pos)
+        mask = None  # sdpa applies its own causal mask when none is given; eager needs one spelled out
+        if self.model.config._attn_implementation != "sdpa":
+            mask = torch.full((len(ids), len(ids)), torch.finfo(self.dtype).min, dtype=self.dtype, device=dev)
+            mask = mask.triu(1)[None, None]
+        with self._lock:
+            for layer in inner.layers[:num_layers]:
+                hidden = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=rope,
+                               use_cache=True, **{_CACHE_KW: cache})
+        return cache.keys[:num_layers, 0, :, : len(ids)]
+
+    @torch.inference_mode()
     def reference_logits(self, ids: list[int], positions: list[int] | None = None) -> torch.Tensor:
         """A plain HF forward over the whole sequence, no pc_rag cache: the reference tests compare to."""
         kwargs = {} if positions is None else {"position_ids": torch.tensor([positions], device=self.device)}
