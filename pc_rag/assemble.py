@@ -84,6 +84,7 @@ class Assembler:
         self.root = "root-" + runner.fingerprint
         # Declared scaffold groups, by their first chunk's tokens: each a tuple of chunk token tuples.
         self.scaffolds: dict[tuple[int, ...], set[tuple[tuple[int, ...], ...]]] = {}
+        self.scaffold_bytes = 0  # what joint encodings cost on top of the chunks' own blocks
 
     def add_scaffold(self, chunks: Sequence[tuple[int, ...]]) -> None:
         if len(chunks) < 2:
@@ -121,7 +122,7 @@ class Assembler:
             if mode in REUSING_CHUNKS and seg.kind == "chunk":
                 end = self._scaffold_end(segments, j)
                 if end is not None:
-                    pieces.append(self._scaffold_piece(segments[j:end], slots[j]))
+                    pieces.append(self.scaffold_piece(segments[j:end], slots[j]))
                     j = end
                     continue
                 pieces.append(self._chunk_piece(seg, slots[j]))
@@ -143,6 +144,8 @@ class Assembler:
         if block is None:
             block, origin = self.encode_chunk(token_ids, start, kind), "computed"
             self.store.put(key, block)
+            if kind == "scaffold":
+                self.scaffold_bytes += block.nbytes
         return block, origin
 
     def _chunk_piece(self, seg: TokenSegment, slot: int) -> Piece:
@@ -158,7 +161,7 @@ class Assembler:
         if not groups:
             return None
         best = None
-        for group in groups:
+        for group in tuple(groups):  # a copy: the background scaffold builder may add groups meanwhile
             k, end = 0, j
             while end < len(segments) and k < len(group):
                 seg = segments[end]
@@ -173,7 +176,8 @@ class Assembler:
                 best = end
         return best
 
-    def _scaffold_piece(self, span: list[TokenSegment], slot: int) -> Piece:
+    def scaffold_piece(self, span: list[TokenSegment], slot: int) -> Piece:
+        """The joint block of `span` (chunks and the text between them), from the store or encoded now."""
         ids = tuple(t for s in span for t in s.token_ids)
         merged = TokenSegment("scaffold", ids, span[0].start)
         start = len(self.sink_ids)

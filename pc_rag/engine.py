@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
 from .model import LlamaRunner
 from .pml import Schema, SchemaRegistry
+from .scaffolds import CoRetrievalCounter
 from .segments import Chunk, Prompt, SegmentTokenizer, Text
 from .store import get_with_source, open_store
 
@@ -63,10 +65,14 @@ class Engine:
     # How blend picks the tokens it recomputes; see benchmarks/fidelity.py for the measurement behind it.
     blend_selection = "deviation"
 
-    def __init__(self, model, tokenizer, store=None):
+    def __init__(self, model, tokenizer, store=None, auto_scaffold_after: int | None = None):
         """`store`: a store object or spec (see `pc_rag.store.open_store`): "memory", "disk:PATH",
         "redis://host:port/db", or a list of those as tiers. Default: memory over a disk tier in
-        $PC_RAG_CACHE_DIR (else ~/.cache/pc_rag)."""
+        $PC_RAG_CACHE_DIR (else ~/.cache/pc_rag).
+
+        `auto_scaffold_after`: when the same chunks (in the same order) have come together in this many
+        prompts, encode them jointly in the background and reuse the joint KV from then on. Off by default:
+        each group costs its own copy of its chunks' KV (see `stats()["scaffolds"]`)."""
         self.runner = LlamaRunner(model, tokenizer)
         self.tokenizer = tokenizer
         self.segmenter = SegmentTokenizer(tokenizer)
@@ -83,6 +89,8 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
+        self.co_retrieval = CoRetrievalCounter(auto_scaffold_after) if auto_scaffold_after else None
+        self._background: list[threading.Thread] = []
 
     @classmethod
     def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu", store=None) -> Engine:
@@ -136,7 +144,11 @@ class Engine:
 
     def add_schema(self, pml: str) -> Schema:
         """Register a PML schema; later prompts may be PML `<prompt schema="...">` strings."""
-        return self.schemas.add(pml)
+        schema = self.schemas.add(pml)
+        for texts in schema.scaffold_texts():
+            if len(texts) >= 2:
+                self.add_scaffold(texts)
+        return schema
 
     def next_token_logits(self, prompt: Prompt, mode: str = "modular", recompute_ratio: float = 0.15) -> torch.Tensor:
         """Next-token logits after the prompt, [vocab] float32."""
@@ -164,7 +176,15 @@ class Engine:
         return encoded
 
     def stats(self) -> dict:
-        return {"tiers": [vars(s).copy() for s in self.store.tier_stats()]}
+        groups = sum(len(g) for g in self.assembler.scaffolds.values())
+        return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
+                "scaffolds": {"groups": groups, "bytes": self.assembler.scaffold_bytes}}
+
+    def wait_for_background(self, timeout: float | None = None) -> None:
+        """Wait for background work (automatic scaffold encodes) to finish."""
+        for t in list(self._background):
+            t.join(timeout)
+        self._background = [t for t in self._background if t.is_alive()]
 
     # ---- the request path ------------------------------------------------------------------------------
     def _segments(self, prompt: Prompt | str):
@@ -192,7 +212,27 @@ class Engine:
             )
         recompute = Recompute(recompute_ratio, self.blend_selection) if mode == "blend" else None
         pieces = self.assembler.plan(segments, mode)
+        if self.co_retrieval is not None and mode in ("modular", "blend"):
+            self._count_co_retrieval(segments)
         return self.assembler.assemble(pieces, extra_capacity, recompute)
+
+    def _count_co_retrieval(self, segments) -> None:
+        idx = [i for i, s in enumerate(segments) if s.kind == "chunk"]
+        if len(idx) < 2:
+            return
+        span = segments[idx[0]: idx[-1] + 1]
+        if any(b.start != a.end for a, b in zip(span, span[1:], strict=False)):
+            return  # a group is only reusable where its segments sit at consecutive positions
+        group = tuple(s.token_ids for s in span if s.kind == "chunk")
+        if self.co_retrieval.observe(group):
+            # Declared only once its joint KV is stored, so no request waits for the encode.
+            def build():
+                self.assembler.scaffold_piece(span, 0)
+                self.assembler.add_scaffold(group)
+
+            t = threading.Thread(target=build, name="pc_rag-scaffold", daemon=True)
+            self._background.append(t)
+            t.start()
 
     def _run(self, prompt, mode, max_new_tokens, sampling: Sampling, stop, recompute_ratio) -> Iterator[str]:
         t0 = time.perf_counter()

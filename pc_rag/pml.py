@@ -55,8 +55,13 @@ left open so the model writes the reply. PML renders only the turns written: a t
 system message is not added.
 
 Unions. A prompt imports at most one member. `scaffold="member"` is parsed and recorded
-(`Schema.unions`), but members are still each encoded on their own: joint encoding with the scaffold as
-context is a later issue.
+(`Schema.unions`), but members are still each encoded on their own (members share their start position,
+so "the scaffold member as context" has no single meaning for RoPE; left for later).
+
+Scaffolds. `<scaffold><module .../><module .../></scaffold>` groups modules that are retrieved together:
+the layout is as without it, and when a prompt imports the members in order, the engine encodes them
+jointly once (each member sees the ones before it) and reuses that block; a member imported alone uses its
+own block.
 
 Safety. Parsing uses defusedxml with DTDs, entity declarations and external references forbidden, so entity
 expansion and file or network access cannot happen; input over a size cap is refused before parsing.
@@ -78,7 +83,7 @@ from .errors import PMLError
 from .segments import Chunk, SegmentTokenizer, Text
 
 ROLE_TAGS = ("system", "user", "assistant")
-_STRUCTURE_TAGS = ("schema", "prompt", "module", "parameter", "union")
+_STRUCTURE_TAGS = ("schema", "prompt", "module", "parameter", "union", "scaffold")
 _RESERVED_NAMES = frozenset(ROLE_TAGS + _STRUCTURE_TAGS)
 # Module names become tag names in prompts: a conservative subset of XML names, short enough to print.
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,127}\Z")
@@ -321,6 +326,16 @@ class Schema:
     pieces: tuple[Piece, ...]
     modules: dict[tuple[str, ...], ModuleInfo]
     unions: tuple[UnionInfo, ...]
+    scaffolds: tuple[tuple[tuple[str, ...], ...], ...] = ()  # <scaffold> groups: member module paths
+
+    def scaffold_texts(self) -> list[list[str]]:
+        """Each <scaffold> group's cached text pieces, in schema order (what the engine encodes jointly)."""
+        groups = []
+        for members in self.scaffolds:
+            inside = [p.text for p in self.pieces
+                      if p.kind == "text" and any(p.owner[: len(m)] == m for m in members)]
+            groups.append(inside)
+        return groups
 
     def chunks(self) -> list[Chunk]:
         """Every cached piece as a Chunk at its schema position (e.g. to encode a schema ahead of use)."""
@@ -373,6 +388,7 @@ class _SchemaReader:
     def __init__(self, roles_fn, max_positions: int):
         self.roles_fn = roles_fn
         self.max_positions = max_positions
+        self.scaffolds: list[tuple[tuple[str, ...], ...]] = []
 
     def read(self, root: _Node) -> tuple[str, _Module]:
         if root.tag != "schema":
@@ -397,6 +413,23 @@ class _SchemaReader:
                 items.append(self.parameter(c, params))
             elif c.tag == "union":
                 items.append(self.union(c, path, scope))
+            elif c.tag == "scaffold":
+                # Transparent for layout: its modules sit where they would without it; the group is recorded
+                # so the engine encodes the members jointly when a prompt imports them together, in order.
+                _check_attrs(c, ())
+                for t in c.texts():
+                    if t.text.strip():
+                        raise PMLError(f"{c.describe()}: text {t.text.strip()[:30]!r} at line {t.line}; "
+                                       "a scaffold holds only modules")
+                members = []
+                for m in c.children():
+                    if m.tag != "module":
+                        raise PMLError(f"{m.describe()}: a <scaffold> holds only <module> elements")
+                    members.append(self.module(m, path, scope))
+                if len(members) < 2:
+                    raise PMLError(f"{c.describe()}: a scaffold groups at least two modules")
+                self.scaffolds.append(tuple(m.path for m in members))
+                items += members
             elif c.tag in ROLE_TAGS:
                 if in_role:
                     raise PMLError(f"{c.describe()}: role tags cannot be nested inside another role tag")
@@ -411,7 +444,7 @@ class _SchemaReader:
             else:
                 raise PMLError(
                     f"{c.describe()}: unknown element in a schema (expected module, parameter, union, "
-                    f"system, user or assistant)"
+                    f"scaffold, system, user or assistant)"
                 )
         return _merge_text(items)
 
@@ -583,14 +616,16 @@ class SchemaRegistry:
     def add(self, pml: str) -> Schema:
         """Register a schema; returns it laid out at schema positions. Re-adding the same text is a no-op."""
         root = parse_pml(pml, max_chars=self.max_schema_chars, what="schema")
-        name, top = _SchemaReader(_RoleFn(self), self.max_positions).read(root)
+        reader = _SchemaReader(_RoleFn(self), self.max_positions)
+        name, top = reader.read(root)
         if name in self.schemas:
             if self.schemas[name].source == pml:
                 return self.schemas[name]
             raise PMLError(f"{root.describe()}: a different schema named {name!r} is already registered")
         layout = _Layout(self.st, self.max_positions)
         length = layout.place(top, self._base)
-        schema = Schema(name, pml, length, tuple(layout.pieces), layout.modules, tuple(layout.unions))
+        schema = Schema(name, pml, length, tuple(layout.pieces), layout.modules, tuple(layout.unions),
+                        tuple(reader.scaffolds))
         self.schemas[name] = schema
         return schema
 

@@ -87,3 +87,26 @@ def test_rag_schema_for_chunks_prompts_a_retrieved_subset(engine, docs):
 def test_unknown_schema_is_a_pml_error(engine):
     with pytest.raises(pc_rag.PMLError, match="nope"):
         engine.generate('<prompt schema="nope">hi</prompt>')
+
+
+def test_pml_scaffold_group_is_encoded_jointly_and_exact_inside(engine):
+    engine.add_schema(
+        '<schema name="story"><scaffold><module name="part1">Alice found a key under the old oak tree. </module>'
+        '<module name="part2">The key opened the chest she had found the day before.</module></scaffold>'
+        '<module name="other">Bob likes tea.</module></schema>'
+    )
+    prompt = '<prompt schema="story"><part1/><part2/> What did the key open?</prompt>'
+    gen = engine.generate(prompt, max_new_tokens=8)
+    assert [s.kind for s in gen.sources] == ["bos", "scaffold", "text"]
+    plain = equivalent_plain_prompt(engine.schemas.segments(prompt))
+    assert gen.token_ids == engine.generate(plain, mode="full", max_new_tokens=8).token_ids
+    lf = engine.next_token_logits(plain, "full")
+    assert (engine.next_token_logits(prompt, "modular") - lf).abs().max().item() <= 1e-4
+    # importing one member alone uses its own block
+    alone = engine.generate('<prompt schema="story"><part2/> Q?</prompt>', max_new_tokens=1)
+    assert "scaffold" not in [s.kind for s in alone.sources]
+
+
+def test_pml_scaffold_needs_two_modules(engine):
+    with pytest.raises(pc_rag.PMLError, match="at least two"):
+        engine.add_schema('<schema name="s"><scaffold><module name="a">x</module></scaffold></schema>')
