@@ -9,8 +9,9 @@ For each prompt (a system text, k chunks, a question) and each mode, against `fu
 Two chunk sets: "unrelated" (k random chunks of the corpus) and "consecutive" (one document cut into k
 consecutive chunks, so each chunk continues the previous one: the case where independent encoding loses
 the most context). Modes: exact (must be identical), modular (chunks encoded after a BOS sink, the
-default) and modular without the sink (each chunk encoded from position 0 with nothing before it), which
-is the measurement behind the default.
+default), modular without the sink (each chunk encoded from position 0 with nothing before it: the
+measurement behind the sink), blend at several recompute ratios with both selections (CacheBlend's
+layer-1 key deviation, and the first tokens of each chunk), and the prompt's chunks declared as a scaffold.
 
 The default model is the offline `bench` Llama with random weights: it measures how much the computation
 moves, not answer quality. Pass --model for a real checkpoint.
@@ -23,6 +24,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +34,8 @@ from pc_rag.assemble import Assembler
 from pc_rag.store import MemoryStore
 
 from .ttft import build_prompt
+
+RATIOS = (0.05, 0.15, 0.3)
 
 
 def kl(full_logits, logits):
@@ -60,30 +64,48 @@ def chunk_sets(engine, kind, n, k, tokens_per_chunk, rng):
     return [rng.sample(flat, k) for _ in range(n)]
 
 
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    mode: str
+    ratio: float = 0.0
+    select: str = "deviation"
+    nosink: bool = False
+    scaffold: bool = False
+
+
+# exact last: its prefix nodes (the whole prompt but the question) would otherwise serve the others too.
+VARIANTS = [Variant("modular", "modular"), Variant("modular_nosink", "modular", nosink=True)]
+VARIANTS += [Variant(f"blend_{r}_{sel}", "blend", r, sel) for sel in ("deviation", "chunk_start") for r in RATIOS]
+VARIANTS += [Variant("scaffold", "modular", scaffold=True), Variant("exact", "exact")]
+
+
 def measure(engine, nosink, prompts, new_tokens):
     rows = []
+    default = engine.assembler
     for chunks in prompts:
         prompt = build_prompt(chunks)
         full = engine.generate(prompt, mode="full", max_new_tokens=new_tokens)
         lf = engine.next_token_logits(prompt, "full")
         row = {}
-        default = engine.assembler
-        # exact last: its prefix nodes would otherwise serve the modular runs too.
-        for name, assembler, mode in (("modular", default, "modular"), ("modular_nosink", nosink, "modular"),
-                                      ("exact", default, "exact")):
-            engine.assembler = assembler
+        for v in VARIANTS:
+            engine.assembler = nosink if v.nosink else default
+            engine.blend_selection = v.select
+            if v.scaffold:
+                engine.add_scaffold(chunks)  # the group, declared in this prompt's order
             try:
                 # Chunks are first seen in another request, in another order, as in real RAG traffic;
                 # for exact, the same prompt ran before (that is what exact reuses).
-                warmup = prompt if mode == "exact" else build_prompt(chunks[::-1])
-                engine.generate(warmup, mode=mode, max_new_tokens=1)
-                gen = engine.generate(prompt, mode=mode, max_new_tokens=new_tokens)
-                lm = engine.next_token_logits(prompt, mode)
+                warmup = prompt if v.mode == "exact" else build_prompt(chunks[::-1])
+                engine.generate(warmup, mode=v.mode, max_new_tokens=1, recompute_ratio=v.ratio)
+                gen = engine.generate(prompt, mode=v.mode, max_new_tokens=new_tokens, recompute_ratio=v.ratio)
+                lm = engine.next_token_logits(prompt, v.mode, recompute_ratio=v.ratio)
             finally:
                 engine.assembler = default
-            row[name] = {"kl": kl(lf, lm), "top1": int(lf.argmax() == lm.argmax()),
-                         "greedy_prefix": greedy_prefix(full.token_ids, gen.token_ids),
-                         "cached_tokens": gen.cached_tokens}
+            row[v.name] = {"kl": kl(lf, lm), "top1": int(lf.argmax() == lm.argmax()),
+                           "greedy_prefix": greedy_prefix(full.token_ids, gen.token_ids),
+                           "cached_tokens": gen.cached_tokens}
+        engine.assembler.scaffolds.clear()
         rows.append(row)
     summary = {}
     for name in rows[0]:

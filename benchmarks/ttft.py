@@ -8,7 +8,8 @@ Workload: a system text, k chunks of real text (pydoc topics, ~256 tokens each) 
   per request, then the rest of the prompt.
 - pc_full / pc_exact (the same chunk sequence repeated) / pc_modular (chunks warmed on their own and
   then assembled in an order no request used), warm from memory and from disk (memory tier emptied before
-  each request), and cold (empty store: every chunk encoded on the request path).
+  each request), and cold (empty store: every chunk encoded on the request path); pc_blend at several
+  recompute ratios (deviation selection, and chunk-start at 0.15).
 - ideal: only the question, over a cache that already holds the rest (the floor no cache can beat).
 Also: decode tokens/s (pc_rag vs HF over the same cache), chunk warm-up throughput vs full prefill
 throughput, disk load GB/s, bytes per stored token vs 2*L*H_kv*d_h*b.
@@ -33,6 +34,7 @@ from transformers import DynamicCache
 import pc_rag
 from pc_rag import Chunk, Text
 
+BLEND_RATIOS = (0.05, 0.15, 0.3)
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents below.\n\n"
 QUESTION = "\n\nQuestion: Which statement does the documentation above describe, and how is it used?\nAnswer:"
 
@@ -134,8 +136,8 @@ def run(model_path, lengths, reps, dtype="float32", device="cpu", seed=0):
             break
         w = Workload(engine, rng.sample(pool, k))
 
-        def pc(mode, prompt=w.prompt):
-            return lambda: engine.next_token_logits(prompt, mode=mode)
+        def pc(mode, prompt=w.prompt, ratio=0.15):
+            return lambda: engine.next_token_logits(prompt, mode=mode, recompute_ratio=ratio)
 
         engine.store.clear()
         t0 = time.perf_counter()
@@ -150,6 +152,11 @@ def run(model_path, lengths, reps, dtype="float32", device="cpu", seed=0):
         row["pc_full"] = timeit(pc("full"), reps)
         row["pc_modular_warm_memory"] = timeit(pc("modular"), reps)
         row["pc_modular_warm_disk"] = timeit(pc("modular"), reps, setup=memory_tier.clear)
+        for ratio in BLEND_RATIOS:
+            row[f"pc_blend_{ratio}"] = timeit(pc("blend", ratio=ratio), reps)
+        engine.blend_selection = "chunk_start"
+        row["pc_blend_0.15_chunk_start"] = timeit(pc("blend"), reps)
+        engine.blend_selection = "deviation"
         engine.generate(w.prompt, mode="exact", max_new_tokens=1)
         row["pc_exact_warm_memory"] = timeit(pc("exact"), reps)
         row["pc_modular_cold"] = timeit(pc("modular"), max(1, reps // 2), setup=engine.store.clear)
@@ -200,7 +207,9 @@ def _row_line(row):
 COLUMNS = [("hf_full", "HF full prefill"), ("hf_prefix", "HF prefix reuse (deepcopy)"),
            ("pc_full", "pc_rag full"), ("pc_exact_warm_memory", "exact warm"),
            ("pc_modular_cold", "modular cold"), ("pc_modular_warm_memory", "modular warm (memory)"),
-           ("pc_modular_warm_disk", "modular warm (disk)"), ("ideal", "ideal")]
+           ("pc_modular_warm_disk", "modular warm (disk)"),
+           *[(f"pc_blend_{r}", f"blend {r}") for r in BLEND_RATIOS],
+           ("pc_blend_0.15_chunk_start", "blend 0.15 chunk-start"), ("ideal", "ideal")]
 
 
 def markdown(result):
