@@ -107,13 +107,23 @@ def _engine(args, cache_dir: Path):
     from .demo import demo_model
 
     _quiet_transformers()
-    path = args.model or str(demo_model(cache_dir))
-    if args.model and Path(args.model).exists() and not Path(args.model, "config.json").is_file():
-        raise PCRagError(f"--model {args.model}: no config.json there; pass an HF checkpoint folder")
+    path = _check_model(args.model) if args.model else str(demo_model(cache_dir))
     store = args.store or ["memory", f"disk:{cache_dir}"]
     engine = Engine.from_pretrained(path, dtype=args.dtype, device=args.device, store=store)
     random_weights = Path(path, "pc_rag_test_model.json").is_file()  # pc_rag.testing's offline models
     return engine, path, random_weights
+
+
+def _check_model(model: str) -> str:
+    """A folder must hold an HF checkpoint; anything that is not a hub id ("org/name") must be a folder."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise PCRagError(f"--model {model}: no config.json there; pass an HF checkpoint folder")
+        return str(path)
+    if model.startswith(("/", ".", "~")) or model.count("/") > 1 or os.sep != "/" and os.sep in model:
+        raise PCRagError(f"--model {model}: no such folder")
+    return model  # a hub id: transformers resolves (or downloads) it
 
 
 def _demo(args, _extra) -> int:
