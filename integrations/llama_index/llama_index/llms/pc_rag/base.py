@@ -2,7 +2,8 @@
 
 One path: prompt string (completions) or chat messages rendered with the model's own chat template ->
 `ChunkIndex.split` (registered node texts become `Chunk`s) -> `Engine.stream_generation`. The non-streaming
-calls collect the stream. `raw["usage"]` holds `prompt_tokens`, `completion_tokens`, `cached_tokens`.
+calls collect the stream. `raw["usage"]` holds `prompt_tokens`, `completion_tokens`, `cached_tokens`;
+`raw["ttft_s"]` is the time to first token.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class PromptCacheLLM(CustomLLM):
                 text += item
                 yield item, text, None
             else:
-                raw = {"usage": usage(item), "finish_reason": item.finish_reason, "mode": item.mode}
+                raw = {"usage": usage(item), "finish_reason": item.finish_reason, "mode": item.mode,
+                       "ttft_s": item.ttft_s}
                 yield "", text, raw
 
     # ---- completions: the prompt string as it is -------------------------------------------------------

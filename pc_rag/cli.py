@@ -1,0 +1,244 @@
+"""The `pc-rag` command (also `python -m pc_rag`): demo, warm, stats, clear, bench.
+
+Cache folder (`--cache-dir`, default $PC_RAG_CACHE_DIR, else $XDG_CACHE_HOME/pc_rag, else ~/.cache/pc_rag):
+
+    <key>.safetensors   KV blocks of the disk store (the folder an Engine with the default store uses)
+    embeddings/         chunk embedding matrices of the demo's FAISS index, keyed by the chunk texts
+    models/bench/       the offline demo Llama (random weights), built on first use when no --model is given
+
+Errors a user can cause (a bad path, a model that is not a Llama, a missing optional package) print one line
+on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+from .errors import PCRagError
+
+EXIT_USAGE = 2
+_BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "ttft.py"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["demo"]  # `pc-rag` and `python -m pc_rag` alone run the demo
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.run(args, extra)
+    except KeyboardInterrupt:
+        print("pc-rag: interrupted", file=sys.stderr)
+        return 130
+    except (PCRagError, OSError, ValueError, ImportError) as e:
+        # Library errors name the bad input and the fix; transformers' load errors are several lines long,
+        # and their first line is the one that says what was wrong.
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"pc-rag {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--cache-dir", type=Path, default=None,
+                        help="cache folder (default: $PC_RAG_CACHE_DIR, else ~/.cache/pc_rag)")
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("--model", help="local HF Llama-family checkpoint folder or hub id (default: the offline "
+                                       "demo model, random weights, built once into the cache folder)")
+    model.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    model.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    model.add_argument("--store", action="append", metavar="SPEC",
+                       help="store tier spec, repeatable, top tier first (default: memory over disk in the "
+                            "cache folder); see STORE.md")
+
+    parser = argparse.ArgumentParser(prog="pc-rag", description="Prompt Cache for RAG: reuse document KV on a "
+                                     "local Llama. With no command, runs the demo.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", parents=[common, model], help="RAG over Python's docs: TTFT per mode, cache hits",
+                       description="Answer questions over Python's documentation in every mode and print TTFT, "
+                                   "cached vs computed tokens and the store hit rate. Run it twice: the second "
+                                   "process finds the KV on disk.")
+    p.add_argument("--questions", type=int, default=None, metavar="N", help="ask the first N built-in questions")
+    p.add_argument("--question", action="append", metavar="TEXT", help="ask this question (repeatable)")
+    p.add_argument("-k", type=int, default=4, help="chunks retrieved per question (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-chunks", type=int, default=None, metavar="N",
+                   help="index only the first N chunks of the corpus (quick runs)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=_demo)
+
+    p = sub.add_parser("warm", parents=[common, model], help="encode the KV of .txt/.md files into the store")
+    p.add_argument("paths", nargs="+", metavar="DIR_OR_FILE")
+    p.set_defaults(run=_warm)
+
+    p = sub.add_parser("stats", parents=[common], help="what the cache folder holds")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_stats)
+
+    p = sub.add_parser("clear", parents=[common], help="remove the cached KV blocks")
+    p.add_argument("--all", action="store_true", help="also remove cached embeddings and the built demo model")
+    p.set_defaults(run=_clear)
+
+    p = sub.add_parser("bench", help="run benchmarks/ttft.py (arguments pass through; try `bench -h`)",
+                       add_help=False)
+    p.set_defaults(run=_bench)
+    return parser
+
+
+# ---- commands --------------------------------------------------------------------------------------------
+def _cache_dir(args) -> Path:
+    from .store import default_cache_dir
+
+    return (args.cache_dir or default_cache_dir()).expanduser()
+
+
+def _engine(args, cache_dir: Path):
+    """(engine, model path or id, whether its weights are random), loaded as the options say."""
+    from . import Engine
+    from .demo import demo_model
+
+    _quiet_transformers()
+    path = _check_model(args.model) if args.model else str(demo_model(cache_dir))
+    store = args.store or ["memory", f"disk:{cache_dir}"]
+    engine = Engine.from_pretrained(path, dtype=args.dtype, device=args.device, store=store)
+    random_weights = Path(path, "pc_rag_test_model.json").is_file()  # pc_rag.testing's offline models
+    return engine, path, random_weights
+
+
+def _check_model(model: str) -> str:
+    """A folder must hold an HF checkpoint; anything that is not a hub id ("org/name") must be a folder."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise PCRagError(f"--model {model}: no config.json there; pass an HF checkpoint folder")
+        return str(path)
+    if model.startswith(("/", ".", "~")) or model.count("/") > 1 or os.sep != "/" and os.sep in model:
+        raise PCRagError(f"--model {model}: no such folder")
+    return model  # a hub id: transformers resolves (or downloads) it
+
+
+def _demo(args, _extra) -> int:
+    from .demo import QUESTIONS, format_report, run_demo
+    from .embeddings import SentenceEmbedder
+    from .retrieval import VectorIndex, corpus_chunks
+
+    questions = list(args.question or QUESTIONS[: args.questions])
+    if not questions:
+        raise PCRagError("no questions: use --questions N with N >= 1 or --question TEXT")
+    if args.k < 1:
+        raise PCRagError(f"-k must be >= 1, got {args.k}")
+    cache_dir = _cache_dir(args)
+    progress = not args.json and sys.stderr.isatty()
+    engine, path, random_weights = _engine(args, cache_dir)
+    index = VectorIndex.build(corpus_chunks(args.max_chunks), SentenceEmbedder(),
+                              cache_dir=cache_dir / "embeddings", progress=progress)
+    report = run_demo(engine, index, questions, k=args.k, max_new_tokens=args.max_new_tokens, model_name=path,
+                      cache_dir=str(cache_dir), random_weights=random_weights)
+    print(report.to_json() if args.json else format_report(report))
+    return 0
+
+
+def _warm(args, _extra) -> int:
+    from .retrieval import read_documents
+
+    chunks = read_documents(args.paths)  # before loading a model: a bad path fails fast
+    cache_dir = _cache_dir(args)
+    engine, _, _ = _engine(args, cache_dir)
+    new = engine.warm(chunks, progress=True)
+    print(f"{len(chunks)} chunks: {new} encoded and stored, {len(chunks) - new} were already cached")
+    return 0
+
+
+def _stats(args, _extra) -> int:
+    import json
+
+    cache_dir = _cache_dir(args)
+    blocks = _files(cache_dir, "*.safetensors")
+    embeddings = _files(cache_dir / "embeddings", "*.npy")
+    models = sorted(p.name for p in (cache_dir / "models").glob("*") if p.is_dir())
+    info = {
+        "cache_dir": str(cache_dir),
+        "kv_entries": len(blocks),
+        "kv_bytes": sum(s for _, s in blocks),
+        "embedding_files": len(embeddings),
+        "embedding_bytes": sum(s for _, s in embeddings),
+        "models": models,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"cache folder: {cache_dir}{'' if cache_dir.is_dir() else ' (does not exist yet)'}")
+    print(f"KV blocks:    {info['kv_entries']} entries, {_size(info['kv_bytes'])} on disk")
+    print(f"embeddings:   {info['embedding_files']} files, {_size(info['embedding_bytes'])}")
+    print(f"models:       {', '.join(models) if models else 'none built'}")
+    return 0
+
+
+def _clear(args, _extra) -> int:
+    from .store import DiskStore
+
+    cache_dir = _cache_dir(args)
+    if not cache_dir.is_dir():
+        print(f"nothing to clear: {cache_dir} does not exist")
+        return 0
+    blocks = _files(cache_dir, "*.safetensors")
+    DiskStore(cache_dir, max_bytes=1 << 62).clear()  # a bound no folder reaches: opening it evicts nothing
+    print(f"removed {len(blocks)} KV blocks ({_size(sum(s for _, s in blocks))}) from {cache_dir}")
+    if args.all:
+        for sub in ("embeddings", "models"):
+            if (cache_dir / sub).is_dir():
+                shutil.rmtree(cache_dir / sub)
+                print(f"removed {cache_dir / sub}")
+    return 0
+
+
+def _bench(_args, extra) -> int:
+    if not _BENCH.is_file():
+        raise PCRagError(f"{_BENCH} is not in this install; run `pc-rag bench` from a source checkout of pc_rag")
+    saved = sys.argv
+    sys.argv = [str(_BENCH), *extra]
+    try:
+        runpy.run_path(str(_BENCH), run_name="__main__")
+    finally:
+        sys.argv = saved
+    return 0
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------
+def _files(folder: Path, pattern: str) -> list[tuple[Path, int]]:
+    if not folder.is_dir():
+        return []
+    return [(p, p.stat().st_size) for p in folder.glob(pattern) if p.is_file()]
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _quiet_transformers() -> None:
+    """Per-file 'Loading weights' bars from transformers would drown the demo's table."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The `pc-rag` command: the demo across a restart, warm/stats/clear, and one-line errors.
+
+References: the demo's own JSON report (cached tokens and per-tier store hits) in a first and a second process
+on one cache folder; `stats` against the files `warm` wrote; the exit status and stderr of a bad path.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pc_rag import cli
+
+from .conftest import DEMO_CHUNKS, worktree_env
+
+
+def _run(args, cache_dir, timeout=120):
+    return subprocess.run([sys.executable, "-m", "pc_rag", *args], capture_output=True, text=True,
+                          env=worktree_env(cache_dir), timeout=timeout)
+
+
+def test_demo_second_process_reads_kv_from_disk(tiny_path, seeded_embeddings, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(seeded_embeddings, cache / "embeddings")
+    args = ["demo", "--model", str(tiny_path), "--questions", "2", "-k", "3", "--max-chunks", str(DEMO_CHUNKS),
+            "--max-new-tokens", "4", "--json"]
+    reports = []
+    for _ in range(2):
+        done = _run(args, cache)
+        assert done.returncode == 0, done.stderr
+        reports.append(json.loads(done.stdout))
+    first, second = reports
+    assert first["random_weights"] and len(first["rows"]) == 2 * 3  # 2 questions x (full, exact, modular)
+    assert first["store"]["tiers"]["disk"]["hits"] == 0  # an empty folder: nothing to find yet
+    assert second["store"]["tiers"]["disk"]["hits"] > 0
+    q1 = {r["mode"]: r for r in second["rows"] if r["question"] == 1}
+    assert q1["full"]["cached_tokens"] == 0
+    # The restarted process's first cached request (modular runs before exact) reads its whole prefix, system
+    # text and chunks, from disk; exact then finds the same prefix promoted to memory.
+    assert q1["modular"]["served"].get("disk", 0) == q1["modular"]["cached_tokens"] > 0
+    assert q1["exact"]["cached_tokens"] == q1["modular"]["cached_tokens"]
+
+
+def test_warm_then_stats_then_clear(tiny_path, tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    from pydoc_data.topics import topics
+
+    (docs / "a.txt").write_text(topics["for"])
+    (docs / "b.md").write_text(topics["while"])
+    (docs / "skip.bin").write_bytes(b"\0\1")  # not .txt/.md: ignored
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    from pc_rag.retrieval import read_documents
+
+    expected = len(read_documents([docs]))
+
+    assert cli.main(["warm", str(docs), "--model", str(tiny_path), *cache]) == 0
+    assert f"{expected} chunks: {expected} encoded" in capsys.readouterr().out
+    assert cli.main(["warm", str(docs / "a.txt"), "--model", str(tiny_path), *cache]) == 0
+    assert "0 encoded" in capsys.readouterr().out  # already in the store
+
+    assert cli.main(["stats", "--json", *cache]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["kv_entries"] == expected and stats["kv_bytes"] > 0
+
+    assert cli.main(["clear", *cache]) == 0
+    capsys.readouterr()
+    assert cli.main(["stats", "--json", *cache]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_entries"] == 0
+
+
+@pytest.mark.parametrize("args", [["warm", "/no/such/folder"], ["demo", "--model", "/no/such/model"]])
+def test_bad_path_is_one_line_and_exit_2(args, tmp_path, capsys):
+    assert cli.main([*args, "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "/no/such/" in err and "Traceback" not in err
+
+
+def test_bad_path_in_a_real_process(tmp_path):
+    done = _run(["warm", str(tmp_path / "missing")], tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"pc-rag warm: error: {tmp_path / 'missing'}: no such file or folder"]

@@ -1,0 +1,38 @@
+"""examples/: each RAG app runs end to end on the tiny model, and a second run reuses the documents' KV.
+
+Reference: the app's own report line `prompt tokens: N (cached C, computed M)` (the engine's cached_tokens), in
+a first and a second process on one cache folder: 0 cached in the first (an empty store), > 0 in the second.
+"""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import DEMO_CHUNKS, worktree_env
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("script, framework", [("langchain_rag.py", "langchain_pc_rag"),
+                                               ("llama_index_rag.py", "llama_index.llms.pc_rag")])
+def test_example_second_run_reuses_kv(script, framework, tiny_path, seeded_embeddings, tmp_path):
+    pytest.importorskip(framework)
+    cache = tmp_path / "cache"
+    shutil.copytree(seeded_embeddings, cache / "embeddings")
+    cmd = [sys.executable, str(EXAMPLES / script), "--model", str(tiny_path), "--cache-dir", str(cache),
+           "--max-chunks", str(DEMO_CHUNKS), "-k", "3", "--max-new-tokens", "4"]
+    cached = []
+    for _ in range(2):
+        done = subprocess.run(cmd, capture_output=True, text=True, env=worktree_env(cache), timeout=120)
+        assert done.returncode == 0, done.stderr
+        m = re.search(r"prompt tokens: (\d+) \(cached (\d+), computed (\d+)\)", done.stdout)
+        assert m, done.stdout
+        prompt, hit, computed = map(int, m.groups())
+        assert hit + computed == prompt
+        assert re.search(r"TTFT: [\d.]+ ms", done.stdout) and "store hit rate:" in done.stdout
+        cached.append(hit)
+    assert cached[0] == 0 and cached[1] > 0
