@@ -33,7 +33,7 @@ import pc_rag
 from pc_rag.assemble import Assembler
 from pc_rag.store import MemoryStore
 
-from .ttft import build_prompt
+from .ttft import build_prompt, model_or_bench
 
 RATIOS = (0.05, 0.15, 0.3)
 
@@ -160,12 +160,7 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model = args.model
-    if model is None:
-        model = out / "bench-model"
-        if not (model / "config.json").exists():
-            pc_rag.testing.build_tiny_llama(model, size="bench")
+    model = model_or_bench(args.model, out)
     result = run(model, args.prompts, args.chunks, args.tokens_per_chunk, args.new_tokens, args.dtype, args.device)
     (out / "fidelity.json").write_text(json.dumps(result, indent=2))
     (out / "fidelity.md").write_text(markdown(result))

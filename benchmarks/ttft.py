@@ -256,6 +256,17 @@ def plot(result, path):
     fig.savefig(path, dpi=120)
 
 
+def model_or_bench(model: str | None, out: Path):
+    """The checkpoint to measure: `model`, else the offline 'bench' Llama, built once under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    if model is not None:
+        return model
+    path = out / "bench-model"
+    if not (path / "config.json").exists():
+        pc_rag.testing.build_tiny_llama(path, size="bench")
+    return path
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint dir (default: build the offline 'bench' Llama under --out)")
@@ -266,12 +277,7 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model = args.model
-    if model is None:
-        model = out / "bench-model"
-        if not (model / "config.json").exists():
-            pc_rag.testing.build_tiny_llama(model, size="bench")
+    model = model_or_bench(args.model, out)
     result = run(model, args.lengths, args.reps, args.dtype, args.device)
     (out / "ttft.json").write_text(json.dumps(result, indent=2))
     (out / "ttft.md").write_text(markdown(result))

@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     model.add_argument("--store", action="append", metavar="SPEC",
                        help="store tier spec, repeatable, top tier first (default: memory over disk in the "
-                            "cache folder); see STORE.md")
+                            "cache folder); see docs/store.md")
 
     parser = argparse.ArgumentParser(prog="pc-rag", description="Prompt Cache for RAG: reuse document KV on a "
                                      "local Llama. With no command, runs the demo.")

@@ -113,7 +113,7 @@ def test_tiered_store_survives_server_stop_and_recovers(server, caplog):
 
 
 def test_maxmemory_allkeys_lru_bounds_the_server():
-    # The configuration STORE.md documents for the size bound; ~400 KB blocks, 30 of them, 4 MB allowed.
+    # The configuration docs/store.md documents for the size bound; ~400 KB blocks, 30 of them, 4 MB allowed.
     srv = RedisServer("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
     srv.start()
     try:

@@ -1,7 +1,7 @@
 """The Redis tier: blocks shared by several engine processes or machines, as safetensors blobs with a TTL.
 
 The size bound lives in the Redis server, not here: run it with `maxmemory <bytes>` and
-`maxmemory-policy allkeys-lru` so that it evicts least recently used blocks when full (see STORE.md).
+`maxmemory-policy allkeys-lru` so that it evicts least recently used blocks when full (see docs/store.md).
 Each blob is one string value, so a block must stay under the server's `proto-max-bulk-len` (512 MB
 by default).
 

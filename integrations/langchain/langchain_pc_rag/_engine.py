@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field
 
 from pc_rag.adapters import SamplingOptions, shared_engine
@@ -12,6 +13,8 @@ from pc_rag.adapters import SamplingOptions, shared_engine
 
 class EngineFields(BaseModel):
     """Which engine answers, and the sampling defaults; per-call keyword arguments override the defaults."""
+
+    _ls_model_type = "llm"  # what LangSmith records: "chat" for the chat model
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
@@ -45,6 +48,21 @@ class EngineFields(BaseModel):
             return self.model
         path = getattr(getattr(self.engine, "model", None), "name_or_path", None)
         return str(path or "pc-rag")
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model_name, "mode": self.mode, "temperature": self.temperature}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        options = self._options(stop, kwargs)
+        return LangSmithParams(
+            ls_provider="pc_rag",
+            ls_model_name=kwargs.get("model", self.model_name),
+            ls_model_type=self._ls_model_type,
+            ls_temperature=options.temperature,
+            ls_max_tokens=options.max_new_tokens,
+            ls_stop=list(options.stop) if options.stop else None,
+        )
 
     def _options(self, stop: Sequence[str] | None, kwargs: dict[str, Any]) -> SamplingOptions:
         """Defaults from the fields, overridden by the call's `stop` and keyword arguments."""

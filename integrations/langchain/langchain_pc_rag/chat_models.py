@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -71,20 +71,7 @@ class ChatPromptCache(EngineFields, BaseChatModel):
     def _llm_type(self) -> str:
         return "pc-rag-chat"
 
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model_name, "mode": self.mode, "temperature": self.temperature}
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        options = self._options(stop, kwargs)
-        return LangSmithParams(
-            ls_provider="pc_rag",
-            ls_model_name=kwargs.get("model", self.model_name),
-            ls_model_type="chat",
-            ls_temperature=options.temperature,
-            ls_max_tokens=options.max_new_tokens,
-            ls_stop=list(options.stop) if options.stop else None,
-        )
+    _ls_model_type = "chat"
 
     def _stream(
         self,

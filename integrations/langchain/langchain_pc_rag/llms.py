@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import LLM, LangSmithParams
+from langchain_core.language_models import LLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
 from pc_rag.adapters import completion_prompt, stream_generation, usage
@@ -20,21 +20,6 @@ class PromptCacheLLM(EngineFields, LLM):
     @property
     def _llm_type(self) -> str:
         return "pc-rag"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model_name, "mode": self.mode, "temperature": self.temperature}
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        options = self._options(stop, kwargs)
-        return LangSmithParams(
-            ls_provider="pc_rag",
-            ls_model_name=kwargs.get("model", self.model_name),
-            ls_model_type="llm",
-            ls_temperature=options.temperature,
-            ls_max_tokens=options.max_new_tokens,
-            ls_stop=list(options.stop) if options.stop else None,
-        )
 
     def _stream(
         self,
