@@ -125,7 +125,7 @@ class Assembler:
                     pieces.append(self.scaffold_piece(segments[j:end], slots[j]))
                     j = end
                     continue
-                pieces.append(self._chunk_piece(seg, slots[j]))
+                pieces.append(self.chunk_piece(seg, slots[j]))
             else:
                 key = None
                 # Only segments before the first relocated block have exact KV worth a trie node.
@@ -148,7 +148,8 @@ class Assembler:
                 self.scaffold_bytes += block.nbytes
         return block, origin
 
-    def _chunk_piece(self, seg: TokenSegment, slot: int) -> Piece:
+    def chunk_piece(self, seg: TokenSegment, slot: int) -> Piece:
+        """A chunk's own block (encoded after the sink, at its encode position), from the store or encoded now."""
         start = seg.encode_start if seg.encode_start is not None else len(self.sink_ids)
         key = chunk_key(self.runner.fingerprint, seg.token_ids, self.sink_ids, start)
         block, origin = self._lookup_or_encode(key, seg.token_ids, start, "chunk")

@@ -14,14 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from .assemble import MODES, Assembled, Assembler, Recompute
-from .blocks import chunk_key
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
 from .model import LlamaRunner
 from .pml import Schema, SchemaRegistry
 from .scaffolds import CoRetrievalCounter
-from .segments import Chunk, Prompt, SegmentTokenizer, Text
-from .store import get_with_source, open_store
+from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment
+from .store import open_store
 
 
 @dataclass(frozen=True)
@@ -105,21 +104,18 @@ class Engine:
     def generate(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
                  recompute_ratio: float = 0.15) -> Generation:
-        steps = self._run(prompt, mode, max_new_tokens, Sampling(temperature, top_p, seed), stop, recompute_ratio)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        *_, generation = self.stream_generation(prompt, mode, max_new_tokens, temperature, top_p, stop, seed,
+                                                recompute_ratio)
+        return generation
 
     def stream(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
                recompute_ratio: float = 0.15) -> Iterator[str]:
         """Text pieces as they are decoded; never splits a multi-byte character or emits part of a stop string."""
-        steps = self._run(prompt, mode, max_new_tokens, Sampling(temperature, top_p, seed), stop, recompute_ratio)
-        for piece in steps:
-            if piece:
-                yield piece
+        for item in self.stream_generation(prompt, mode, max_new_tokens, temperature, top_p, stop, seed,
+                                           recompute_ratio):
+            if isinstance(item, str):
+                yield item
 
     def stream_generation(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32,
                           temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] | None = None,
@@ -160,19 +156,13 @@ class Engine:
         """Encode and store chunk KV ahead of time; returns how many chunks were newly encoded."""
         from tqdm.auto import tqdm
 
-        chunks = list(chunks)
-        sink = self.assembler.sink_ids
         encoded = 0
-        for c in tqdm(chunks, desc="pc_rag: encoding chunks", unit="chunk", disable=not progress):
+        for c in tqdm(list(chunks), desc="pc_rag: encoding chunks", unit="chunk", disable=not progress):
             c = Chunk(c) if isinstance(c, str) else c
             ids = self.segmenter.ids(c.text)
-            if not ids:
-                continue
-            start = c.encode_position if c.encode_position is not None else len(sink)
-            key = chunk_key(self.runner.fingerprint, ids, sink, start)
-            if get_with_source(self.store, key)[0] is None:
-                self.store.put(key, self.assembler.encode_chunk(ids, start))
-                encoded += 1
+            if ids:
+                piece = self.assembler.chunk_piece(TokenSegment("chunk", ids, 0, c.encode_position), 0)
+                encoded += piece.origin == "computed"
         return encoded
 
     def stats(self) -> dict:
