@@ -10,7 +10,8 @@ Two chunk sets: "unrelated" (k random chunks of the corpus) and "consecutive" (o
 consecutive chunks, so each chunk continues the previous one: the case where independent encoding loses
 the most context). Modes: exact (must be identical), modular (chunks encoded after a BOS sink, the
 default), modular without the sink (each chunk encoded from position 0 with nothing before it: the
-measurement behind the sink), blend at several recompute ratios with both selections (CacheBlend's
+measurement behind the sink), modular with the "\n\n" separators between chunks computed fresh instead of
+reused (the measurement behind reusing them), blend at several recompute ratios with both selections (CacheBlend's
 layer-1 key deviation, and the first tokens of each chunk), and the prompt's chunks declared as a scaffold.
 
 The default model is the offline `bench` Llama with random weights: it measures how much the computation
@@ -72,10 +73,12 @@ class Variant:
     select: str = "deviation"
     nosink: bool = False
     scaffold: bool = False
+    fresh_separators: bool = False
 
 
 # exact last: its prefix nodes (the whole prompt but the question) would otherwise serve the others too.
-VARIANTS = [Variant("modular", "modular"), Variant("modular_nosink", "modular", nosink=True)]
+VARIANTS = [Variant("modular", "modular"), Variant("modular_nosink", "modular", nosink=True),
+            Variant("modular_fresh_separators", "modular", fresh_separators=True)]
 VARIANTS += [Variant(f"blend_{r}_{sel}", "blend", r, sel) for sel in ("deviation", "chunk_start") for r in RATIOS]
 VARIANTS += [Variant("scaffold", "modular", scaffold=True), Variant("exact", "exact")]
 
@@ -90,17 +93,19 @@ def measure(engine, nosink, prompts, new_tokens):
         row = {}
         for v in VARIANTS:
             engine.assembler = nosink if v.nosink else default
+            engine.assembler.reuse_separators = not v.fresh_separators
             engine.blend_selection = v.select
             if v.scaffold:
                 engine.add_scaffold(chunks)  # the group, declared in this prompt's order
             try:
                 # Chunks are first seen in another request, in another order, as in real RAG traffic;
-                # for exact, the same prompt ran before (that is what exact reuses).
-                warmup = prompt if v.mode == "exact" else build_prompt(chunks[::-1])
+                # for exact and the scaffold, the same prompt ran before (that is what they reuse).
+                warmup = prompt if v.mode == "exact" or v.scaffold else build_prompt(chunks[::-1])
                 engine.generate(warmup, mode=v.mode, max_new_tokens=1, recompute_ratio=v.ratio)
                 gen = engine.generate(prompt, mode=v.mode, max_new_tokens=new_tokens, recompute_ratio=v.ratio)
                 lm = engine.next_token_logits(prompt, v.mode, recompute_ratio=v.ratio)
             finally:
+                engine.assembler.reuse_separators = True
                 engine.assembler = default
             row[v.name] = {"kl": kl(lf, lm), "top1": int(lf.argmax() == lm.argmax()),
                            "greedy_prefix": greedy_prefix(full.token_ids, gen.token_ids),

@@ -47,7 +47,7 @@ Prompt = Sequence[Text | Chunk]
 class TokenSegment:
     """One segment after tokenization: its ids and the position id of each token."""
 
-    kind: str  # "bos" | "text" | "chunk"
+    kind: str  # "bos" | "text" | "sep" (whitespace-only text) | "chunk"
     token_ids: tuple[int, ...]
     start: int  # position id of the first token; a segment's tokens have consecutive position ids
     encode_start: int | None = None  # chunks only: position the chunk's KV is encoded at
@@ -105,7 +105,7 @@ class SegmentTokenizer:
                 enc = seg.encode_position
                 out.append(TokenSegment("chunk", ids, start, encode_start=enc))
             else:
-                out.append(TokenSegment("text", ids, start))
+                out.append(TokenSegment("text" if seg.text.strip() else "sep", ids, start))
             pos = start + len(ids)
         if not any(s.kind != "bos" for s in out):
             raise PromptError("the prompt has no tokens: every segment's text is empty")
