@@ -13,7 +13,6 @@ at ~4-12 GB/s where blake2b runs at ~1-3 GB/s, so verification does not dominate
 from __future__ import annotations
 
 import json
-import struct
 import zlib
 
 import safetensors.torch
@@ -66,12 +65,41 @@ def encode_block(key: str, block: KVBlock) -> bytes:
     return safetensors.torch.save({"keys": keys, "values": values, "token_ids": token_ids}, metadata=meta)
 
 
-def decode_block(key: str, data: bytes) -> KVBlock:
-    """Raises CorruptBlockError unless `data` is an intact block stored under exactly `key`."""
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+
+
+def _parse(buf: torch.Tensor) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The safetensors layout read in place from a uint8 tensor: the tensors are views of `buf` (no copy),
+    after checking that every tensor's byte range lies inside the data section and fits its shape."""
+    header_len = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+    base = 8 + header_len
+    if len(buf) < 8 or base > len(buf):
+        raise ValueError(f"header of {header_len} bytes in a file of {len(buf)}")
+    header = json.loads(buf[8:base].numpy().tobytes())
+    meta = header.pop("__metadata__")
+    tensors = {}
+    for name, spec in header.items():
+        dtype = _DTYPES[spec["dtype"]]
+        a, b = spec["data_offsets"]
+        count = 1
+        for n in spec["shape"]:
+            count *= n
+        if not 0 <= a <= b <= len(buf) - base or b - a != count * dtype.itemsize or count == 0:
+            raise ValueError(f"tensor {name!r}: byte range {a}..{b} does not fit shape {spec['shape']}")
+        tensors[name] = buf[base + a: base + b].view(dtype).view(spec["shape"])
+    return meta, tensors
+
+
+def decode_block(key: str, data: bytes | torch.Tensor) -> KVBlock:
+    """Raises CorruptBlockError unless `data` is an intact block stored under exactly `key`.
+
+    Given a uint8 tensor (the disk tier reads the file into one) the block's tensors are views of it: one
+    copy from the page cache and one checksum pass per load; safetensors.torch.load would add a copy.
+    """
+    if not isinstance(data, torch.Tensor):
+        data = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     try:
-        (header_len,) = struct.unpack_from("<Q", data)
-        meta = json.loads(bytes(data[8 : 8 + header_len]))["__metadata__"]
-        tensors = safetensors.torch.load(data)
+        meta, tensors = _parse(data)
         keys, values, ids = tensors["keys"], tensors["values"], tensors["token_ids"]
     except Exception as e:  # truncated, not safetensors, missing fields: all mean "not a block"
         raise CorruptBlockError(f"unreadable block for {key}: {type(e).__name__}: {e}") from e

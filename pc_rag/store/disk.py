@@ -23,6 +23,8 @@ from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from ..blocks import KVBlock
 from ..errors import StoreError
 from .codec import CorruptBlockError, decode_block, encode_block
@@ -80,10 +82,13 @@ class DiskStore:
         path = self.file_for(key)
         t0 = time.perf_counter()
         try:
-            # One read() then safetensors.torch.load (a copy into owned tensors). Not load_file: its tensors
-            # stay backed by an mmap of the file, which pins it, would change under the tensor if the file
-            # were rewritten in place, and (measured) faulting the pages in was slower than one read.
-            data = path.read_bytes()
+            # One readinto() an uninitialised uint8 tensor that the block's tensors then view (decode_block;
+            # a bytearray would be zero-filled first: one more pass over the data). Not an mmap
+            # (safetensors' load_file): it pins the file, would change under the tensor if the file were
+            # rewritten in place, and (measured) faulting the pages in was slower than one read.
+            with open(path, "rb") as f:
+                data = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
+                data = data[: f.readinto(data.numpy())]  # short read: a truncated file, caught by the checks
         except FileNotFoundError:
             with self._lock:
                 self._forget(key)  # evicted by another process, or never written
