@@ -3,14 +3,13 @@
     python -m benchmarks.ttft --out bench_out && python -m benchmarks.fidelity --out bench_out
     python -m benchmarks.report --out bench_out
 
-Replaces the text between the `results` markers in README.md and copies the TTFT plot to docs/ttft.png.
+Replaces the text between the `results` markers in README.md and draws the TTFT plot into docs/ttft.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 from . import fidelity, ttft
@@ -63,8 +62,7 @@ def main(argv=None):
     text = readme.read_text()
     a, b = text.index(START) + len(START), text.index(END)
     readme.write_text(text[:a] + "\n" + section(out) + "\n" + text[b:])
-    if (out / "ttft.png").exists():
-        shutil.copy(out / "ttft.png", ROOT / "docs" / "ttft.png")
+    ttft.plot(json.loads((out / "ttft.json").read_text()), ROOT / "docs" / "ttft.png")
     print(f"updated {readme}")
 
 

@@ -9,7 +9,7 @@ Workload: a system text, k chunks of real text (pydoc topics, ~256 tokens each) 
 - pc_full / pc_exact (the same chunk sequence repeated) / pc_modular (chunks warmed on their own and
   then assembled in an order no request used), warm from memory and from disk (memory tier emptied before
   each request), and cold (empty store: every chunk encoded on the request path); pc_blend at several
-  recompute ratios (deviation selection, and chunk-start at 0.15).
+  recompute ratios with the deviation selection, and with chunk-start (the default) at 0.15.
 - ideal: only the question, over a cache that already holds the rest (the floor no cache can beat).
 Also: decode tokens/s (pc_rag vs HF over the same cache), chunk warm-up throughput vs full prefill
 throughput, disk load GB/s, bytes per stored token vs 2*L*H_kv*d_h*b.
@@ -152,11 +152,11 @@ def run(model_path, lengths, reps, dtype="float32", device="cpu", seed=0):
         row["pc_full"] = timeit(pc("full"), reps)
         row["pc_modular_warm_memory"] = timeit(pc("modular"), reps)
         row["pc_modular_warm_disk"] = timeit(pc("modular"), reps, setup=memory_tier.clear)
+        engine.blend_selection = "deviation"
         for ratio in BLEND_RATIOS:
             row[f"pc_blend_{ratio}"] = timeit(pc("blend", ratio=ratio), reps)
         engine.blend_selection = "chunk_start"
         row["pc_blend_0.15_chunk_start"] = timeit(pc("blend"), reps)
-        engine.blend_selection = "deviation"
         engine.generate(w.prompt, mode="exact", max_new_tokens=1)
         row["pc_exact_warm_memory"] = timeit(pc("exact"), reps)
         row["pc_modular_cold"] = timeit(pc("modular"), max(1, reps // 2), setup=engine.store.clear)
@@ -208,7 +208,7 @@ COLUMNS = [("hf_full", "HF full prefill"), ("hf_prefix", "HF prefix reuse (deepc
            ("pc_full", "pc_rag full"), ("pc_exact_warm_memory", "exact warm"),
            ("pc_modular_cold", "modular cold"), ("pc_modular_warm_memory", "modular warm (memory)"),
            ("pc_modular_warm_disk", "modular warm (disk)"),
-           *[(f"pc_blend_{r}", f"blend {r}") for r in BLEND_RATIOS],
+           *[(f"pc_blend_{r}", f"blend {r} deviation") for r in BLEND_RATIOS],
            ("pc_blend_0.15_chunk_start", "blend 0.15 chunk-start"), ("ideal", "ideal")]
 
 
@@ -243,15 +243,18 @@ def plot(result, path):
     import matplotlib.pyplot as plt
 
     xs = [r["prompt_tokens"] for r in result["rows"]]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, name in COLUMNS:
-        ax.plot(xs, [r[key]["median_s"] * 1000 for r in result["rows"]], marker="o", label=name)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.get_cmap("tab20").colors
+    for i, (key, name) in enumerate(COLUMNS):
+        style = "--" if key.startswith("hf") or key == "ideal" else "-"
+        ax.plot(xs, [r[key]["median_s"] * 1000 for r in result["rows"]], style, marker="osD^v"[i % 5],
+                color=colors[(2 * i) % 20 + (i >= 10)], label=name)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("time to first token (ms, median)")
     ax.set_yscale("log")
     ax.set_title(f"TTFT, {result['params'] / 1e6:.0f}M-parameter Llama shape, {result['device']}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
