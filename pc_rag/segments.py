@@ -9,6 +9,7 @@ every mode sees exactly the same token ids. Put separators ("\\n\\n") inside the
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,16 +69,19 @@ class SegmentTokenizer:
         self.bos_id: int | None = tokenizer.bos_token_id
         self._memo: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._max_entries = max_entries
+        self._lock = threading.Lock()  # engines serve several threads; the memo's LRU order is shared state
 
     def ids(self, text: str) -> tuple[int, ...]:
-        hit = self._memo.get(text)
-        if hit is not None:
-            self._memo.move_to_end(text)
-            return hit
+        with self._lock:
+            hit = self._memo.get(text)
+            if hit is not None:
+                self._memo.move_to_end(text)
+                return hit
         ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        self._memo[text] = ids
-        if len(self._memo) > self._max_entries:
-            self._memo.popitem(last=False)
+        with self._lock:
+            self._memo[text] = ids
+            if len(self._memo) > self._max_entries:
+                self._memo.popitem(last=False)
         return ids
 
     def segments(self, prompt: Prompt) -> list[TokenSegment]:
