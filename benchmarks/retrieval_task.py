@@ -2,12 +2,12 @@
 
 A prompt is a system text, k fact chunks separated by ";" texts, and a question text last:
 
-    [Text("facts :"), Chunk("the code of Bako is 417 ."), Text(";"), Chunk("Dimu works with Raso ."), ...,
-     Text(";"), Text("code of Bako ?")]                                   -> answer "417"
+    [Text("facts :"), Chunk("417 is the code of Bako ."), Text(";"), Chunk("Raso works with Dimu ."), ...,
+     Text(";"), Text("what is the code of Bako")]                          -> answer "417"
 
-- single hop: "code of NAME ?" -> the VALUE of "the code of NAME is VALUE ." among distractor chunks;
-- two hop: "code of the partner of NAME1 ?" -> the VALUE of "the code of NAME2 is VALUE ." where another
-  chunk says "NAME1 works with NAME2 ." (distractors include the code of NAME1 itself).
+- single hop: "what is the code of NAME" -> the VALUE of "VALUE is the code of NAME ." among distractors;
+- two hop: "what is the code of the partner of NAME1" -> the VALUE of "VALUE is the code of NAME2 ." where
+  another chunk says "NAME2 works with NAME1 ." (distractors include the code of NAME1 itself).
 
 The tokenizer is word-level (one token per name and per value), so the answer is one token. Training uses
 the same segment layout as the engine: BOS, then each segment tokenized on its own, concatenated.
@@ -22,7 +22,7 @@ import pc_rag
 
 SYSTEM = "facts :"
 SEP = ";"
-WORDS = ["the", "code", "of", "is", ".", "works", "with", "partner", "?", "facts", ":", ";"]
+WORDS = ["the", "code", "of", "is", ".", "works", "with", "partner", "?", "facts", ":", ";", "what"]
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 N_NAMES = 128
 N_VALUES = 64
@@ -59,12 +59,24 @@ def build_tokenizer():
                                    unk_token="<unk>", model_max_length=128, clean_up_tokenization_spaces=False)
 
 
+# The name comes last in a fact and in a question: the question's last token is the name itself, and a fact's
+# name token can take its value (or partner) from a fixed offset before it. Associative recall then needs one
+# learned offset head instead of two, which is what got past the loss plateau on a CPU budget.
 def code_fact(name: str, value: str) -> str:
-    return f"the code of {name} is {value} ."
+    return f"{value} is the code of {name} ."
 
 
 def works_fact(a: str, b: str) -> str:
-    return f"{a} works with {b} ."
+    """b is a's partner."""
+    return f"{b} works with {a} ."
+
+
+def code_question(name: str) -> str:
+    return f"what is the code of {name}"
+
+
+def partner_question(name: str) -> str:
+    return f"what is the code of the partner of {name}"
 
 
 @dataclass(frozen=True)
@@ -95,13 +107,13 @@ def make_example(rng: random.Random, task: str, k: int, name_list: list[str], va
     works: list[tuple[str, str]] = []
     if task == "single":
         codes[ns[0]] = vs[0]
-        question, answer = f"code of {ns[0]} ?", vs[0]
+        question, answer = code_question(ns[0]), vs[0]
         free = 1
     else:
         a, b = ns[0], ns[1]
         works.append((a, b))
         codes[b] = vs[0]
-        question, answer = f"code of the partner of {a} ?", vs[0]
+        question, answer = partner_question(a), vs[0]
         free = 2
         if k > 2 and rng.random() < 0.5:  # the code of the asked name itself: only the hop tells them apart
             codes[a] = vs[1]
@@ -116,8 +128,8 @@ def make_example(rng: random.Random, task: str, k: int, name_list: list[str], va
             free += 2
     facts = [code_fact(n, v) for n, v in codes.items()] + [works_fact(a, b) for a, b in works]
     rng.shuffle(facts)
-    queries = [(f"code of {n} ?", v) for n, v in codes.items()]
-    queries += [(f"code of the partner of {a} ?", codes[b]) for a, b in works if b in codes]
+    queries = [(code_question(n), v) for n, v in codes.items()]
+    queries += [(partner_question(a), codes[b]) for a, b in works if b in codes]
     queries = [q for q in queries if q[0] != question]
     rng.shuffle(queries)
     return Example(task, tuple(facts), question, answer, tuple([(question, answer)] + queries))

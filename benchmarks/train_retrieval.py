@@ -8,6 +8,14 @@ and grows by one (up to --max-chunks) each time held-out full-forward accuracy a
 --advance for both tasks. Stops once accuracy at --max-chunks is above --stop for both tasks, or after
 --max-steps. One CPU thread, fixed seeds: the run is reproducible. The checkpoint is written at every
 evaluation, so an interrupted run still leaves the latest model.
+
+Training sequences ask --queries questions about the same chunks (drawn with replacement, so none can be
+answered by elimination); only the first is in the benchmark's layout and is the one evaluated. What got
+past the loss plateau: the name last in facts and questions (see retrieval_task.py) plus these dense
+queries. The committed benchmarks/retrieval-model is this script's default run (--max-minutes 21 on one
+thread: 3,000 steps, 21 min): single hop 94% at 2 chunks, 80% at 4; two hop only partly learned (64% at 3
+chunks). Chance on these prompts: about 1 / (number of codes in the prompt). A longer run (higher
+--max-minutes / --max-steps) continues the curriculum.
 """
 
 from __future__ import annotations
@@ -81,12 +89,12 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--max-steps", type=int, default=12000)
-    ap.add_argument("--max-minutes", type=float, default=35.0, help="safety stop (not part of the determinism)")
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--max-steps", type=int, default=20000)
+    ap.add_argument("--max-minutes", type=float, default=30.0, help="safety stop (not part of the determinism)")
+    ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-n", type=int, default=256, help="held-out prompts per task per evaluation")
     ap.add_argument("--max-chunks", type=int, default=6)
-    ap.add_argument("--queries", type=int, default=8, help="questions per training sequence (the first is scored)")
+    ap.add_argument("--queries", type=int, default=6, help="questions per training sequence (the first is scored)")
     ap.add_argument("--advance", type=float, default=0.9)
     ap.add_argument("--stop", type=float, default=0.92)
     args = ap.parse_args(argv)
