@@ -1,0 +1,123 @@
+"""Answer accuracy per mode on the synthetic retrieval task, with a model trained on it.
+
+    python -m benchmarks.accuracy --model benchmarks/retrieval-model --prompts 200 --chunks 2 4 6 --out bench_out
+
+The model comes from `benchmarks/train_retrieval.py`. Each held-out prompt (see retrieval_task.py) is a
+system text, k fact chunks (each its own pc_rag.Chunk) with ";" texts between them, and the question text
+last; the answer is one token. Per task (single hop, two hop) and chunk count, the fraction of prompts whose
+greedy first token is the right answer, in each mode:
+- full: no reuse, the reference (shows that the model learned the task);
+- exact: the same prompt reused from the prefix cache (must equal full);
+- modular: every chunk from its own cached encoding (it never saw the other chunks);
+- blend: modular, then `--ratio` of the reused chunk tokens recomputed in context;
+- scaffold: modular with the prompt's chunks declared as a scaffold (encoded jointly, so each sees those
+  before it).
+Also per mode: how often its answer equals full's. Writes accuracy.json and accuracy.md to --out.
+Held-out prompts come from a random stream (--seed) disjoint from the training and evaluation streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+import pc_rag
+
+from .retrieval_task import TASKS, make_example, names, token_ids, values
+
+MODES = ("full", "exact", "modular", "blend", "scaffold")
+TASK_TITLES = {"single": "single hop", "two_hop": "two hop"}
+
+
+def answers(engine, example, ratio: float) -> dict[str, str]:
+    prompt = example.prompt()
+    out = {}
+
+    def first(mode):
+        return engine.generate(prompt, mode=mode, max_new_tokens=1, recompute_ratio=ratio).text.strip()
+
+    out["full"] = first("full")
+    out["modular"] = first("modular")
+    out["blend"] = first("blend")
+    engine.add_scaffold(list(example.chunks))
+    engine.generate(prompt, mode="modular", max_new_tokens=1)  # the first use encodes the group
+    engine.wait_for_background()
+    out["scaffold"] = first("modular")
+    engine.assembler.scaffolds.clear()
+    # exact last: its prefix (everything but the question) would otherwise serve the modes above too.
+    engine.generate(prompt, mode="exact", max_new_tokens=1)
+    out["exact"] = first("exact")
+    return out
+
+
+def run(model: str, prompts: int, chunk_counts: list[int], seed: int, ratio: float) -> dict:
+    engine = pc_rag.Engine.from_pretrained(model, store="memory")
+    name_list, value_list = names(), values()
+    rng = random.Random(seed)
+    rows = []
+    for task in TASKS:
+        for k in chunk_counts:
+            right = dict.fromkeys(MODES, 0)
+            agree = dict.fromkeys(MODES, 0)
+            t0 = time.time()
+            for _ in range(prompts):
+                ex = make_example(rng, task, k, name_list, value_list)
+                ids = [i for s in engine.segmenter.segments(ex.prompt()) for i in s.token_ids]
+                assert ids == token_ids(engine.tokenizer, ex), "engine tokenization differs from training"
+                got = answers(engine, ex, ratio)
+                for m in MODES:
+                    right[m] += got[m] == ex.answer
+                    agree[m] += got[m] == got["full"]
+            rows.append({"task": task, "chunks": k, "prompts": prompts,
+                         "accuracy": {m: right[m] / prompts for m in MODES},
+                         "agreement_with_full": {m: agree[m] / prompts for m in MODES},
+                         "seconds": round(time.time() - t0, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    return {"model": str(model), "seed": seed, "blend_ratio": ratio, "blend_selection": engine.blend_selection,
+            "modes": list(MODES), "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"Answer accuracy per mode (greedy first token), model `{result['model']}`, blend ratio "
+        f"{result['blend_ratio']} ({result['blend_selection']}); in brackets: agreement with full.",
+        "",
+        "| task | chunks | N | " + " | ".join(MODES) + " |",
+        "|---|---|---|" + "---|" * len(MODES),
+    ]
+    for r in result["rows"]:
+        cells = []
+        for m in MODES:
+            acc = f"{100 * r['accuracy'][m]:.1f}%"
+            cells.append(acc if m == "full" else f"{acc} ({100 * r['agreement_with_full'][m]:.0f}%)")
+        lines.append(f"| {TASK_TITLES[r['task']]} | {r['chunks']} | {r['prompts']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="benchmarks/retrieval-model")
+    ap.add_argument("--prompts", type=int, default=200, help="held-out prompts per task and chunk count")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[4])
+    ap.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
+    ap.add_argument("--seed", type=int, default=777)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = run(args.model, args.prompts, args.chunks, args.seed, args.ratio)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accuracy.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (out / "accuracy.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The synthetic retrieval task shared by `train_retrieval.py` and `accuracy.py`.
+
+A prompt is a system text, k fact chunks separated by ";" texts, and a question text last:
+
+    [Text("facts :"), Chunk("417 is the code of Bako ."), Text(";"), Chunk("Raso works with Dimu ."), ...,
+     Text(";"), Text("what is the code of Bako")]                          -> answer "417"
+
+- single hop: "what is the code of NAME" -> the VALUE of "VALUE is the code of NAME ." among distractors;
+- two hop: "what is the code of the partner of NAME1" -> the VALUE of "VALUE is the code of NAME2 ." where
+  another chunk says "NAME2 works with NAME1 ." (distractors include the code of NAME1 itself).
+
+The tokenizer is word-level (one token per name and per value), so the answer is one token. Training uses
+the same segment layout as the engine: BOS, then each segment tokenized on its own, concatenated.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pc_rag
+
+SYSTEM = "facts :"
+SEP = ";"
+WORDS = ["the", "code", "of", "is", ".", "works", "with", "partner", "?", "facts", ":", ";", "what"]
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+N_NAMES = 128
+N_VALUES = 64
+TASKS = ("single", "two_hop")
+
+
+def names() -> list[str]:
+    syll = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    rng = random.Random(1234)
+    out: list[str] = []
+    seen = set()
+    while len(out) < N_NAMES:
+        n = (rng.choice(syll) + rng.choice(syll)).capitalize()
+        if n not in seen:
+            seen.add(n)
+            out.append(n)
+    return out
+
+
+def values() -> list[str]:
+    rng = random.Random(4321)
+    return [str(v) for v in sorted(rng.sample(range(100, 1000), N_VALUES))]
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS + names() + values())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", model_max_length=128, clean_up_tokenization_spaces=False)
+
+
+# The name comes last in a fact and in a question: the question's last token is the name itself, and a fact's
+# name token can take its value (or partner) from a fixed offset before it. Associative recall then needs one
+# learned offset head instead of two, which is what got past the loss plateau on a CPU budget.
+def code_fact(name: str, value: str) -> str:
+    return f"{value} is the code of {name} ."
+
+
+def works_fact(a: str, b: str) -> str:
+    """b is a's partner."""
+    return f"{b} works with {a} ."
+
+
+def code_question(name: str) -> str:
+    return f"what is the code of {name}"
+
+
+def partner_question(name: str) -> str:
+    return f"what is the code of the partner of {name}"
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    chunks: tuple[str, ...]
+    question: str
+    answer: str
+    # every question the chunks answer (the asked one first): training asks several per prompt
+    queries: tuple[tuple[str, str], ...] = ()
+
+    def prompt(self) -> list:
+        p: list = [pc_rag.Text(SYSTEM)]
+        for i, c in enumerate(self.chunks):
+            if i:
+                p.append(pc_rag.Text(SEP))
+            p.append(pc_rag.Chunk(c))
+        p += [pc_rag.Text(SEP), pc_rag.Text(self.question)]
+        return p
+
+
+def make_example(rng: random.Random, task: str, k: int, name_list: list[str], value_list: list[str],
+                 p_code: float = 0.6) -> Example:
+    """k fact chunks (k >= 2), shuffled; every name and value distinct within the prompt."""
+    ns = rng.sample(name_list, 2 * k + 2)
+    vs = rng.sample(value_list, k + 1)
+    codes: dict[str, str] = {}
+    works: list[tuple[str, str]] = []
+    if task == "single":
+        codes[ns[0]] = vs[0]
+        question, answer = code_question(ns[0]), vs[0]
+        free = 1
+    else:
+        a, b = ns[0], ns[1]
+        works.append((a, b))
+        codes[b] = vs[0]
+        question, answer = partner_question(a), vs[0]
+        free = 2
+        if k > 2 and rng.random() < 0.5:  # the code of the asked name itself: only the hop tells them apart
+            codes[a] = vs[1]
+    vi = 2
+    while len(codes) + len(works) < k:
+        if rng.random() < p_code:
+            codes[ns[free]] = vs[vi]
+            vi += 1
+            free += 1
+        else:
+            works.append((ns[free], ns[free + 1]))
+            free += 2
+    facts = [code_fact(n, v) for n, v in codes.items()] + [works_fact(a, b) for a, b in works]
+    rng.shuffle(facts)
+    queries = [(code_question(n), v) for n, v in codes.items()]
+    queries += [(partner_question(a), codes[b]) for a, b in works if b in codes]
+    queries = [q for q in queries if q[0] != question]
+    rng.shuffle(queries)
+    return Example(task, tuple(facts), question, answer, tuple([(question, answer)] + queries))
+
+
+def token_ids(tokenizer, example: Example) -> list[int]:
+    """What `pc_rag`'s SegmentTokenizer produces for `example.prompt()`: BOS, then each segment on its own."""
+    ids = [tokenizer.bos_token_id]
+    for seg in example.prompt():
+        ids += tokenizer(seg.text, add_special_tokens=False)["input_ids"]
+    return ids

@@ -1,0 +1,186 @@
+"""Train a small Llama on the synthetic retrieval task (see retrieval_task.py), on CPU, deterministically.
+
+    python -m benchmarks.train_retrieval --out benchmarks/retrieval-model
+
+Recipe: word-level tokenizer (each name and value one token), loss on the answer token only, single-hop
+and two-hop prompts mixed 50/50, and a curriculum on the number of fact chunks per prompt: it starts at 2
+and grows by one (up to --max-chunks) each time held-out full-forward accuracy at the current level is above
+--advance for both tasks. Stops once accuracy at --max-chunks is above --stop for both tasks, or after
+--max-steps. One CPU thread, fixed seeds: the run is reproducible. The checkpoint is written at every
+evaluation, so an interrupted run still leaves the latest model.
+
+Training sequences ask --queries questions about the same chunks (drawn with replacement, so none can be
+answered by elimination); only the first is in the benchmark's layout and is the one evaluated. What got
+past the loss plateau: the name last in facts and questions (see retrieval_task.py) plus these dense
+queries. The committed benchmarks/retrieval-model is this script's default run (--max-minutes 21 on one
+thread: 3,000 steps, 21 min): single hop 94% at 2 chunks, 80% at 4; two hop only partly learned (64% at 3
+chunks). Chance on these prompts: about 1 / (number of codes in the prompt). A longer run (higher
+--max-minutes / --max-steps) continues the curriculum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from .retrieval_task import TASKS, build_tokenizer, make_example, names, token_ids, values
+
+
+def encode_fast(vocab: dict[str, int], bos: int, example) -> list[int]:
+    ids = [bos]
+    for seg in example.prompt():
+        ids += [vocab[w] for w in seg.text.split()]
+    return ids
+
+
+def encode_queries(vocab: dict[str, int], bos: int, example, n_queries: int, rng: random.Random):
+    """The prompt, then (training only) more questions about the same chunks after the first answer:
+    `... ; code of A ? 417 ; code of B ? 235`. The first answer position is exactly the benchmark's layout;
+    the later ones give more answer tokens to learn from per sequence. They are drawn with replacement,
+    so that no answer can be had by elimination. Returns ids, [(position, answer)]."""
+    ids = encode_fast(vocab, bos, example)
+    targets = [(len(ids) - 1, vocab[example.answer])]
+    for _ in range(n_queries - 1):
+        question, answer = rng.choice(example.queries)
+        ids += [targets[-1][1], vocab[";"]] + [vocab[w] for w in question.split()]
+        targets.append((len(ids) - 1, vocab[answer]))
+    return ids, targets
+
+
+def batch_tensors(rows: list[list[int]], pad: int):
+    n = max(len(r) for r in rows)
+    x = torch.full((len(rows), n), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        x[i, :len(r)] = torch.tensor(r)
+    return x  # right padding: causal attention never looks at it, no mask needed
+
+
+def answer_logits(model, x, rows_idx, pos_idx):
+    h = model.model(input_ids=x).last_hidden_state  # positions 0..n-1, as the engine lays them out
+    return model.lm_head(h[rows_idx, pos_idx])
+
+
+@torch.no_grad()
+def accuracy(model, data, pad):
+    model.eval()
+    right = 0
+    for i in range(0, len(data), 256):
+        part = data[i:i + 256]
+        x = batch_tensors([r for r, _ in part], pad)
+        last = torch.tensor([len(r) - 1 for r, _ in part])
+        pred = answer_logits(model, x, torch.arange(len(part)), last).argmax(-1)
+        right += int((pred == torch.tensor([a for _, a in part])).sum())
+    model.train()
+    return right / len(data)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/retrieval-model")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--max-steps", type=int, default=20000)
+    ap.add_argument("--max-minutes", type=float, default=30.0, help="safety stop (not part of the determinism)")
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--eval-n", type=int, default=256, help="held-out prompts per task per evaluation")
+    ap.add_argument("--max-chunks", type=int, default=6)
+    ap.add_argument("--queries", type=int, default=6, help="questions per training sequence (the first is scored)")
+    ap.add_argument("--advance", type=float, default=0.9)
+    ap.add_argument("--stop", type=float, default=0.92)
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tokenizer()
+    vocab = tok.get_vocab()
+    bos, pad = tok.bos_token_id, tok.pad_token_id
+    name_list, value_list = names(), values()
+    check = random.Random(99)
+    for task in TASKS:  # the fast encoder is the engine's segment tokenization
+        ex = make_example(check, task, 4, name_list, value_list)
+        assert encode_fast(vocab, bos, ex) == token_ids(tok, ex)
+
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=bos,
+        eos_token_id=tok.eos_token_id, pad_token_id=pad, tie_word_embeddings=True, initializer_range=0.02,
+    )
+    model = LlamaForCausalLM(config)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
+
+    def sample(rng, task, k):
+        ex = make_example(rng, task, k, name_list, value_list)
+        return encode_fast(vocab, bos, ex), vocab[ex.answer]
+
+    def train_sample(rng, task, k):
+        ex = make_example(rng, task, k, name_list, value_list, p_code=0.75)
+        return encode_queries(vocab, bos, ex, args.queries, rng)
+
+    eval_rng = random.Random(10_000 + args.seed)  # held-out: a separate stream from training
+    held = {(task, k): [sample(eval_rng, task, k) for _ in range(args.eval_n)]
+            for k in range(2, args.max_chunks + 1) for task in TASKS}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(out)
+
+    rng = random.Random(args.seed)
+    level = 2
+    log = []
+    t0 = time.time()
+    loss_acc = 0.0
+    for step in range(1, args.max_steps + 1):
+        rows, ri, pi, answers = [], [], [], []
+        for i in range(args.batch):
+            task = TASKS[i % 2]
+            r, targets = train_sample(rng, task, rng.randint(max(2, level - 1), level) if level > 2 else 2)
+            rows.append(r)
+            for pos, a in targets:
+                ri.append(i)
+                pi.append(pos)
+                answers.append(a)
+        x = batch_tensors(rows, pad)
+        logits = answer_logits(model, x, torch.tensor(ri), torch.tensor(pi))
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(answers))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_acc += float(loss.detach())
+        if step % args.eval_every == 0 or step == args.max_steps:
+            acc = {task: accuracy(model, held[(task, level)], pad) for task in TASKS}
+            final = {task: accuracy(model, held[(task, args.max_chunks)], pad) for task in TASKS}
+            minutes = (time.time() - t0) / 60
+            entry = {"step": step, "minutes": round(minutes, 2), "loss": round(loss_acc / args.eval_every, 4),
+                     "level": level, "acc_level": acc, "acc_max_chunks": final}
+            loss_acc = 0.0
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+            model.save_pretrained(out)
+            done = all(v > args.stop for v in final.values())
+            if level < args.max_chunks and all(v > args.advance for v in acc.values()):
+                level += 1
+            if done or minutes > args.max_minutes:
+                break
+    (out / "training_log.json").write_text(json.dumps({"args": vars(args), "log": log}, indent=1))
+    print(f"saved {out} after {step} steps, {(time.time() - t0) / 60:.1f} min; "
+          f"params {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
+
+
+if __name__ == "__main__":
+    main()
