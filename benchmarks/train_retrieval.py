@@ -97,9 +97,10 @@ def main(argv=None):
     ap.add_argument("--queries", type=int, default=6, help="questions per training sequence (the first is scored)")
     ap.add_argument("--advance", type=float, default=0.9)
     ap.add_argument("--stop", type=float, default=0.92)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it, bit for bit)")
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     from transformers import LlamaConfig, LlamaForCausalLM
 
