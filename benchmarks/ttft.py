@@ -173,7 +173,6 @@ def run(model_path, lengths, reps, dtype="float32", device="cpu", seed=0):
         rows.append(row)
         print(_row_line(row), flush=True)
     shape = engine.runner.shape
-    elem = torch.finfo(engine.runner.dtype).bits // 8
     block = engine.assembler.encode_chunk(tuple(range(10, 74)), 1)
     return {
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.platform()}",
@@ -181,7 +180,7 @@ def run(model_path, lengths, reps, dtype="float32", device="cpu", seed=0):
         "params": sum(p.numel() for p in engine.model.parameters()),
         "shape": {"layers": shape.num_layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim},
         "bytes_per_token_stored": block.nbytes / block.num_tokens,
-        "bytes_per_token_formula": 2 * shape.num_layers * shape.kv_heads * shape.head_dim * elem,
+        "bytes_per_token_formula": shape.kv_bytes_per_token(engine.runner.dtype),
         "date": time.strftime("%Y-%m-%d"), "reps": reps, "rows": rows,
     }
 
