@@ -72,8 +72,7 @@ class DiskStore:
                 self._index[key] = size
             self.stats.bytes_held = sum(self._index.values())
             self.stats.entries = len(self._index)
-            victims = self._evict_over_bound()  # a previous run may have used a larger bound
-        self._unlink(victims)
+            self._unlink(self._evict_over_bound())  # a previous run may have used a larger bound
 
     def file_for(self, key: str) -> Path:
         return self.path / (check_key(key) + SUFFIX)
@@ -101,18 +100,24 @@ class DiskStore:
             block = decode_block(key, data)
         except CorruptBlockError as e:
             log.warning("disk store: removing %s: %s", path, e)
-            self._unlink([path])
             with self._lock:
+                self._unlink([path])
                 self._forget(key)
                 self.stats.corrupt += 1
                 self.stats.misses += 1
             return None
-        try:
-            os.utime(path)  # LRU order for the next start
-        except OSError:
-            pass  # a read-only cache still serves hits
         with self._lock:
-            self._account(key, len(data))
+            # The file may have been evicted by another thread since it was read: the bytes read are still a
+            # whole, checked block (served), but the index must only list files that exist.
+            try:
+                os.utime(path)  # LRU order for the next start
+                present = True
+            except FileNotFoundError:
+                present = False
+            except OSError:
+                present = True  # a read-only cache still serves hits
+            if present:
+                self._account(key, len(data))
             self.stats.hits += 1
             self.stats.load_s += time.perf_counter() - t0
         return block
@@ -129,7 +134,13 @@ class DiskStore:
             except FileNotFoundError:  # the directory was removed while running: recreate it once
                 self.path.mkdir(parents=True, exist_ok=True)
                 self._write(tmp, data)
-            os.replace(tmp, path)
+            # The slow write above is outside the lock; the rename, the index update and the eviction's
+            # unlinks are inside it, so no thread can unlink a file that another just renamed into place
+            # (which would leave the index listing a file that is gone).
+            with self._lock:
+                os.replace(tmp, path)
+                self._account(key, len(data))
+                self._unlink(self._evict_over_bound())
         except OSError as e:
             try:
                 tmp.unlink(missing_ok=True)
@@ -137,10 +148,6 @@ class DiskStore:
                 pass
             self._count_error()
             raise StoreError(f"disk store cannot write {path}: {e}") from e
-        with self._lock:
-            self._account(key, len(data))
-            victims = self._evict_over_bound()
-        self._unlink(victims)
 
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
@@ -181,17 +188,17 @@ class DiskStore:
 
     def clear(self) -> None:
         """Removes this store's block files (only `<key>.safetensors` names; other files are left alone)."""
-        with self._lock:
+        with self._lock:  # as put: no rename can land between the listing and the unlinks
             keys = list(self._index)
             self._index.clear()
             self.stats.bytes_held = 0
             self.stats.entries = 0
-        try:
-            with os.scandir(self.path) as it:
-                keys += [e.name.removesuffix(SUFFIX) for e in it if e.name.endswith(SUFFIX)]
-        except OSError as e:
-            raise StoreError(f"disk store cannot list {self.path}: {e}") from e
-        self._unlink([self.path / (k + SUFFIX) for k in set(keys) if KEY_PATTERN.fullmatch(k)])
+            try:
+                with os.scandir(self.path) as it:
+                    keys += [e.name.removesuffix(SUFFIX) for e in it if e.name.endswith(SUFFIX)]
+            except OSError as e:
+                raise StoreError(f"disk store cannot list {self.path}: {e}") from e
+            self._unlink([self.path / (k + SUFFIX) for k in set(keys) if KEY_PATTERN.fullmatch(k)])
 
     def tier_stats(self) -> list[TierStats]:
         with self._lock:
