@@ -9,7 +9,8 @@ greedy first token is the right answer, in each mode:
 - full: no reuse, the reference (shows that the model learned the task);
 - exact: the same prompt reused from the prefix cache (must equal full);
 - modular: every chunk from its own cached encoding (it never saw the other chunks);
-- blend: modular, then `--ratio` of the reused chunk tokens recomputed in context;
+- blend R S: modular, then a fraction R of the reused chunk tokens recomputed in context, chosen by S
+  (`chunk_start`: the first tokens of each chunk; `deviation`: where cached and fresh keys differ most);
 - scaffold: modular with the prompt's chunks declared as a scaffold (encoded jointly, so each sees those
   before it).
 Also per mode: how often its answer equals full's. Writes accuracy.json and accuracy.md to --out.
@@ -30,20 +31,35 @@ import pc_rag
 
 from .retrieval_task import TASKS, make_example, names, token_ids, values
 
-MODES = ("full", "exact", "modular", "blend", "scaffold")
+BASE_MODES = ("full", "exact", "modular", "scaffold")
+DEFAULT_BLENDS = ("0.15:chunk_start", "0.3:chunk_start", "0.3:deviation")
+
+
+def blend_name(spec: str) -> str:
+    ratio, selection = parse_blend(spec)
+    return f"blend {ratio:g} {selection}"
+
+
+def parse_blend(spec: str) -> tuple[float, str]:
+    ratio, _, selection = spec.partition(":")
+    if selection not in ("chunk_start", "deviation"):
+        raise SystemExit(f"--blend {spec!r}: expected RATIO:chunk_start or RATIO:deviation")
+    return float(ratio), selection
 TASK_TITLES = {"single": "single hop", "two_hop": "two hop"}
 
 
-def answers(engine, example, ratio: float) -> dict[str, str]:
+def answers(engine, example, blends: list[str]) -> dict[str, str]:
     prompt = example.prompt()
     out = {}
 
-    def first(mode):
+    def first(mode, ratio=0.0):
         return engine.generate(prompt, mode=mode, max_new_tokens=1, recompute_ratio=ratio).text.strip()
 
     out["full"] = first("full")
     out["modular"] = first("modular")
-    out["blend"] = first("blend")
+    for spec in blends:
+        ratio, engine.blend_selection = parse_blend(spec)
+        out[blend_name(spec)] = first("blend", ratio)
     engine.add_scaffold(list(example.chunks))
     engine.generate(prompt, mode="modular", max_new_tokens=1)  # the first use encodes the group
     engine.wait_for_background()
@@ -55,44 +71,45 @@ def answers(engine, example, ratio: float) -> dict[str, str]:
     return out
 
 
-def run(model: str, prompts: int, chunk_counts: list[int], seed: int, ratio: float) -> dict:
+def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: list[str]) -> dict:
     engine = pc_rag.Engine.from_pretrained(model, store="memory")
+    modes = [*BASE_MODES[:3], *(blend_name(b) for b in blends), BASE_MODES[3]]
     name_list, value_list = names(), values()
     rng = random.Random(seed)
     rows = []
     for task in TASKS:
         for k in chunk_counts:
-            right = dict.fromkeys(MODES, 0)
-            agree = dict.fromkeys(MODES, 0)
+            right = dict.fromkeys(modes, 0)
+            agree = dict.fromkeys(modes, 0)
             t0 = time.time()
             for _ in range(prompts):
                 ex = make_example(rng, task, k, name_list, value_list)
                 ids = [i for s in engine.segmenter.segments(ex.prompt()) for i in s.token_ids]
                 assert ids == token_ids(engine.tokenizer, ex), "engine tokenization differs from training"
-                got = answers(engine, ex, ratio)
-                for m in MODES:
+                got = answers(engine, ex, blends)
+                for m in modes:
                     right[m] += got[m] == ex.answer
                     agree[m] += got[m] == got["full"]
             rows.append({"task": task, "chunks": k, "prompts": prompts,
-                         "accuracy": {m: right[m] / prompts for m in MODES},
-                         "agreement_with_full": {m: agree[m] / prompts for m in MODES},
+                         "accuracy": {m: right[m] / prompts for m in modes},
+                         "agreement_with_full": {m: agree[m] / prompts for m in modes},
                          "seconds": round(time.time() - t0, 1)})
             print(json.dumps(rows[-1]), flush=True)
-    return {"model": str(model), "seed": seed, "blend_ratio": ratio, "blend_selection": engine.blend_selection,
-            "modes": list(MODES), "rows": rows}
+    return {"model": str(model), "seed": seed, "modes": modes, "rows": rows}
 
 
 def markdown(result: dict) -> str:
+    modes = result["modes"]
     lines = [
-        f"Answer accuracy per mode (greedy first token), model `{result['model']}`, blend ratio "
-        f"{result['blend_ratio']} ({result['blend_selection']}); in brackets: agreement with full.",
+        f"Answer accuracy per mode (greedy first token), model `{result['model']}`; in brackets: agreement with "
+        "full.",
         "",
-        "| task | chunks | N | " + " | ".join(MODES) + " |",
-        "|---|---|---|" + "---|" * len(MODES),
+        "| task | chunks | N | " + " | ".join(modes) + " |",
+        "|---|---|---|" + "---|" * len(modes),
     ]
     for r in result["rows"]:
         cells = []
-        for m in MODES:
+        for m in modes:
             acc = f"{100 * r['accuracy'][m]:.1f}%"
             cells.append(acc if m == "full" else f"{acc} ({100 * r['agreement_with_full'][m]:.0f}%)")
         lines.append(f"| {TASK_TITLES[r['task']]} | {r['chunks']} | {r['prompts']} | " + " | ".join(cells) + " |")
@@ -104,13 +121,15 @@ def main(argv=None):
     ap.add_argument("--model", default="benchmarks/retrieval-model")
     ap.add_argument("--prompts", type=int, default=200, help="held-out prompts per task and chunk count")
     ap.add_argument("--chunks", type=int, nargs="+", default=[4])
-    ap.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
+    ap.add_argument("--blend", nargs="*", default=list(DEFAULT_BLENDS), help="RATIO:SELECTION settings to compare")
     ap.add_argument("--seed", type=int, default=777)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = run(args.model, args.prompts, args.chunks, args.seed, args.ratio)
+    for spec in args.blend:
+        parse_blend(spec)
+    result = run(args.model, args.prompts, args.chunks, args.seed, args.blend)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps(result, indent=1))

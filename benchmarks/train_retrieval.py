@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -98,6 +99,10 @@ def main(argv=None):
     ap.add_argument("--advance", type=float, default=0.9)
     ap.add_argument("--stop", type=float, default=0.92)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it, bit for bit)")
+    ap.add_argument("--init", help="continue from this checkpoint (its weights; the optimizer starts afresh)")
+    ap.add_argument("--start-level", type=int, default=2, help="curriculum level (chunks per prompt) to start at")
+    ap.add_argument("--two-hop-share", type=float, default=0.5, help="fraction of training prompts that are two hop")
+    ap.add_argument("--decay", action="store_true", help="cosine learning-rate decay to 0 at --max-steps")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -119,10 +124,20 @@ def main(argv=None):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=bos,
         eos_token_id=tok.eos_token_id, pad_token_id=pad, tie_word_embeddings=True, initializer_range=0.02,
     )
-    model = LlamaForCausalLM(config)
+    if args.init:
+        model = LlamaForCausalLM.from_pretrained(args.init)
+        if model.config.vocab_size != len(tok):
+            raise SystemExit(f"--init {args.init}: vocabulary {model.config.vocab_size} != this task's {len(tok)}")
+    else:
+        model = LlamaForCausalLM(config)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
+
+    def lr_factor(s: int) -> float:
+        warm = min(1.0, (s + 1) / args.warmup)
+        return warm * (0.5 * (1 + math.cos(math.pi * min(1.0, s / args.max_steps))) if args.decay else 1.0)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
 
     def sample(rng, task, k):
         ex = make_example(rng, task, k, name_list, value_list)
@@ -140,14 +155,17 @@ def main(argv=None):
     tok.save_pretrained(out)
 
     rng = random.Random(args.seed)
-    level = 2
+    level = args.start_level
+    n_two_hop = round(args.batch * args.two_hop_share)
+    majority = "two_hop" if 2 * n_two_hop > args.batch else "single"
     log = []
     t0 = time.time()
     loss_acc = 0.0
     for step in range(1, args.max_steps + 1):
         rows, ri, pi, answers = [], [], [], []
         for i in range(args.batch):
-            task = TASKS[i % 2]
+            # alternating while both tasks remain (the first-stage run's order, kept bit for bit), then the rest
+            task = TASKS[i % 2] if i < 2 * min(n_two_hop, args.batch - n_two_hop) else majority
             r, targets = train_sample(rng, task, rng.randint(max(2, level - 1), level) if level > 2 else 2)
             rows.append(r)
             for pos, a in targets:

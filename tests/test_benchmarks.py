@@ -1,0 +1,56 @@
+"""The benchmark scripts' own claims, checked small: exact == full on the trained model, blend's end points,
+and that training is reproducible bit for bit (the committed checkpoint relies on it)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+import pc_rag
+from benchmarks import accuracy, train_retrieval
+from benchmarks.retrieval_task import make_example, names, values
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "benchmarks" / "retrieval-model"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return pc_rag.Engine.from_pretrained(MODEL, store="memory")
+
+
+def test_accuracy_answers_exact_equals_full_and_blend_end_points(engine):
+    rng = random.Random(3)
+    name_list, value_list = names(), values()
+    blends = ["1.0:chunk_start", "1.0:deviation", "0.0:deviation"]
+    for task in ("single", "two_hop"):
+        for _ in range(4):
+            ex = make_example(rng, task, 4, name_list, value_list)
+            got = accuracy.answers(engine, ex, blends)
+            assert got["exact"] == got["full"], ex
+            # recomputing every reused token is a full prefill; recomputing none is modular
+            assert got["blend 1 chunk_start"] == got["full"] == got["blend 1 deviation"], ex
+            assert got["blend 0 deviation"] == got["modular"], ex
+
+
+def test_accuracy_rejects_a_bad_blend_setting():
+    with pytest.raises(SystemExit, match="0.3:sideways"):
+        accuracy.parse_blend("0.3:sideways")
+
+
+def test_training_is_reproducible(tmp_path):
+    args = ["--layers", "1", "--hidden", "32", "--intermediate", "64", "--batch", "8", "--max-steps", "3",
+            "--eval-every", "3", "--eval-n", "4", "--max-chunks", "3"]
+    for run in ("a", "b"):
+        train_retrieval.main([*args, "--out", str(tmp_path / run)])
+    a = load_file(tmp_path / "a" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    # and the continuation stage starts from the given weights
+    train_retrieval.main([*args, "--out", str(tmp_path / "c"), "--init", str(tmp_path / "a"), "--start-level", "3",
+                          "--two-hop-share", "0.75", "--decay"])
+    c = load_file(tmp_path / "c" / "model.safetensors")
+    assert a.keys() == c.keys() and not all(a[k].equal(c[k]) for k in a)
