@@ -45,30 +45,48 @@ def parse_blend(spec: str) -> tuple[float, str]:
     if selection not in ("chunk_start", "deviation"):
         raise SystemExit(f"--blend {spec!r}: expected RATIO:chunk_start or RATIO:deviation")
     return float(ratio), selection
+
+
 TASK_TITLES = {"single": "single hop", "two_hop": "two hop"}
 
 
-def answers(engine, example, blends: list[str]) -> dict[str, str]:
+def answer_logprobs(engine, example, blends: list[str]) -> dict[str, torch.Tensor]:
+    """Per mode, the log-probabilities of the answer token (the next token after the prompt)."""
     prompt = example.prompt()
     out = {}
 
-    def first(mode, ratio=0.0):
-        return engine.generate(prompt, mode=mode, max_new_tokens=1, recompute_ratio=ratio).text.strip()
+    def logp(mode, ratio=0.0):
+        return torch.log_softmax(engine.next_token_logits(prompt, mode=mode, recompute_ratio=ratio).float(), -1)
 
-    out["full"] = first("full")
-    out["modular"] = first("modular")
-    for spec in blends:
-        ratio, engine.blend_selection = parse_blend(spec)
-        out[blend_name(spec)] = first("blend", ratio)
+    out["full"] = logp("full")
+    out["modular"] = logp("modular")
+    selection = engine.blend_selection
+    try:
+        for spec in blends:
+            ratio, engine.blend_selection = parse_blend(spec)
+            out[blend_name(spec)] = logp("blend", ratio)
+    finally:
+        engine.blend_selection = selection
     engine.add_scaffold(list(example.chunks))
-    engine.generate(prompt, mode="modular", max_new_tokens=1)  # the first use encodes the group
+    engine.next_token_logits(prompt, mode="modular")  # the first use encodes the group
     engine.wait_for_background()
-    out["scaffold"] = first("modular")
+    out["scaffold"] = logp("modular")
     engine.assembler.scaffolds.clear()
     # exact last: its prefix (everything but the question) would otherwise serve the modes above too.
-    engine.generate(prompt, mode="exact", max_new_tokens=1)
-    out["exact"] = first("exact")
+    engine.next_token_logits(prompt, mode="exact")
+    out["exact"] = logp("exact")
     return out
+
+
+def answers(engine, example, blends: list[str]) -> dict[str, str]:
+    """Per mode, the greedy answer (what generate(max_new_tokens=1) returns)."""
+    return {m: engine.tokenizer.decode([int(lp.argmax())]).strip()
+            for m, lp in answer_logprobs(engine, example, blends).items()}
+
+
+def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
+    """KL(p || q) in nats."""
+    return float((p_log.exp() * (p_log - q_log)).sum())
 
 
 def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: list[str]) -> dict:
@@ -81,18 +99,22 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
         for k in chunk_counts:
             right = dict.fromkeys(modes, 0)
             agree = dict.fromkeys(modes, 0)
+            kls = dict.fromkeys(modes, 0.0)
             t0 = time.time()
             for _ in range(prompts):
                 ex = make_example(rng, task, k, name_list, value_list)
                 ids = [i for s in engine.segmenter.segments(ex.prompt()) for i in s.token_ids]
                 assert ids == token_ids(engine.tokenizer, ex), "engine tokenization differs from training"
-                got = answers(engine, ex, blends)
+                logps = answer_logprobs(engine, ex, blends)
+                got = {m: engine.tokenizer.decode([int(lp.argmax())]).strip() for m, lp in logps.items()}
                 for m in modes:
                     right[m] += got[m] == ex.answer
                     agree[m] += got[m] == got["full"]
+                    kls[m] += kl(logps["full"], logps[m]) / prompts
             rows.append({"task": task, "chunks": k, "prompts": prompts,
                          "accuracy": {m: right[m] / prompts for m in modes},
                          "agreement_with_full": {m: agree[m] / prompts for m in modes},
+                         "mean_kl_from_full": kls,
                          "seconds": round(time.time() - t0, 1)})
             print(json.dumps(rows[-1]), flush=True)
     return {"model": str(model), "seed": seed, "modes": modes, "rows": rows}
@@ -113,6 +135,17 @@ def markdown(result: dict) -> str:
             acc = f"{100 * r['accuracy'][m]:.1f}%"
             cells.append(acc if m == "full" else f"{acc} ({100 * r['agreement_with_full'][m]:.0f}%)")
         lines.append(f"| {TASK_TITLES[r['task']]} | {r['chunks']} | {r['prompts']} | " + " | ".join(cells) + " |")
+    compared = [m for m in modes if m != "full"]
+    lines += [
+        "",
+        "Mean KL(full ‖ mode) of the answer-token distribution, in nats (0 = the same distribution as full):",
+        "",
+        "| task | chunks | " + " | ".join(compared) + " |",
+        "|---|---|" + "---|" * len(compared),
+    ]
+    for r in result["rows"]:
+        cells = [f"{r['mean_kl_from_full'][m]:.2e}" for m in compared]
+        lines.append(f"| {TASK_TITLES[r['task']]} | {r['chunks']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
