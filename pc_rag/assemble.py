@@ -46,14 +46,16 @@ class Recompute:
     """Blend: which reused chunk tokens are recomputed with the whole prompt as context.
 
     ratio:  fraction of the relocated chunk tokens recomputed (0 = modular, 1 = full).
-    select: "deviation" (CacheBlend) runs the first `probe_layers` layers over the prompt and picks the
-            tokens whose keys at the last of them moved most from the cached ones; "chunk_start" takes the
+    select: "deviation" (CacheBlend) computes the keys of layer `probe_layer` with the whole prompt as
+            context and picks the tokens whose keys moved most from the cached ones; "chunk_start" takes the
             first tokens of every chunk (attention-sink repair: no probe, cheaper).
+    probe_layer: layer 0's keys never see context (they equal the cached ones after relocation), so the
+            first layer whose keys can deviate is 1, and its probe costs one layer plus a projection.
     """
 
     ratio: float
     select: str = "deviation"
-    probe_layers: int = 2
+    probe_layer: int = 1
 
     def __post_init__(self):
         if not 0.0 <= self.ratio <= 1.0:
@@ -264,11 +266,11 @@ class Assembler:
             return set(candidates)
         if recompute.select == "chunk_start":
             return {s for a, b in spans for s in range(a, a + math.ceil(recompute.ratio * (b - a)))}
-        # CacheBlend: fresh keys of the first layers, with the whole prompt as context, against the cached
-        # (relocated) keys; layer 0 sees no context, so the deviation shows from the second layer on.
+        # CacheBlend: fresh keys of an early layer, with the whole prompt as context, against the cached
+        # (relocated) keys.
         m = candidates[-1] + 1
-        layer = recompute.probe_layers - 1
-        fresh_keys = self.runner.probe_keys(ids[:m], positions[:m], recompute.probe_layers)[layer]  # [H, m, D]
+        layer = recompute.probe_layer
+        fresh_keys = self.runner.probe_keys(ids[:m], positions[:m], layer)  # [H, m, D]
         cached_keys = cache.keys[layer, 0, :, :m]
         deviation = (fresh_keys.float() - cached_keys.float()).norm(dim=-1).sum(0)  # [m]
         cand = torch.tensor(candidates, device=deviation.device)

@@ -236,27 +236,35 @@ class LlamaRunner:
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
-    def probe_keys(self, ids: list[int], positions: list[int], num_layers: int) -> torch.Tensor:
-        """Keys of the first `num_layers` layers for a plain causal prefill of `ids`: [num_layers, H_kv, T, D].
+    def probe_keys(self, ids: list[int], positions: list[int], layer: int) -> torch.Tensor:
+        """Keys of layer `layer` for a plain causal prefill of `ids`: [H_kv, T, D].
 
-        The selection probe of `blend`: a few layers over every token, a fraction of a full prefill.
+        The selection probe of `blend`: layers before `layer` run in full over every token; of `layer` itself
+        only the key projection runs (its attention and MLP would not change its keys), so the probe costs
+        `layer` layers plus a projection, a fraction of a full prefill.
         """
         inner = self.model.model
-        cache = self.new_cache(len(ids))
-        cache.prepare_write(list(range(len(ids))))
         dev = self.device
         pos = torch.tensor([positions], device=dev)
         hidden = inner.embed_tokens(torch.tensor([ids], device=dev))
-        rope = inner.rotary_emb(hidden, pos)
+        cos, sin = inner.rotary_emb(hidden, pos)
         mask = None  # sdpa applies its own causal mask when none is given; eager needs one spelled out
         if self.model.config._attn_implementation != "sdpa":
             mask = torch.full((len(ids), len(ids)), torch.finfo(self.dtype).min, dtype=self.dtype, device=dev)
             mask = mask.triu(1)[None, None]
         with self._lock:
-            for layer in inner.layers[:num_layers]:
-                hidden = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=rope,
-                               use_cache=True, **{_CACHE_KW: cache})
-        return cache.keys[:num_layers, 0, :, : len(ids)]
+            if layer:
+                cache = self.new_cache(len(ids))  # the layers' own attention path, as in a prefill
+                cache.prepare_write(list(range(len(ids))))
+                for block in inner.layers[:layer]:
+                    hidden = block(hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin),
+                                   use_cache=True, **{_CACHE_KW: cache})
+            block = inner.layers[layer]
+            attn = block.self_attn
+            k = attn.k_proj(block.input_layernorm(hidden)).view(len(ids), -1, attn.head_dim).transpose(0, 1)
+            h = attn.head_dim // 2
+            rotated = torch.cat((-k[..., h:], k[..., :h]), dim=-1)  # HF's rotate_half
+            return k * cos[0] + rotated * sin[0]
 
     @torch.inference_mode()
     def reference_logits(self, ids: list[int], positions: list[int] | None = None) -> torch.Tensor:

@@ -44,6 +44,20 @@ def test_blend_ratio_one_equals_full(warmed, docs, select):
     assert gen.recomputed_tokens == relocated
 
 
+@pytest.mark.parametrize("layer", [0, 1])  # the tiny model has 2 layers
+def test_probe_keys_equal_a_full_prefill(engine, docs, layer):
+    # The deviation probe runs `layer` layers and then only the key projection: its keys must be the ones
+    # a plain HF prefill stores for that layer (<= 1e-5 fp32), at shifted positions too.
+    ids = engine.segmenter.ids(docs[0] + docs[1])[:80]
+    positions = list(range(7, 7 + len(ids)))
+    out = engine.runner.model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]), use_cache=True)
+    want = out.past_key_values.layers[layer].keys[0]  # [H_kv, T, D]
+    with torch.inference_mode():
+        got = engine.runner.probe_keys(ids, positions, layer)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-5
+
+
 def test_blend_ratio_zero_equals_modular(warmed, docs):
     prompt = rag(docs, (1, 2))
     lm = warmed.next_token_logits(prompt, "modular")
