@@ -54,3 +54,17 @@ def test_training_is_reproducible(tmp_path):
                           "--two-hop-share", "0.75", "--decay"])
     c = load_file(tmp_path / "c" / "model.safetensors")
     assert a.keys() == c.keys() and not all(a[k].equal(c[k]) for k in a)
+
+
+def test_ttft_benchmark_runs_and_stores_the_formula_bytes(tiny_path, tmp_path):
+    from benchmarks import ttft
+
+    result = ttft.run(tiny_path, lengths=[600], reps=1)
+    assert len(result["rows"]) == 1
+    row = result["rows"][0]
+    assert result["bytes_per_token_stored"] == result["bytes_per_token_formula"]
+    for key, _ in ttft.COLUMNS:
+        assert row[key]["median_s"] > 0, key
+    assert "| decode tok/s full |" in ttft.markdown(result)
+    ttft.plot(result, tmp_path / "ttft.png")
+    assert (tmp_path / "ttft.png").stat().st_size > 0
