@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -103,6 +104,8 @@ def main(argv=None):
     ap.add_argument("--start-level", type=int, default=2, help="curriculum level (chunks per prompt) to start at")
     ap.add_argument("--two-hop-share", type=float, default=0.5, help="fraction of training prompts that are two hop")
     ap.add_argument("--decay", action="store_true", help="cosine learning-rate decay to 0 at --max-steps")
+    ap.add_argument("--until-step", type=int, help="stop after this step without changing the schedule (to "
+                    "reproduce a run that --max-minutes cut short)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -181,7 +184,7 @@ def main(argv=None):
         opt.step()
         sched.step()
         loss_acc += float(loss.detach())
-        if step % args.eval_every == 0 or step == args.max_steps:
+        if step % args.eval_every == 0 or step == args.max_steps or step == args.until_step:
             acc = {task: accuracy(model, held[(task, level)], pad) for task in TASKS}
             final = {task: accuracy(model, held[(task, args.max_chunks)], pad) for task in TASKS}
             minutes = (time.time() - t0) / 60
@@ -194,9 +197,13 @@ def main(argv=None):
             done = all(v > args.stop for v in final.values())
             if level < args.max_chunks and all(v > args.advance for v in acc.values()):
                 level += 1
-            if done or minutes > args.max_minutes:
+            if done or minutes > args.max_minutes or step == args.until_step:
                 break
-    (out / "training_log.json").write_text(json.dumps({"args": vars(args), "log": log}, indent=1))
+    record = {"args": vars(args), "argv": list(argv if argv is not None else sys.argv[1:]), "log": log}
+    if args.init and (Path(args.init) / "training_log.json").exists():
+        # the earlier stage's record, so that the checkpoint's whole history stays with it
+        record["init_record"] = json.loads((Path(args.init) / "training_log.json").read_text())
+    (out / "training_log.json").write_text(json.dumps(record, indent=1))
     print(f"saved {out} after {step} steps, {(time.time() - t0) / 60:.1f} min; "
           f"params {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
 
