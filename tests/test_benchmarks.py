@@ -49,6 +49,10 @@ def test_training_is_reproducible(tmp_path):
     a = load_file(tmp_path / "a" / "model.safetensors")
     b = load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    # a longer run stopped at the same step (no decay: the same schedule) is the same run
+    train_retrieval.main([*args, "--out", str(tmp_path / "d"), "--max-steps", "6", "--until-step", "3"])
+    d = load_file(tmp_path / "d" / "model.safetensors")
+    assert all(a[k].equal(d[k]) for k in a)
     # and the continuation stage starts from the given weights
     train_retrieval.main([*args, "--out", str(tmp_path / "c"), "--init", str(tmp_path / "a"), "--start-level", "3",
                           "--two-hop-share", "0.75", "--decay"])
