@@ -32,7 +32,7 @@ import pc_rag
 from .retrieval_task import TASKS, make_example, names, token_ids, values
 
 BASE_MODES = ("full", "exact", "modular", "scaffold")
-DEFAULT_BLENDS = ("0.15:chunk_start", "0.3:chunk_start", "0.3:deviation")
+DEFAULT_BLENDS = ("0.15:chunk_start", "0.3:chunk_start", "0.15:deviation", "0.3:deviation")
 
 
 def blend_name(spec: str) -> str:
