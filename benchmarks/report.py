@@ -68,7 +68,8 @@ def section(out: Path) -> str:
             "--out benchmarks/retrieval-results\n"
         )
     parts.append(
-        "Reproduce the rest (`pip install -e \".[bench]\"` for the plot): `python benchmarks/ttft.py --lengths 1024 2048 4096 8192 --reps 5 --out bench_out && "
+        "Reproduce the rest (`pip install -e \".[bench]\"` for the plot): "
+        "`python benchmarks/ttft.py --lengths 1024 2048 4096 8192 --reps 5 --out bench_out && "
         "python -m benchmarks.fidelity --prompts 12 --out bench_out && python -m benchmarks.report --out bench_out` "
         "(`pc-rag bench` runs the first)."
     )
