@@ -23,6 +23,7 @@ import copy
 import json
 import platform
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -125,6 +126,13 @@ class Workload:
 
 def run(model_path, lengths, reps, dtype="float32", device="cpu", seed=0):
     disk_dir = Path(tempfile.mkdtemp(prefix="pc_rag_bench_disk_"))
+    try:
+        return _run(model_path, lengths, reps, dtype, device, seed, disk_dir)
+    finally:
+        shutil.rmtree(disk_dir, ignore_errors=True)  # the disk tier holds every chunk's KV: gigabytes at 8K
+
+
+def _run(model_path, lengths, reps, dtype, device, seed, disk_dir):
     engine = pc_rag.Engine.from_pretrained(model_path, dtype=dtype, device=device,
                                            store=["memory:16GiB", f"disk:{disk_dir}?max_bytes=64GiB"])
     memory_tier = engine.store.tiers[0]
