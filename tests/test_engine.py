@@ -52,6 +52,28 @@ def test_exact_reuses_prefix_and_matches_full(engine, docs):
     assert diff.item() <= 1e-4
 
 
+def test_prefix_nodes_are_stored_after_the_reply_not_before_its_first_piece(engine, docs):
+    # Storing a long prefix (to disk or Redis) between the first and second token would stall the stream;
+    # the nodes are stored once the reply is out, and then serve the next request.
+    puts = []
+    put = engine.store.put
+    engine.store.put = lambda key, block: (puts.append(block.meta.get("kind")), put(key, block))[1]
+    stream = engine.stream(rag_prompt(docs, question="First question?"), mode="exact", max_new_tokens=4)
+    next(stream)
+    assert "prefix" not in puts
+    rest = list(stream)
+    assert len(rest) <= 3 and "prefix" in puts
+    prompt = rag_prompt(docs, question="Another question?")
+    gen = engine.generate(prompt, mode="exact", max_new_tokens=1)
+    assert gen.computed_tokens == len(engine.segmenter.segments(prompt)[-1])
+    # an abandoned stream still stores them (the generator's close runs the same path)
+    puts.clear()
+    stream = engine.stream(rag_prompt(docs, order=(1, 0)), mode="exact", max_new_tokens=4)
+    next(stream)
+    stream.close()
+    assert "prefix" in puts
+
+
 def test_exact_does_not_reuse_after_a_changed_prefix(engine, docs):
     engine.generate(rag_prompt(docs, order=(0, 1)), mode="exact", max_new_tokens=1)
     gen = engine.generate(rag_prompt(docs, order=(1, 0)), mode="exact", max_new_tokens=1)
