@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.models.llama.modeling_llama import rotate_half  # Mistral and Qwen2 copy the same function
 
 from .errors import PCRagError, UnsupportedModelError
 
@@ -248,12 +249,12 @@ class LlamaRunner:
         pos = torch.tensor([positions], device=dev)
         hidden = inner.embed_tokens(torch.tensor([ids], device=dev))
         cos, sin = inner.rotary_emb(hidden, pos)
-        mask = None  # sdpa applies its own causal mask when none is given; eager needs one spelled out
-        if self.model.config._attn_implementation != "sdpa":
-            mask = torch.full((len(ids), len(ids)), torch.finfo(self.dtype).min, dtype=self.dtype, device=dev)
-            mask = mask.triu(1)[None, None]
         with self._lock:
             if layer:
+                mask = None  # sdpa applies its own causal mask when none is given; eager needs one spelled out
+                if self.model.config._attn_implementation != "sdpa":
+                    mask = torch.full((len(ids), len(ids)), torch.finfo(self.dtype).min, dtype=self.dtype,
+                                      device=dev).triu(1)[None, None]
                 cache = self.new_cache(len(ids))  # the layers' own attention path, as in a prefill
                 cache.prepare_write(list(range(len(ids))))
                 for block in inner.layers[:layer]:
@@ -262,9 +263,7 @@ class LlamaRunner:
             block = inner.layers[layer]
             attn = block.self_attn
             k = attn.k_proj(block.input_layernorm(hidden)).view(len(ids), -1, attn.head_dim).transpose(0, 1)
-            h = attn.head_dim // 2
-            rotated = torch.cat((-k[..., h:], k[..., :h]), dim=-1)  # HF's rotate_half
-            return k * cos[0] + rotated * sin[0]
+            return k * cos[0] + rotate_half(k) * sin[0]  # HF's apply_rotary_pos_emb, for the keys alone
 
     @torch.inference_mode()
     def reference_logits(self, ids: list[int], positions: list[int] | None = None) -> torch.Tensor:
