@@ -29,6 +29,7 @@ import torch
 
 import pc_rag
 
+from .fidelity import kl
 from .retrieval_task import TASKS, make_example, names, token_ids, values
 
 BASE_MODES = ("full", "exact", "modular", "scaffold")
@@ -78,15 +79,13 @@ def answer_logprobs(engine, example, blends: list[str]) -> dict[str, torch.Tenso
     return out
 
 
-def answers(engine, example, blends: list[str]) -> dict[str, str]:
+def greedy(tokenizer, logps: dict[str, torch.Tensor]) -> dict[str, str]:
     """Per mode, the greedy answer (what generate(max_new_tokens=1) returns)."""
-    return {m: engine.tokenizer.decode([int(lp.argmax())]).strip()
-            for m, lp in answer_logprobs(engine, example, blends).items()}
+    return {m: tokenizer.decode([int(lp.argmax())]).strip() for m, lp in logps.items()}
 
 
-def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
-    """KL(p || q) in nats."""
-    return float((p_log.exp() * (p_log - q_log)).sum())
+def answers(engine, example, blends: list[str]) -> dict[str, str]:
+    return greedy(engine.tokenizer, answer_logprobs(engine, example, blends))
 
 
 def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: list[str]) -> dict:
@@ -106,11 +105,11 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
                 ids = [i for s in engine.segmenter.segments(ex.prompt()) for i in s.token_ids]
                 assert ids == token_ids(engine.tokenizer, ex), "engine tokenization differs from training"
                 logps = answer_logprobs(engine, ex, blends)
-                got = {m: engine.tokenizer.decode([int(lp.argmax())]).strip() for m, lp in logps.items()}
+                got = greedy(engine.tokenizer, logps)
                 for m in modes:
                     right[m] += got[m] == ex.answer
                     agree[m] += got[m] == got["full"]
-                    kls[m] += kl(logps["full"], logps[m]) / prompts
+                    kls[m] += kl(logps["full"], logps[m]) / prompts  # log_softmax of log-probs is a no-op
             rows.append({"task": task, "chunks": k, "prompts": prompts,
                          "accuracy": {m: right[m] / prompts for m in modes},
                          "agreement_with_full": {m: agree[m] / prompts for m in modes},
