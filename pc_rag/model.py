@@ -331,12 +331,12 @@ class LlamaRunner:
         constant factor that commutes with the rotation).
 
         `src` may live on another device than `dst` (a block read from disk or Redis is on the CPU): it is
-        moved to `dst`'s device once, in its own dtype, and rotated there.
+        copied to `dst`'s device once, in its own dtype, and rotated there.
         """
-        src = _to_device(src, dst.device)
         if delta == 0:
-            dst.copy_(src)
+            dst.copy_(src, non_blocking=_may_copy_async(src.device, dst.device))  # across devices if need be
             return
+        src = _to_device(src, dst.device)
         h = src.shape[-1] // 2
         angle = delta * self.inv_freq.to(dst.device)
         if src.dtype == dst.dtype == torch.float32:
@@ -355,13 +355,17 @@ class LlamaRunner:
             dst[..., h:] = k2 * cos + k1 * sin
 
 
+def _may_copy_async(src: torch.device, dst: torch.device) -> bool:
+    # Host to accelerator may be asynchronous: the copy is queued on the stream before any kernel that reads
+    # the result (and overlaps with the host when the source is pinned). The other way round the host could
+    # read the result before the copy lands, so it stays synchronous.
+    return src.type == "cpu" and dst.type not in ("cpu", "meta")
+
+
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device == device:
         return t
-    # Host to accelerator may be asynchronous: the copy is queued on the stream before any kernel that reads
-    # the result (and overlaps with the host when `t` is pinned). The other way round the host could read the
-    # result before the copy lands, so it stays synchronous.
-    return t.to(device, non_blocking=device.type not in ("cpu", "meta"))
+    return t.to(device, non_blocking=_may_copy_async(t.device, device))
 
 
 def _use_mask_honouring_attention(model) -> None:
