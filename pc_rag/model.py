@@ -438,9 +438,9 @@ def _hash_tensor(h, t: torch.Tensor, chunk_bytes: int = _HASH_CHUNK_BYTES, stage
 def _model_fingerprint(model, dtype: torch.dtype) -> str:
     """Forward-relevant config + dtype + every byte of every weight, with its name, dtype and shape.
 
-    xxh3-128 runs at memory speed (about 27 GB/s here), so hashing every byte costs a fraction of loading the
-    model (README: "Model fingerprint"); a sample of each tensor would miss a fine-tune that changed a few
-    embedding rows. The in-memory tensors are hashed, not the files: a model may never have been saved, or
+    xxh3-128 runs near memory speed (9 to 16 GB/s over a 1B bf16 model on this 2-core machine: 0.16 to 0.27 s,
+    README "Model fingerprint"); a sample of each tensor would miss a fine-tune that changed a few embedding
+    rows. The in-memory tensors are hashed, not the files: a model may never have been saved, or
     may have been changed after loading.
     """
     h = xxhash.xxh3_128()
