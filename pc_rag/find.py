@@ -1,25 +1,30 @@
-"""Finding registered chunk texts inside a flat prompt string, so frameworks that flatten documents still hit.
+"""Finding chunk texts and earlier replies inside a prompt string, so frameworks that flatten documents still hit.
 
 RAG frameworks hand the model one string (LangChain's stuff chain joins `page_content` with blank lines;
-LlamaIndex puts metadata lines before each node's text). `ChunkIndex` holds the texts registered as chunks
-and `split` cuts a prompt string back into `Text` / `Chunk` segments with one Aho-Corasick pass
-(pyahocorasick), so the cost is linear in the prompt length whatever the number of registered chunks.
+LlamaIndex puts metadata lines before each node's text). A `ChunkIndex` holds texts to treat as chunks and
+finds them with one Aho-Corasick pass (pyahocorasick), linear in the prompt length whatever the number of
+texts. `Engine.split` asks, for each prompt string: the texts registered with the engine (`register`, the
+wrappers), the documents the framework hooks discovered (`DISCOVERED`, process-wide, `discover`), the texts
+marked for this request (`marked`: content blocks with `cache_control`), and the replies the engine generated
+(`ReplyIndex`); `resolve` keeps leftmost-longest, non-overlapping spans, and `SegmentTokenizer.split` turns
+them into segments with the tokens of the joined string.
 
 Matching rules, each chosen so that a hit never changes what the model is asked:
-- Keys are the registered text with surrounding whitespace stripped. Chat templates trim message content
+- Chunk keys are the text with surrounding whitespace stripped. Chat templates trim message content
   (Llama 3's `| trim`) and formatters add or drop newlines around documents; a stripped key matches in all
-  those layouts, and the `Chunk` always holds the same text, so its KV is found whatever the layout. The
-  whitespace around a hit stays in the neighbouring `Text`. Whitespace inside a chunk is matched exactly.
-- Leftmost-longest, non-overlapping: when registered texts overlap (one contains another), the match that
-  starts first wins, then the longest one starting there.
+  those layouts. Whitespace inside a chunk is matched exactly.
+- Leftmost-longest, non-overlapping: when texts overlap (one contains another), the match that starts first
+  wins, then the longest one starting there.
 - With `word_boundaries` (the default) a match glued to a letter or digit on either side ("cat" inside
-  "concatenate") is not a hit: cutting a word in two would change its tokenization.
-- Everything else is `Text`: a prompt with no registered chunk becomes one `Text` and is answered as usual.
+  "concatenate") is not a hit.
+- Everything else is text: a prompt with no known text is answered as usual (and still reuses the longest
+  cached token prefix, prefix.py).
+- Bounded: an index keeps at most `max_texts` texts and `max_chars` characters, least recently used first.
 
 Registering is cheap at any index size: new texts go to a small "recent" automaton, which is folded into the
-main one (a full rebuild) only once it holds more than an eighth of the keys, so a retriever that registers
-a few documents per request does not pay for a rebuild of 100,000 keys each time. Built automata are never
-modified, only replaced, so `split` can run while another thread registers texts.
+main one (a full rebuild) only once it holds more than an eighth of the keys (or after an eviction), so a
+retriever that registers a few documents per request does not pay for a rebuild of 100,000 keys each time.
+Built automata are never modified, only replaced, so a split can run while another thread registers texts.
 """
 
 from __future__ import annotations
