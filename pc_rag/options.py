@@ -75,8 +75,8 @@ def check_device(device) -> str:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise OptionError(f"device {str(device)!r}: {why} (torch {torch.__version__}); use --device cpu "
-                              f"or install a CUDA build of torch")
+            raise OptionError(f"device {str(device)!r}: {why} (torch {torch.__version__}); use cpu, or "
+                              f"install a CUDA build of torch")
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
             raise OptionError(f"device {str(device)!r}: only {count} CUDA device(s) visible (cuda:0..cuda:{count - 1})")
