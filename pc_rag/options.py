@@ -91,31 +91,34 @@ def check_device(device) -> str:
 # ---- checks shared by GenerationOptions and decode.Sampling; each message names the argument --------------
 def checked_sampling(temperature, top_p, seed) -> tuple[float, float, int | None]:
     """The sampling arguments, checked and normalised (GenerationOptions and decode.Sampling share it)."""
-    temperature = checked_number("temperature", temperature, 0.0, math.inf, hint="0 = greedy")
+    temperature = checked_number("temperature", temperature, 0.0, None, hint="0 = greedy")
     top_p = checked_number("top_p", top_p, 0.0, 1.0, low_open=True, hint="1 = no nucleus cut")
     if seed is not None:
-        seed = checked_int("seed", seed, low=SEED_MIN, high=SEED_MAX, hint="or None")
+        seed = checked_int("seed", seed, hint="or None")
+        if not SEED_MIN <= seed <= SEED_MAX:
+            raise OptionError(f"seed must fit in 64 bits (-2**63 to 2**64 - 1), got {seed}")
     return temperature, top_p, seed
 
 
-def checked_int(name: str, value, low: int | None = None, high: int | None = None, hint: str = "") -> int:
+def checked_int(name: str, value, low: int | None = None, hint: str = "") -> int:
     # bool is an int to Python, but `seed=True` or `max_new_tokens=True` is a mistake, not a number.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise OptionTypeError(f"{name} must be an int{_also(hint)}, got {type(value).__name__} {value!r}")
+        hint = f" ({hint})" if hint else ""
+        raise OptionTypeError(f"{name} must be an int{hint}, got {_shown(value)}")
     value = int(value)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise OptionError(f"{name} must be {_range(low, high)}, got {value}")
+    if low is not None and value < low:
+        raise OptionError(f"{name} must be >= {low}, got {value}")
     return value
 
 
-def checked_number(name: str, value, low: float, high: float, low_open: bool = False, hint: str = "") -> float:
+def checked_number(name: str, value, low: float, high: float | None, low_open: bool = False, hint: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise OptionTypeError(f"{name} must be a number ({hint}), got {type(value).__name__} {value!r}")
+        raise OptionTypeError(f"{name} must be a number ({hint}), got {_shown(value)}")
     value = float(value)
-    too_low = value <= low if low_open else value < low
-    if not math.isfinite(value) or too_low or value > high:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
-        raise OptionError(f"{name} must be {'in ' if math.isfinite(high) else ''}{interval} ({hint}), got {value}")
+    above_low = value > low if low_open else value >= low
+    if not (math.isfinite(value) and above_low and (high is None or value <= high)):
+        bound = f"finite and >= {low:g}" if high is None else f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise OptionError(f"{name} must be {bound} ({hint}), got {value}")
     return value
 
 
@@ -129,18 +132,11 @@ def checked_stop(stop) -> tuple[str, ...]:
     stop = tuple(stop)
     for i, s in enumerate(stop):
         if not isinstance(s, str):
-            raise OptionTypeError(f"stop[{i}] must be a string, got {type(s).__name__} {s!r}; "
-                                  f"stop takes strings, not token ids")
+            ids = "; stop takes strings, not token ids" if isinstance(s, numbers.Integral) else ""
+            raise OptionTypeError(f"stop[{i}] must be a string, got {_shown(s)}{ids}")
     return tuple(s for s in stop if s)
 
 
-def _also(hint: str) -> str:
-    return f" ({hint})" if hint else ""
-
-
-def _range(low: int | None, high: int | None) -> str:
-    if high is None:
-        return f">= {low}"
-    if low is None:
-        return f"<= {high}"
-    return f"between {low} and {high}"
+def _shown(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:40] + '...'}"
