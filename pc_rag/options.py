@@ -49,8 +49,8 @@ class GenerationOptions:
                                checked_sampling(self.temperature, self.top_p, self.seed), strict=True):
             set_(self, name, value)
         set_(self, "stop", checked_stop(self.stop))
-        set_(self, "recompute_ratio", checked_number("recompute_ratio", self.recompute_ratio, 0.0, 1.0,
-                                            hint="0 = modular, 1 = full"))
+        ratio = checked_number("recompute_ratio", self.recompute_ratio, 0.0, 1.0, hint="0 = modular, 1 = full")
+        set_(self, "recompute_ratio", ratio)
 
 
 def check_mode(mode) -> str:
