@@ -3,7 +3,8 @@
 from . import testing
 from .blocks import KVBlock
 from .engine import Engine, Generation, SegmentSource
-from .errors import PCRagError, PMLError, PromptError, StoreError, UnsupportedModelError
+from .errors import OptionError, OptionTypeError, PCRagError, PMLError, PromptError, StoreError, UnsupportedModelError
+from .options import GenerationOptions
 from .pml import PML, Schema, SchemaRegistry
 from .segments import Chunk, Text
 
@@ -11,7 +12,10 @@ __all__ = [
     "Chunk",
     "Engine",
     "Generation",
+    "GenerationOptions",
     "KVBlock",
+    "OptionError",
+    "OptionTypeError",
     "PCRagError",
     "PML",
     "PMLError",

@@ -105,7 +105,13 @@ def _engine(args, cache_dir: Path):
     """(engine, model path or id, whether its weights are random), loaded as the options say."""
     from . import Engine
     from .demo import demo_model
+    from .model import parse_dtype
+    from .options import check_device
 
+    # Before building the demo model or reading a checkpoint: `--device cuda` on a CPU-only torch was an
+    # AssertionError traceback from inside torch, after the weights had loaded.
+    check_device(args.device)
+    parse_dtype(args.dtype)
     _quiet_transformers()
     path = _check_model(args.model) if args.model else str(demo_model(cache_dir))
     store = args.store or ["memory", f"disk:{cache_dir}"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import PCRagError
+from .options import GenerationOptions, checked_sampling
 
 
 @dataclass(frozen=True)
@@ -17,10 +17,14 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise PCRagError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise PCRagError(f"top_p must be in (0, 1], got {self.top_p}")
+        # The same checks and messages as GenerationOptions: a Sampling built by hand is checked too.
+        for name, value in zip(("temperature", "top_p", "seed"),
+                               checked_sampling(self.temperature, self.top_p, self.seed), strict=True):
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_options(cls, options: GenerationOptions) -> Sampling:
+        return cls(options.temperature, options.top_p, options.seed)
 
 
 class Sampler:

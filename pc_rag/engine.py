@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -19,10 +20,13 @@ from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
 from .find import DISCOVERED, ChunkIndex, ReplyIndex, discovery_enabled, marked, resolve
 from .model import LlamaRunner
+from .options import GenerationOptions, check_device
 from .pml import PML, Schema, SchemaRegistry
 from .scaffolds import CoRetrievalCounter
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment
 from .store import open_store
+
+log = logging.getLogger("pc_rag")
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,10 @@ class Engine:
         self.chunks = ChunkIndex()
         self.replies = ReplyIndex()
         self._background: list[threading.Thread] = []
+        # Guards the assembler's scaffold dict against background builders (stats() iterating it while a
+        # build added a group raised "dictionary changed size during iteration"), the thread list and the count:
+        self._scaffold_lock = threading.Lock()
+        self._scaffolds_failed = 0  # automatic scaffold builds that raised (logged on the "pc_rag" logger)
 
     def _place_block(self, block):
         if block.keys.device == self.runner.device:
@@ -117,6 +125,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu", store=None) -> Engine:
+        device = check_device(device)  # before reading any weights: a missing GPU is a one-line error
         runner = LlamaRunner.from_pretrained(str(path_or_id), dtype=dtype, device=device)
         return cls(runner.model, runner.tokenizer, store=store)
 
@@ -128,24 +137,31 @@ class Engine:
     def generate(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
                  recompute_ratio: float = 0.15) -> Generation:
-        *_, generation = self.stream_generation(prompt, mode, max_new_tokens, temperature, top_p, stop, seed,
-                                                recompute_ratio)
+        """Generate a reply; the arguments are those of `GenerationOptions` (checked before any work)."""
+        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio)
+        *_, generation = self._stream_generation(prompt, options)
         return generation
 
     def stream(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
                recompute_ratio: float = 0.15) -> Iterator[str]:
-        """Text pieces as they are decoded; never splits a multi-byte character or emits part of a stop string."""
-        for item in self.stream_generation(prompt, mode, max_new_tokens, temperature, top_p, stop, seed,
-                                           recompute_ratio):
-            if isinstance(item, str):
-                yield item
+        """Text pieces as they are decoded; never splits a multi-byte character or emits part of a stop string.
+
+        Not a generator function: the options are checked here, at the call, so a bad argument raises before
+        the first `next()`."""
+        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio)
+        return (item for item in self._stream_generation(prompt, options) if isinstance(item, str))
 
     def stream_generation(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32,
                           temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] | None = None,
                           seed: int | None = None, recompute_ratio: float = 0.15) -> Iterator[str | Generation]:
-        """Like `stream`, then the final `Generation` (token counts, TTFT) as the last item."""
-        steps = self._run(prompt, mode, max_new_tokens, Sampling(temperature, top_p, seed), stop, recompute_ratio)
+        """Like `stream`, then the final `Generation` (token counts, TTFT) as the last item; options are
+        checked at the call, as in `stream`."""
+        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio)
+        return self._stream_generation(prompt, options)
+
+    def _stream_generation(self, prompt: Prompt, options: GenerationOptions) -> Iterator[str | Generation]:
+        steps = self._run(prompt, options)
         while True:
             try:
                 piece = next(steps)
@@ -180,8 +196,10 @@ class Engine:
         """Declare chunks that are retrieved together: whenever they appear in a prompt in this order (with
         only text between them), they are encoded jointly once and reused as one block, so inside the group
         each chunk sees the ones before it, as in a full prefill."""
-        texts = [c.text if isinstance(c, Chunk) else c for c in chunks]
-        self.assembler.add_scaffold([self.segmenter.ids(t) for t in texts])
+        texts = [(c if isinstance(c, Chunk) else Chunk(c)).text for c in chunks]  # Chunk() checks the text
+        group = [self.segmenter.ids(t) for t in texts]
+        with self._scaffold_lock:
+            self.assembler.add_scaffold(group)
 
     def add_schema(self, pml: str) -> Schema:
         """Register a PML schema; later prompts may be PML `<prompt schema="...">` strings."""
@@ -195,7 +213,8 @@ class Engine:
         """Next-token logits after the prompt, [vocab] float32. Like `generate`, it leaves the prompt's prefix
         blocks behind (stored after the logits are computed), so scoring many continuations of one long
         context computes the context once."""
-        asm = self._prefill(prompt, mode, extra_capacity=0, recompute_ratio=recompute_ratio)
+        options = GenerationOptions(mode=mode, recompute_ratio=recompute_ratio)
+        asm = self._prefill(prompt, options.mode, extra_capacity=0, recompute_ratio=options.recompute_ratio)
         try:
             self.assembler.save_prefix(asm)
         finally:
@@ -206,8 +225,14 @@ class Engine:
         """Encode and store chunk KV ahead of time; returns how many chunks were newly encoded."""
         from tqdm.auto import tqdm
 
+        if isinstance(chunks, (str, Chunk)):  # a lone string would be warmed character by character
+            raise PromptError("warm takes a list of chunks (str or pc_rag.Chunk), not a single one: warm([chunk])")
+        chunks = list(chunks)
+        for i, c in enumerate(chunks):  # all checked before the first (slow) encode
+            if not isinstance(c, (str, Chunk)):
+                raise PromptError(f"warm: chunks[{i}] is a {type(c).__name__}; pass str or pc_rag.Chunk")
         encoded = 0
-        for c in tqdm(list(chunks), desc="pc_rag: encoding chunks", unit="chunk", disable=not progress):
+        for c in tqdm(chunks, desc="pc_rag: encoding chunks", unit="chunk", disable=not progress):
             c = Chunk(c) if isinstance(c, str) else c
             ids = self.segmenter.ids(c.text)
             if ids:
@@ -216,15 +241,23 @@ class Engine:
         return encoded
 
     def stats(self) -> dict:
-        groups = sum(len(g) for g in self.assembler.scaffolds.values())
+        """Store tiers' counters, and scaffolds: groups declared, bytes of their joint KV, automatic builds
+        that failed (each logged on the "pc_rag" logger)."""
+        with self._scaffold_lock:  # a snapshot: background builds may add groups meanwhile
+            groups = list(self.assembler.scaffolds.values())
+            failed = self._scaffolds_failed
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
-                "scaffolds": {"groups": groups, "bytes": self.assembler.scaffold_bytes}}
+                "scaffolds": {"groups": sum(len(g) for g in groups), "bytes": self.assembler.scaffold_bytes,
+                              "failed": failed}}
 
     def wait_for_background(self, timeout: float | None = None) -> None:
         """Wait for background work (automatic scaffold encodes) to finish."""
-        for t in list(self._background):
+        with self._scaffold_lock:
+            threads = list(self._background)
+        for t in threads:
             t.join(timeout)
-        self._background = [t for t in self._background if t.is_alive()]
+        with self._scaffold_lock:
+            self._background = [t for t in self._background if t.is_alive()]
 
     # ---- the request path ------------------------------------------------------------------------------
     def _segments(self, prompt: Prompt | str | PML):
@@ -245,6 +278,9 @@ class Engine:
                 f"the prompt needs position ids up to {last}, beyond the model's context of "
                 f"{shape.max_positions} tokens: drop chunks or shorten the text"
             )
+        # Decoding stops where positions run out, so no more slots than that can be written: without this
+        # bound, max_new_tokens=10**9 asked the pool for a billion-token buffer.
+        extra_capacity = min(extra_capacity, shape.max_positions - segments[-1].end)
         total = sum(len(s) for s in segments)
         if shape.sliding_window is not None and total + extra_capacity > shape.sliding_window:
             raise PromptError(
@@ -266,25 +302,46 @@ class Engine:
             return  # a group is only reusable where its segments sit at consecutive positions
         group = tuple(s.token_ids for s in span if s.kind == "chunk")
         if self.co_retrieval.observe(group):
-            # Declared only once its joint KV is stored, so no request waits for the encode.
-            def build():
-                self.assembler.scaffold_piece(span, 0)
-                self.assembler.add_scaffold(group)
-
-            t = threading.Thread(target=build, name="pc_rag-scaffold", daemon=True)
-            self._background.append(t)
+            t = threading.Thread(target=self._build_scaffold, args=(span, group), name="pc_rag-scaffold",
+                                 daemon=True)
+            with self._scaffold_lock:
+                self._background = [b for b in self._background if b.is_alive()]  # finished ones are dropped
+                self._background.append(t)
             t.start()
 
-    def _run(self, prompt, mode, max_new_tokens, sampling: Sampling, stop, recompute_ratio) -> Iterator[str]:
+    def _build_scaffold(self, span, group) -> None:
+        """Background: encode a frequent group jointly, then declare it (only once its KV is stored, so no
+        request waits for the encode). A failure costs only the speed-up: the group's requests keep using
+        each chunk's own KV, so it is logged and counted, never raised into the thread."""
+        try:
+            self.assembler.scaffold_piece(span, 0)
+            with self._scaffold_lock:
+                self.assembler.add_scaffold(group)
+        except Exception:
+            with self._scaffold_lock:
+                self._scaffolds_failed += 1
+            log.exception("pc_rag: automatic scaffold of %s failed; requests keep using each chunk's own KV",
+                          self._describe_group(group))
+
+    def _describe_group(self, group) -> str:
+        def preview(ids):
+            try:
+                text = self.tokenizer.decode(list(ids[:12]), skip_special_tokens=True)
+            except Exception:  # describing the failure must not fail in turn
+                text = f"token ids {list(ids[:6])}"
+            return f"{text!r}... ({len(ids)} tokens)"
+
+        return f"{len(group)} chunks: " + ", ".join(preview(ids) for ids in group)
+
+    def _run(self, prompt, options: GenerationOptions) -> Iterator[str]:
         t0 = time.perf_counter()
-        if max_new_tokens < 1:
-            raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        sampler = Sampler(sampling)
-        asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=recompute_ratio)
+        mode, max_new_tokens = options.mode, options.max_new_tokens
+        sampler = Sampler(Sampling.from_options(options))
+        asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=options.recompute_ratio)
         token = sampler(asm.logits)
         ttft = time.perf_counter() - t0
 
-        text = TextStream(self.tokenizer, stop)
+        text = TextStream(self.tokenizer, options.stop)
         ids: list[int] = []
         finish = "length"
         room = self.runner.shape.max_positions - 1 - asm.last_position  # positions left for new tokens

@@ -19,3 +19,13 @@ class PMLError(PCRagError, ValueError):
 
 class StoreError(PCRagError):
     """A KV store tier failed; callers treat it as a miss and recompute."""
+
+
+class OptionError(PCRagError, ValueError):
+    """A generation option (max_new_tokens, temperature, top_p, stop, seed, recompute_ratio) or a device is out
+    of range or unavailable; the message names the argument and what it accepts. An unknown `mode` is a
+    PromptError, as it always was."""
+
+
+class OptionTypeError(OptionError, TypeError):
+    """An option of the wrong type (`temperature="0.7"`, `seed=True`, `stop=[1]`): also a TypeError."""

@@ -10,9 +10,10 @@ every mode sees exactly the same token ids. Put separators ("\\n\\n") inside the
 from __future__ import annotations
 
 import bisect
+import numbers
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .errors import PromptError
@@ -32,6 +33,9 @@ class Text:
     position: int | None = None
     token_ids: tuple[int, ...] | None = None
 
+    def __post_init__(self):
+        _check_segment(self, self.text, position=self.position)
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -46,8 +50,39 @@ class Chunk:
     encode_position: int | None = None
     token_ids: tuple[int, ...] | None = None  # as for Text
 
+    def __post_init__(self):
+        _check_segment(self, self.text, position=self.position, encode_position=self.encode_position)
+
 
 Prompt = Sequence[Text | Chunk]
+
+
+def _check_segment(seg, text, **positions) -> None:
+    kind = type(seg).__name__
+    if not isinstance(text, str):
+        raise PromptError(f"{kind}(text=...) must be a str, got {type(text).__name__}")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            # The tokenizer would fail with "TextEncodeInput must be Union[...]"; a lone surrogate usually
+            # comes from bytes decoded with errors="surrogateescape", or JSON holding half of an escaped pair.
+            raise PromptError(
+                f"{kind}({_preview(text)}) holds a lone surrogate {text[e.start]!r} at character {e.start}, "
+                f"which is not valid Unicode text; decode the source with errors='replace' or drop it"
+            ) from None
+    for name, value in positions.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise PromptError(f"{kind}({_preview(text)}): {name} must be an int or None, got {type(value).__name__}")
+        if value < 0:
+            raise PromptError(f"{kind}({_preview(text)}): {name} must be >= 0, got {value}")
+        object.__setattr__(seg, name, int(value))  # numpy ints from a retriever become plain ints
+
+
+def _preview(text: str, n: int = 30) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
 
 
 @dataclass(frozen=True)
@@ -168,6 +203,11 @@ class SegmentTokenizer:
         """Tokenize a prompt and lay out position ids; a BOS sink segment comes first when the model has one."""
         if isinstance(prompt, (str, Text, Chunk)):
             raise PromptError("a prompt is a list of pc_rag.Text / pc_rag.Chunk segments, not a single value")
+        if not isinstance(prompt, Sequence):
+            # A generator would be consumed by one look and then be empty: ask for a list instead.
+            raise PromptError(f"prompt must be a string or a list of pc_rag.Text / pc_rag.Chunk segments, got "
+                              f"{type(prompt).__name__}" + ("; pass list(...) of it" if isinstance(prompt, Iterator)
+                                                            else ""))
         if len(prompt) == 0:
             raise PromptError("the prompt is empty: pass at least one pc_rag.Text or pc_rag.Chunk")
         out: list[TokenSegment] = []

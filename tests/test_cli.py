@@ -87,3 +87,51 @@ def test_bad_path_in_a_real_process(tmp_path):
     done = _run(["warm", str(tmp_path / "missing")], tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"pc-rag warm: error: {tmp_path / 'missing'}: no such file or folder"]
+
+
+@pytest.mark.parametrize("device, words", [
+    ("cuda", "device 'cuda': "),
+    ("mps", "device 'mps': MPS"),
+    ("garbage", "device 'garbage' is not a device"),
+])
+@pytest.mark.parametrize("command", [["demo"], ["warm", "{docs}"]])
+def test_bad_device_is_one_line_before_any_weights_load(command, device, words, tmp_path, capsys, monkeypatch):
+    import torch
+
+    import pc_rag
+    from pc_rag import demo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same outcome on a GPU machine
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("weights loaded before the device was checked")
+
+    monkeypatch.setattr(demo, "demo_model", must_not_load)
+    monkeypatch.setattr(pc_rag.Engine, "from_pretrained", must_not_load)
+    (tmp_path / "a.txt").write_text("A document.")
+    args = [a.format(docs=tmp_path / "a.txt") for a in command]
+    assert cli.main([*args, "--device", device, "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err and "Traceback" not in err
+
+
+def test_engine_from_pretrained_checks_the_device_first(tiny_path, monkeypatch):
+    import torch
+
+    import pc_rag
+    from pc_rag.model import LlamaRunner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(LlamaRunner, "from_pretrained", classmethod(lambda cls, *a, **k: pytest.fail("loaded")))
+    with pytest.raises(pc_rag.OptionError, match="device 'cuda:0'"):
+        pc_rag.Engine.from_pretrained(tiny_path, device="cuda:0")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a torch without a usable CUDA GPU")
+def test_cuda_on_a_cpu_build_in_a_real_process(tiny_path, tmp_path):
+    # Was an AssertionError traceback from torch ("Torch not compiled with CUDA enabled") after loading.
+    done = _run(["demo", "--model", str(tiny_path), "--device", "cuda"], tmp_path)
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("pc-rag demo: error: device 'cuda': ")

@@ -173,3 +173,94 @@ def test_non_llama_architecture_is_refused(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path)
     with pytest.raises(pc_rag.UnsupportedModelError, match="gpt2"):
         pc_rag.Engine.from_pretrained(tmp_path)
+
+
+# ---- limits and background work ----------------------------------------------------------------------------
+def _spy_capacities(engine, monkeypatch):
+    """Records every buffer capacity the engine asks for, and refuses (before allocating) any beyond the
+    model's context: the reference is `shape.max_positions`, the most slots a request can ever fill."""
+    asked, real, limit = [], engine.runner.acquire_cache, engine.runner.shape.max_positions
+
+    def acquire(capacity):
+        asked.append(capacity)
+        if capacity > limit:
+            raise MemoryError(f"asked for a {capacity}-slot buffer, beyond the context of {limit}")
+        return real(capacity)
+
+    monkeypatch.setattr(engine.runner, "acquire_cache", acquire)
+    return asked
+
+
+@pytest.mark.parametrize("mode", ["full", "modular"])
+def test_huge_max_new_tokens_asks_for_no_more_than_the_context(engine, docs, monkeypatch, mode):
+    asked = _spy_capacities(engine, monkeypatch)
+    limit = engine.runner.shape.max_positions
+    # The question sits 8 positions before the end of the context, so decoding runs out of positions quickly.
+    prompt = [Chunk(docs[0]), Text("Question?", position=limit - 8)]
+    gen = engine.generate(prompt, mode=mode, max_new_tokens=10**9)
+    end = limit - 8 + len(engine.segmenter.ids("Question?"))
+    assert gen.finish_reason == "length" and len(gen.token_ids) == limit - end + 1  # every position used
+    assert max(asked) <= limit
+    assert next(engine.stream(prompt, mode=mode, max_new_tokens=10**9))  # the stream path too
+    assert max(asked) <= limit
+
+
+def test_a_failing_background_scaffold_is_logged_and_counted(loaded, docs, monkeypatch, caplog):
+    model, tok = loaded
+    engine = pc_rag.Engine(model, tok, store="memory", auto_scaffold_after=1)
+    crashed = []
+    monkeypatch.setattr("threading.excepthook", crashed.append)  # what an uncaught thread exception reaches
+
+    def broken(span, slot):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(engine.assembler, "scaffold_piece", broken)
+    prompt = [Text("Docs:\n"), Chunk(docs[0]), Text("\n\n"), Chunk(docs[1]), Text("\n\nQ?")]
+    with caplog.at_level("ERROR", logger="pc_rag"):
+        engine.generate(prompt, max_new_tokens=1)
+        engine.wait_for_background(timeout=60)
+    assert crashed == []
+    assert engine.stats()["scaffolds"] == {"groups": 0, "bytes": 0, "failed": 1}
+    [record] = [r for r in caplog.records if r.name == "pc_rag"]
+    assert "automatic scaffold of 2 chunks" in record.getMessage() and record.exc_info[1].args == ("disk full",)
+    # The request path is unaffected: the group's prompts still run from each chunk's own KV.
+    assert "scaffold" not in [s.kind for s in engine.generate(prompt, max_new_tokens=1).sources]
+
+
+def test_stats_while_scaffolds_are_built(loaded, monkeypatch):
+    """stats() iterated the scaffold dict while background builds added groups to it ("dictionary changed
+    size during iteration"). Reference: no exception in either thread, and every group counted at the end."""
+    import sys
+    import threading
+
+    from pc_rag.segments import TokenSegment
+
+    model, tok = loaded
+    engine = pc_rag.Engine(model, tok, store="memory", auto_scaffold_after=1)
+    monkeypatch.setattr(engine.assembler, "scaffold_piece", lambda span, slot: None)  # no encode: only the dict
+    for i in range(3000):  # a large dict, so one stats() spans many thread switches
+        engine.assembler.scaffolds[(10**6 + i,)] = {((10**6 + i,), (0,))}
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the race shows within a few calls
+    errors, done = [], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            try:
+                engine.stats()
+            except Exception as e:  # the failure under test
+                errors.append(e)
+                return
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for i in range(300):
+            engine._count_co_retrieval([TokenSegment("chunk", (i, 1), 0), TokenSegment("chunk", (i, 2), 2)])
+        engine.wait_for_background(timeout=60)
+    finally:
+        done.set()
+        poller.join()
+        sys.setswitchinterval(old_interval)
+    assert errors == []
+    assert engine.stats()["scaffolds"]["groups"] == 3000 + 300

@@ -36,3 +36,16 @@ def test_example_second_run_reuses_kv(script, framework, tiny_path, seeded_embed
         assert re.search(r"TTFT: [\d.]+ ms", done.stdout) and "store hit rate:" in done.stdout
         cached.append(hit)
     assert cached[0] == 0 and cached[1] > 0
+
+
+def test_readme_test_line_installs_what_it_needs_and_ci_runs_it_verbatim():
+    """A fresh machine after the README's first command has no pytest: the test line must install it.
+    Reference: the README's "Run the tests" command, and the last line of `.ci/run`."""
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("\nRun the tests"):]
+    line = next(t.strip() for t in section.splitlines() if t.startswith("    "))  # its indented code line
+    assert line.startswith('pip install -e ".[test,demo]" -e "integrations/langchain[test]" '
+                           '-e "integrations/llama_index[test]" && python -m pytest -q tests')
+    ci = [t for t in (root / ".ci" / "run").read_text().splitlines() if t.strip() and not t.startswith("#")]
+    assert ci[-1] == line
