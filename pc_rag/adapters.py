@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .errors import PCRagError
 from .find import discover, discovery_enabled, index_for
+from .options import GenerationOptions
 from .segments import Chunk, Text
 
-__all__ = ["SamplingOptions", "chat_prompt", "completion_prompt", "discover", "discovery_enabled", "register",
-           "render_chat", "shared_engine", "stream_generation", "usage"]
+__all__ = ["GenerationOptions", "SamplingOptions", "chat_prompt", "completion_prompt", "discover",
+           "discovery_enabled", "register", "render_chat", "shared_engine", "stream_generation", "usage"]
 
 _ENGINES: dict[tuple[str, str, str], Any] = {}
 _ENGINES_LOCK = threading.Lock()
@@ -75,31 +75,17 @@ def register(engine, texts) -> int:
     return index_for(engine).add_many(texts)
 
 
-@dataclass(frozen=True)
-class SamplingOptions:
-    """The generation options every adapter exposes, in the engine's terms."""
-
-    mode: str = "modular"
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] | None = None
-    seed: int | None = None
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "stop": list(self.stop) if self.stop else None,
-            "seed": self.seed,
-        }
+# The generation options every adapter exposes: the engine's own checked options object (one definition).
+SamplingOptions = GenerationOptions
 
 
-def stream_generation(engine, prompt: Sequence[Text | Chunk], options: SamplingOptions) -> Iterator[Any]:
+def stream_generation(engine, prompt: Sequence[Text | Chunk], options: GenerationOptions) -> Iterator[Any]:
     """The text pieces of one request (`str`), then the engine's `Generation` as the last item."""
-    return engine.stream_generation(prompt, **options.engine_kwargs())
+    return engine.stream_generation(
+        prompt, mode=options.mode, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
+        top_p=options.top_p, stop=list(options.stop) or None, seed=options.seed,
+        recompute_ratio=options.recompute_ratio,
+    )
 
 
 def usage(generation) -> dict[str, int]:

@@ -115,14 +115,15 @@ class Assembler:
         self.block_tokens = block_tokens
         self.prefixes = PrefixIndex()  # blocks stored under each parent key, for matches ending inside a block
         # Declared scaffold groups, by their first chunk's tokens: each a tuple of chunk token tuples.
-        self.scaffolds: dict[tuple[int, ...], set[tuple[tuple[int, ...], ...]]] = {}
+        self.scaffolds: dict[tuple[int, ...], frozenset[tuple[tuple[int, ...], ...]]] = {}
         self.scaffold_bytes = 0  # what joint encodings cost on top of the chunks' own blocks
         self.reuse_separators = True  # whitespace-only text after a chunk is reused like a chunk (see plan)
 
     def add_scaffold(self, chunks: Sequence[tuple[int, ...]]) -> None:
         if len(chunks) < 2:
             raise PCRagError("a scaffold groups at least two chunks")
-        self.scaffolds.setdefault(chunks[0], set()).add(tuple(chunks))
+        # Copy on write: planning in other threads reads these sets without a lock.
+        self.scaffolds[chunks[0]] = self.scaffolds.get(chunks[0], frozenset()) | {tuple(chunks)}
 
     # ---- planning -------------------------------------------------------------------------------------
     def plan(self, segments: list[TokenSegment], mode: str) -> Plan:

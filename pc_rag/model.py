@@ -205,6 +205,10 @@ class LlamaRunner:
     def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu") -> LlamaRunner:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        from .options import check_device
+
+        check_device(device)  # before any weights load: "cuda" on a CPU build is one clear error
+
         config = AutoConfig.from_pretrained(path_or_id)
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(

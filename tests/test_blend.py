@@ -62,7 +62,9 @@ def test_blend_ratio_zero_equals_modular(warmed, docs):
     prompt = rag(docs, (1, 2))
     lm = warmed.next_token_logits(prompt, "modular")
     lb = warmed.next_token_logits(prompt, "blend", recompute_ratio=0.0)
-    assert torch.equal(lb, lm)
+    # The same KV; only float rounding may differ: the first call computed the leading text and the question in
+    # one forward, the second reuses the leading text (automatic prefix reuse) and computes the question alone.
+    assert (lb - lm).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("select", ["deviation", "chunk_start"])
