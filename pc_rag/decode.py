@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from tokenizers.decoders import DecodeStream
 
 from .options import GenerationOptions, checked_sampling
 
@@ -54,18 +55,26 @@ class Sampler:
 class TextStream:
     """Detokenizes incrementally and emits only text that can no longer change.
 
-    Held back: a trailing incomplete UTF-8 sequence (decoded as U+FFFD), and any tail that could be the
-    start of a stop string. A stop string ends the stream; the text stops before it.
+    Held back: a trailing incomplete UTF-8 sequence, and any tail that could be the start of a stop string. A
+    stop string ends the stream; the text stops before it.
+
+    Each token is decoded once, by the tokenizers library's `DecodeStream` (it keeps the few tokens a
+    character or a word-piece prefix may still need), so a reply of n tokens costs O(n) decoding, not the
+    O(n^2) of decoding the whole reply at every step. Tokenizers without a Rust backend fall back to that.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] | None):
         if isinstance(stop, str):
             stop = [stop]
         self.stop = [s for s in (stop or []) if s]
+        self._longest_stop = max((len(s) for s in self.stop), default=0)
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""  # everything emitted so far
         self.stopped = False
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
+        self._decoded = ""  # complete text decoded so far (incremental path)
 
     def _decode(self) -> str:
         # No clean-up of spaces: it rewrites earlier text (" ." -> ".") once the next token arrives.
@@ -73,30 +82,38 @@ class TextStream:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        full = self._decode()
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, token_id)
+            if piece:
+                self._decoded += piece
+            full = self._decoded
+        else:
+            full = self._decode()
+            if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence so far
+                return ""
         hit = self._first_stop(full)
         if hit is not None:
             self.stopped = True
             return self._emit(full[:hit])
-        if full.endswith("\ufffd"):
-            return ""
         return self._emit(full[: len(full) - self._stop_prefix_len(full)])
 
     def finish(self) -> str:
         """Flush what was held back (end of generation without a stop string)."""
         if self.stopped:
             return ""
+        # One whole decode at the end: it also renders bytes the incremental decoder still holds (as U+FFFD).
         return self._emit(self._decode())
 
     def _emit(self, upto: str) -> str:
-        if not upto.startswith(self.text) or len(upto) <= len(self.text):
+        n = len(self.text)
+        if len(upto) <= n or upto[:n] != self.text:
             return ""
-        new = upto[len(self.text):]
+        new = upto[n:]
         self.text = upto
         return new
 
     def _first_stop(self, full: str) -> int | None:
-        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+        start = max(0, len(self.text) - self._longest_stop)
         found = [i for s in self.stop if (i := full.find(s, start)) >= 0]
         return min(found) if found else None
 

@@ -1,6 +1,7 @@
 """Decoding: stop strings, streaming that never cuts a character, sampling controls."""
 
 import pytest
+import torch
 
 import pc_rag
 from pc_rag import Chunk, Text
@@ -74,3 +75,14 @@ def test_sampling_arguments_are_checked():
         Sampler(Sampling(temperature=1.0, top_p=0.0))
     with pytest.raises(pc_rag.PCRagError, match="temperature"):
         Sampling(temperature=-1.0)
+
+
+def test_incremental_decoding_equals_a_whole_decode(loaded):
+    """Reference: tokenizer.decode of all ids at once; the stream decodes each token once (DecodeStream)."""
+    _, tok = loaded
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        ids = torch.randint(0, len(tok), (300,), generator=g).tolist()
+        stream = TextStream(tok, stop=None)
+        out = "".join(stream.push(i) for i in ids) + stream.finish()
+        assert out == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
