@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field
 
+from pc_rag import adapters
 from pc_rag.adapters import SamplingOptions, shared_engine
+
+# Until the core's split takes `chunk_texts=` and `discovered=`: chunks marked in a request are registered
+# with the engine (for good) before the plain split.
+_SPLIT_TAKES_CHUNKS = "chunk_texts" in inspect.signature(adapters.chat_prompt).parameters
+
+
+def chat_segments(engine, messages: Sequence[Mapping[str, str]], chunk_texts: Iterable[str], discovered: bool):
+    """`pc_rag.adapters.chat_prompt`: the messages as segments, documents found in them as chunks."""
+    if _SPLIT_TAKES_CHUNKS:
+        return adapters.chat_prompt(engine, messages, chunk_texts=tuple(chunk_texts), discovered=discovered)
+    adapters.register(engine, chunk_texts)
+    return adapters.chat_prompt(engine, messages)
+
+
+def completion_segments(engine, text: str, discovered: bool):
+    """`pc_rag.adapters.completion_prompt`: the prompt string as segments, documents found in it as chunks."""
+    if _SPLIT_TAKES_CHUNKS:
+        return adapters.completion_prompt(engine, text, discovered=discovered)
+    return adapters.completion_prompt(engine, text)
+
+
+def counts(generation) -> dict[str, int]:
+    """`pc_rag.adapters.usage`, with `cache_creation_tokens` (0 where the core does not report it yet)."""
+    out = adapters.usage(generation)
+    out.setdefault("cache_creation_tokens", 0)
+    return out
 
 
 class EngineFields(BaseModel):
@@ -34,6 +62,21 @@ class EngineFields(BaseModel):
     top_p: float = Field(default=1.0, description="Nucleus sampling mass.")
     stop: list[str] | None = Field(default=None, description="Strings that end generation (not returned).")
     seed: int | None = Field(default=None, description="Sampling seed.")
+    auto_chunks: bool = Field(
+        default=True,
+        description="Reuse the KV of documents that any LangChain retriever in this process returned (found "
+        "wherever they appear in the prompt). False: only text blocks marked with `cache_control` and "
+        "documents registered with this model's engine (PromptCacheRetriever, register_documents) are chunks. "
+        "PC_RAG_DISCOVERY=0 in the environment turns discovery off for the whole process.",
+    )
+
+    def with_structured_output(self, schema: Any, **kwargs: Any):
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support structured output (with_structured_output): pc_rag decodes "
+            "free text, with no JSON mode, tool calls or constrained decoding, so a schema cannot be enforced. "
+            "Ask for JSON in the prompt and parse the reply with langchain_core.output_parsers.JsonOutputParser "
+            "(it may fail to parse), or use a model with structured output for that step."
+        )
 
     def _engine(self):
         if self.engine is not None:
