@@ -4,7 +4,7 @@ from . import testing
 from .blocks import KVBlock
 from .engine import Engine, Generation, SegmentSource
 from .errors import PCRagError, PMLError, PromptError, StoreError, UnsupportedModelError
-from .pml import Schema, SchemaRegistry
+from .pml import PML, Schema, SchemaRegistry
 from .segments import Chunk, Text
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "Generation",
     "KVBlock",
     "PCRagError",
+    "PML",
     "PMLError",
     "PromptError",
     "Schema",

@@ -1,7 +1,8 @@
 """From token segments to an assembled cache and the prompt's last logits.
 
-A plan says, for every segment of the prompt, where its KV comes from:
-- "prefix":   an exact-prefix trie node (KV computed after exactly this prefix: identical to full prefill);
+A plan says, for every slot of the prompt, where its KV comes from:
+- "prefix":   a block of the automatic exact-prefix chain (prefix.py): KV an earlier request computed after
+              exactly the same tokens (its prompt or its reply); identical to a full prefill;
 - "chunk":    a chunk encoded on its own after the sink prefix, RoPE-relocated to its place (approximation:
               it never saw the segments before it);
 - "scaffold": a declared group of chunks (with the text between them) encoded jointly, relocated as one
@@ -9,7 +10,8 @@ A plan says, for every segment of the prompt, where its KV comes from:
 - "fresh":    computed in this request's single forward pass, attending to everything before it.
 Planning is plain Python over the store; `assemble` then copies blocks into the request's slots and runs
 one forward for all fresh tokens, plus, in `blend` mode, a chosen fraction of the reused chunk tokens,
-recomputed with the whole prompt as context (their cached KV is overwritten).
+recomputed with the whole prompt as context (their cached KV is overwritten). `save_prefix` stores, once
+the reply is out, the prefix blocks this request computed, so the next request finds them.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import KVBlock, chunk_key, prefix_key, scaffold_key
+from .blocks import KVBlock, chunk_key, scaffold_key
 from .errors import PCRagError, PromptError, UnsupportedModelError
 from .model import LlamaRunner, SlotCache
+from .prefix import BLOCK_TOKENS, Link, PrefixIndex, Run, after_link, run_blocks
 from .segments import TokenSegment
 from .store import get_with_source
 
@@ -33,11 +36,13 @@ SELECTIONS = ("deviation", "chunk_start")
 
 @dataclass(frozen=True)
 class Piece:
-    segment: TokenSegment  # for a scaffold: the group's segments merged into one
     slot: int  # first slot (= index of its first token in the prompt)
+    n: int  # tokens
     source: str  # "fresh" | "prefix" | "chunk" | "scaffold"
-    key: str | None = None  # store key it came from or will be saved under
-    block: KVBlock | None = None
+    kind: str  # what it holds: a segment kind ("bos", "text", "sep", "chunk"), "scaffold", or "prefix"
+    position: int  # position id of its first token; a relocated block's tokens have consecutive positions
+    key: str | None = None  # store key it came from
+    block: KVBlock | None = None  # for a "prefix" piece, its first n tokens are used
     origin: str | None = None  # store tier (or "computed" for a block encoded by this request)
 
 
@@ -65,25 +70,50 @@ class Recompute:
 
 
 @dataclass(frozen=True)
+class Plan:
+    mode: str
+    ids: tuple[int, ...]  # by slot
+    positions: tuple[int, ...]  # by slot
+    pieces: tuple[Piece, ...]
+    layout: tuple[Run | Link, ...]  # the prefix chain's layout, up to where its KV may be stored (prefix.py)
+    hits: frozenset[str]  # prefix blocks reused whole (already stored)
+    stored_tokens: int  # prompt tokens whose KV this request newly stores (chunks it encodes, prefix blocks)
+
+
+@dataclass(frozen=True)
 class Assembled:
     cache: SlotCache
     logits: torch.Tensor  # [vocab] fp32, next-token logits after the prompt
-    pieces: tuple[Piece, ...]
+    plan: Plan
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
     recomputed_tokens: int  # reused chunk tokens recomputed by blend (counted in computed_tokens)
     last_position: int
 
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        return self.plan.pieces
+
+
+def _put(store, key: str, block: KVBlock, persist: bool) -> None:
+    """Write a block; `persist=False` keeps it out of disk and Redis (only this process's index finds it)."""
+    tiers = getattr(store, "tiers", [store])
+    for tier in tiers if not persist else [store]:
+        if persist or not getattr(tier, "persistent", tier.name != "memory"):
+            tier.put(key, block)
+
 
 class Assembler:
     """Plans and builds the cache for one prompt, in one of MODES."""
 
-    def __init__(self, runner: LlamaRunner, store, sink_ids: tuple[int, ...]):
+    def __init__(self, runner: LlamaRunner, store, sink_ids: tuple[int, ...], block_tokens: int = BLOCK_TOKENS):
         self.runner = runner
         self.store = store
         self.sink_ids = sink_ids  # what every chunk is encoded after (BOS when the tokenizer has one)
         self.root = "root-" + runner.fingerprint
+        self.block_tokens = block_tokens
+        self.prefixes = PrefixIndex()  # blocks stored under each parent key, for matches ending inside a block
         # Declared scaffold groups, by their first chunk's tokens: each a tuple of chunk token tuples.
         self.scaffolds: dict[tuple[int, ...], set[tuple[tuple[int, ...], ...]]] = {}
         self.scaffold_bytes = 0  # what joint encodings cost on top of the chunks' own blocks
@@ -95,7 +125,7 @@ class Assembler:
         self.scaffolds.setdefault(chunks[0], set()).add(tuple(chunks))
 
     # ---- planning -------------------------------------------------------------------------------------
-    def plan(self, segments: list[TokenSegment], mode: str) -> list[Piece]:
+    def plan(self, segments: list[TokenSegment], mode: str) -> Plan:
         if mode not in MODES:
             raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode in REUSING_CHUNKS and not self.runner.relocatable:
@@ -103,48 +133,132 @@ class Assembler:
                 f"rope_type {self.runner.rope_type!r} rescales with sequence length, so relocating cached keys "
                 f"by rotation is not exact; use mode='exact' or mode='full' with this model"
             )
-        slots, s = [], 0
-        for seg in segments:
-            slots.append(s)
-            s += len(seg)
+        ids = tuple(t for s in segments for t in s.token_ids)
+        positions = tuple(q for s in segments for q in range(s.start, s.end))
+        items = self._layout(segments, mode)
         pieces: list[Piece] = []
-        parent, i = self.root, 0
-        if mode != "full":
-            # Longest cached exact prefix, segment by segment; the last segment is always computed so the
-            # prompt's last token has fresh logits.
-            while i < len(segments) - 1:
-                key = prefix_key(self.runner.fingerprint, parent, segments[i].token_ids, segments[i].start)
-                block, origin = get_with_source(self.store, key)
-                if block is None or block.token_ids != segments[i].token_ids:
-                    break
-                pieces.append(Piece(segments[i], slots[i], "prefix", key, block, origin))
-                parent, i = key, i + 1
-        j = i
+        layout: list[Run | Link] = []
+        hits: set[str] = set()
+        parent, walking, storing = self.root, mode != "full", mode != "full"
+        for item in items:
+            if isinstance(item, Piece):  # a relocated block
+                pieces.append(item)
+                if mode == "blend":
+                    # Blend recomputes part of the relocated KV in context, so nothing after the first relocated
+                    # block has KV that a key could name: the chain stops there.
+                    walking = storing = False
+                if storing:
+                    link = Link(item.slot, item.slot + item.n, item.key, item.position)
+                    layout.append(link)
+                    parent = after_link(parent, link)
+                continue
+            run, kinds = item
+            covered = run.start
+            if walking:
+                found = self._lookup_run(parent, ids, positions, run)
+                for p in found:
+                    pieces.append(p)
+                    if p.n == len(p.block.token_ids):
+                        hits.add(p.key)
+                        parent = p.key
+                covered = found[-1].slot + found[-1].n if found else run.start
+                walking = covered == run.end and (not found or found[-1].key in hits)
+            pieces.extend(self._fresh(covered, run.end, kinds, positions))
+            if storing:
+                layout.append(run)
+        if storing and (not layout or isinstance(layout[-1], Link)):
+            layout.append(Run(len(ids), len(ids), closed=False))  # the reply, after a prompt ending in a block
+        reused = sum(p.n for p in pieces if p.source == "prefix")
+        encoded = sum(p.n for p in pieces if p.origin == "computed")
+        in_runs = sum(r.end - r.start for r in layout if isinstance(r, Run))
+        return Plan(mode, ids, positions, tuple(pieces), tuple(layout), frozenset(hits),
+                    stored_tokens=encoded + in_runs - reused)
+
+    def _layout(self, segments: list[TokenSegment], mode: str) -> list:
+        """The prompt as relocated blocks (Pieces, fetched or encoded now) and runs of in-context slots
+        ((Run, [(first slot, segment kind), ...]) for reporting what the fresh slots hold)."""
+        items: list = []
+        run: list[tuple[int, str]] = []
+        run_start = slot = 0
+
+        def close_run(end: int, closed: bool) -> None:
+            if end > run_start:
+                items.append((Run(run_start, end, closed), list(run)))
+            run.clear()
+
+        j = 0
         while j < len(segments):
             seg = segments[j]
+            piece = None
             if mode in REUSING_CHUNKS and seg.kind == "chunk":
                 end = self._scaffold_end(segments, j)
                 if end is not None:
-                    pieces.append(self.scaffold_piece(segments[j:end], slots[j]))
+                    piece = self.scaffold_piece(segments[j:end], slot)
+                    span = segments[j:end]
                     j = end
-                    continue
-                pieces.append(self.chunk_piece(seg, slots[j]))
+                else:
+                    piece, span = self.chunk_piece(seg, slot), [seg]
+                    j += 1
             elif mode in REUSING_CHUNKS and seg.kind == "sep" and self.reuse_separators and j < len(segments) - 1 \
-                    and pieces[-1:] and pieces[-1].source in ("chunk", "scaffold"):
+                    and items and isinstance(items[-1], Piece) and run_start == slot:
                 # Whitespace between chunks ("\n\n" in every RAG template) is reused like a chunk: computing
                 # it fresh cost as much as a question of the same length per separator (measured: 14 of the
                 # 41 fresh tokens at 4K tokens, +15% TTFT); its KV barely depends on context (see fidelity).
-                pieces.append(self.chunk_piece(seg, slots[j]))
-            else:
-                key = None
-                # Only segments before the first relocated block have exact KV worth a trie node.
-                exact_so_far = all(p.source in ("prefix", "fresh") for p in pieces)
-                if mode != "full" and j < len(segments) - 1 and exact_so_far:
-                    key = prefix_key(self.runner.fingerprint, parent, seg.token_ids, seg.start)
-                    parent = key
-                pieces.append(Piece(seg, slots[j], "fresh", key))
+                piece, span = self.chunk_piece(seg, slot), [seg]
+                j += 1
+            if piece is not None:
+                close_run(slot, closed=True)
+                items.append(piece)
+                slot += sum(len(s) for s in span)
+                run_start = slot
+                continue
+            run.append((slot, seg.kind))
+            slot += len(seg)
             j += 1
-        return pieces
+        close_run(slot, closed=False)
+        return items
+
+    @staticmethod
+    def _fresh(a: int, b: int, kinds: list[tuple[int, str]], positions) -> list[Piece]:
+        """Fresh pieces for slots [a, b), one per segment they fall in (so `sources` says what they hold)."""
+        out = []
+        bounds = [s for s, _ in kinds] + [b]
+        for (s, kind), e in zip(kinds, bounds[1:], strict=False):
+            lo, hi = max(a, s), min(b, e)
+            if lo < hi:
+                out.append(Piece(lo, hi - lo, "fresh", kind, positions[lo]))
+        return out
+
+    def _lookup_run(self, parent: str, ids, positions, run: Run) -> list[Piece]:
+        """Prefix pieces for the longest cached prefix of `run`: whole blocks found by key (one batched
+        fetch), then the longest common prefix with a block stored under the last parent, if any."""
+        refs = run_blocks(self.runner.fingerprint, parent, ids, positions, run.start, run.end, run.closed,
+                          self.block_tokens)
+        found: list[Piece] = []
+        for ref, (block, origin) in zip(refs, self._fetch([r.key for r in refs]), strict=True):
+            if block is None or block.token_ids != ids[ref.start: ref.end]:
+                break  # a miss (or a foreign entry under a colliding key: never use KV of other tokens)
+            self.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
+            found.append(Piece(ref.start, ref.end - ref.start, "prefix", "prefix", positions[ref.start], ref.key,
+                               block, origin))
+            parent = ref.key
+        a = found[-1].slot + found[-1].n if found else run.start
+        if a < run.end:
+            best = self.prefixes.longest(parent, ids[a: run.end], positions[a: run.end])
+            if best is not None:
+                key, n = best
+                block, origin = get_with_source(self.store, key)
+                if block is not None and block.token_ids[:n] == ids[a: a + n]:
+                    found.append(Piece(a, n, "prefix", "prefix", positions[a], key, block, origin))
+        return found
+
+    def _fetch(self, keys: list[str]) -> list[tuple[KVBlock | None, str | None]]:
+        if not keys:
+            return []
+        get_many = getattr(self.store, "get_many_with_source", None)
+        if get_many is not None:
+            return get_many(keys)
+        return [get_with_source(self.store, k) for k in keys]
 
     def _lookup_or_encode(self, key: str, token_ids: tuple[int, ...], start: int, kind: str):
         block, origin = get_with_source(self.store, key)
@@ -162,7 +276,7 @@ class Assembler:
         start = seg.encode_start if seg.encode_start is not None else len(self.sink_ids)
         key = chunk_key(self.runner.fingerprint, seg.token_ids, self.sink_ids, start)
         block, origin = self._lookup_or_encode(key, seg.token_ids, start, "chunk")
-        return Piece(seg, slot, "chunk", key, block, origin)
+        return Piece(slot, len(seg), "chunk", seg.kind, seg.start, key, block, origin)
 
     def _scaffold_end(self, segments: list[TokenSegment], j: int) -> int | None:
         """End index of a declared scaffold group starting at segment j (its chunks in order, separated
@@ -189,11 +303,10 @@ class Assembler:
     def scaffold_piece(self, span: list[TokenSegment], slot: int) -> Piece:
         """The joint block of `span` (chunks and the text between them), from the store or encoded now."""
         ids = tuple(t for s in span for t in s.token_ids)
-        merged = TokenSegment("scaffold", ids, span[0].start)
         start = len(self.sink_ids)
         key = scaffold_key(self.runner.fingerprint, [s.token_ids for s in span], self.sink_ids, start)
         block, origin = self._lookup_or_encode(key, ids, start, "scaffold")
-        return Piece(merged, slot, "scaffold", key, block, origin)
+        return Piece(slot, len(ids), "scaffold", "scaffold", span[0].start, key, block, origin)
 
     @torch.inference_mode()
     def encode_chunk(self, token_ids: tuple[int, ...], start: int, kind: str = "chunk") -> KVBlock:
@@ -207,23 +320,24 @@ class Assembler:
         return KVBlock(k.clone(), v.clone(), tuple(token_ids), start, {"kind": kind})
 
     # ---- building -------------------------------------------------------------------------------------
-    def assemble(self, pieces: list[Piece], extra_capacity: int, recompute: Recompute | None = None) -> Assembled:
-        total = pieces[-1].slot + len(pieces[-1].segment)
+    def assemble(self, plan: Plan, extra_capacity: int, recompute: Recompute | None = None) -> Assembled:
+        pieces, ids, positions = plan.pieces, plan.ids, plan.positions
+        total = len(ids)
         cache = self.runner.acquire_cache(total + extra_capacity)
-        ids = [t for p in pieces for t in p.segment.token_ids]  # by slot
-        positions = [q for p in pieces for q in range(p.segment.start, p.segment.end)]
         fresh: set[int] = set()
         cached = 0
         for p in pieces:
-            seg, n = p.segment, len(p.segment)
             if p.source == "fresh":
-                fresh.update(range(p.slot, p.slot + n))
+                fresh.update(range(p.slot, p.slot + p.n))
                 continue
-            dk, dv = cache.block_views(p.slot, p.slot + n)
-            self.runner.relocate(dk, p.block.keys, seg.start - p.block.start)
-            dv.copy_(p.block.values)
+            keys, values = p.block.keys, p.block.values
+            if p.n != keys.shape[2]:  # a prefix block shared up to its n-th token
+                keys, values = keys[:, :, : p.n], values[:, :, : p.n]
+            dk, dv = cache.block_views(p.slot, p.slot + p.n)
+            self.runner.relocate(dk, keys, p.position - p.block.start)
+            dv.copy_(values)
             if p.origin != "computed":  # encoded by this very request: computed, not reused
-                cached += n
+                cached += p.n
         # Slots already hold the cached blocks; cache.length must cover them before any forward.
         cache.length = total
         recomputed = self._select(pieces, cache, ids, positions, recompute) if recompute else set()
@@ -240,24 +354,24 @@ class Assembler:
         return Assembled(
             cache=cache,
             logits=logits,
-            pieces=tuple(pieces),
+            plan=plan,
             prompt_tokens=total,
             cached_tokens=cached,
             computed_tokens=total - cached,
             recomputed_tokens=reused_recomputed,
-            last_position=pieces[-1].segment.end - 1,
+            last_position=positions[-1],
         )
 
     @staticmethod
-    def _reused(pieces: list[Piece], slot: int) -> bool:
+    def _reused(pieces: Sequence[Piece], slot: int) -> bool:
         for p in pieces:
-            if p.slot <= slot < p.slot + len(p.segment):
+            if p.slot <= slot < p.slot + p.n:
                 return p.source != "fresh" and p.origin != "computed"
         return False
 
     def _select(self, pieces, cache: SlotCache, ids, positions, recompute: Recompute) -> set[int]:
         """Slots of relocated chunk tokens to recompute (never exact-prefix or fresh tokens)."""
-        spans = [(p.slot, p.slot + len(p.segment)) for p in pieces if p.source in ("chunk", "scaffold")]
+        spans = [(p.slot, p.slot + p.n) for p in pieces if p.source in ("chunk", "scaffold")]
         candidates = [s for a, b in spans for s in range(a, b)]
         k = round(recompute.ratio * len(candidates))
         if k == 0:
@@ -270,19 +384,41 @@ class Assembler:
         # (relocated) keys.
         m = candidates[-1] + 1
         layer = recompute.probe_layer
-        fresh_keys = self.runner.probe_keys(ids[:m], positions[:m], layer)  # [H, m, D]
+        fresh_keys = self.runner.probe_keys(list(ids[:m]), list(positions[:m]), layer)  # [H, m, D]
         cached_keys = cache.keys[layer, 0, :, :m]
         deviation = (fresh_keys.float() - cached_keys.float()).norm(dim=-1).sum(0)  # [m]
         cand = torch.tensor(candidates, device=deviation.device)
         top = torch.topk(deviation[cand], k).indices
         return {candidates[i] for i in top.tolist()}
 
-    def save_prefix_nodes(self, assembled: Assembled) -> None:
-        """Store the exact-prefix nodes this request computed: the leading run of segments whose KV is
-        exact (everything before the first relocated block), except the last segment."""
-        for p in assembled.pieces:
-            if p.source != "fresh" or p.key is None:
+    def save_prefix(self, assembled: Assembled, generated: Sequence[int] = ()) -> None:
+        """Store the prefix blocks this request computed, once the reply is out: every block of the plan's
+        layout that was not reused whole, the forwarded reply tokens (`generated`, whose KV follows the
+        prompt's in the cache) included. Whole blocks and blocks of closed runs go to every tier; the short
+        tail of the last run only to memory, since only this process's index can find it."""
+        plan = assembled.plan
+        if not plan.layout:
+            return
+        total = assembled.prompt_tokens
+        ids = plan.ids + tuple(generated)
+        positions = plan.positions + tuple(range(assembled.last_position + 1, assembled.last_position + 1
+                                                 + len(generated)))
+        last = plan.layout[-1]
+        replied = isinstance(last, Run) and last.end == total  # the reply continues the layout's last run
+        parent = self.root
+        for item in plan.layout:
+            if isinstance(item, Link):
+                parent = after_link(parent, item)
                 continue
-            seg = p.segment
-            k, v = assembled.cache.block_views(p.slot, p.slot + len(seg))
-            self.store.put(p.key, KVBlock(k.clone(), v.clone(), seg.token_ids, seg.start, {"kind": "prefix"}))
+            end = len(ids) if item is last and replied else item.end
+            for ref in run_blocks(self.runner.fingerprint, parent, ids, positions, item.start, end, True,
+                                  self.block_tokens):
+                parent = ref.key
+                if ref.key in plan.hits:
+                    continue
+                k, v = assembled.cache.block_views(ref.start, ref.end)
+                block = KVBlock(k.clone(), v.clone(), ids[ref.start: ref.end], positions[ref.start],
+                                {"kind": "prefix"})
+                whole = ref.end - ref.start == self.block_tokens or item.closed
+                _put(self.store, ref.key, block, persist=whole)
+                self.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 # Bump when the way blocks are encoded changes (sink prefix, position layout): old entries then never match.
-SCHEME_VERSION = 1
+# 2: prefix blocks are fixed-size token blocks keyed with their position ids (was: one node per segment).
+SCHEME_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,20 @@ def chunk_key(fingerprint: str, token_ids: tuple[int, ...], context_ids: tuple[i
     )
 
 
-def prefix_key(fingerprint: str, parent: str, token_ids: tuple[int, ...], start: int) -> str:
-    """Key of one node of the exact-prefix trie: chained to its parent's key, as vLLM chains block hashes,
-    so a node's KV (computed after the whole prefix) is only ever found after that same prefix."""
+def prefix_key(fingerprint: str, parent: str, token_ids: tuple[int, ...], positions: tuple[int, ...]) -> str:
+    """Key of one block of the exact-prefix chain: chained to its parent's key, as vLLM chains block hashes,
+    so a block's KV (computed after the whole prefix) is only ever found after that same prefix."""
     return "prefix-" + _digest(
         b"prefix", str(SCHEME_VERSION).encode(), fingerprint.encode(),
-        parent.encode(), str(start).encode(), _ids_bytes(token_ids),
+        parent.encode(), _ids_bytes(positions), _ids_bytes(token_ids),
     )
+
+
+def link_key(parent: str, block_key: str, start: int) -> str:
+    """Chain key after a relocated block (a chunk, scaffold or separator at position `start`): what follows it
+    was computed over that block's relocated KV, so it may only be reused after the same block at the same place."""
+    return "link-" + _digest(b"link", str(SCHEME_VERSION).encode(), parent.encode(), block_key.encode(),
+                             str(start).encode())
 
 
 def scaffold_key(fingerprint: str, segment_ids: list[tuple[int, ...]], context_ids: tuple[int, ...], start: int) -> str:

@@ -1,7 +1,7 @@
 """The engine: a prompt in, generated text out, with chunk KV reused across requests.
 
-    prompt -> token segments (segments.py) -> plan: where each segment's KV comes from (assemble.py)
-    -> assembled cache + first logits -> decode loop (decode.py) -> Generation
+    prompt -> token segments (segments.py) -> plan: where each slot's KV comes from (assemble.py, prefix.py)
+    -> assembled cache + first logits -> decode loop (decode.py) -> Generation -> prefix blocks stored
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 from .assemble import MODES, Assembled, Assembler, Recompute
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
+from .find import DISCOVERED, ChunkIndex, ReplyIndex, discovery_enabled, marked, resolve
 from .model import LlamaRunner
-from .pml import Schema, SchemaRegistry
+from .pml import PML, Schema, SchemaRegistry
 from .scaffolds import CoRetrievalCounter
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment
 from .store import open_store
@@ -25,7 +26,9 @@ from .store import open_store
 
 @dataclass(frozen=True)
 class SegmentSource:
-    kind: str  # "bos" | "text" | "chunk" | "scaffold" (a declared group, chunks and the text between them)
+    """Where one piece of the prompt's KV came from, in prompt order."""
+
+    kind: str  # "bos" | "text" | "sep" | "chunk" | "scaffold" (a declared group) | "prefix" (a prefix block)
     tokens: int
     source: str  # "fresh" | "prefix" | "chunk" | "scaffold"
     origin: str | None  # store tier that served it, "computed" when this request encoded it, None if fresh
@@ -40,10 +43,12 @@ class Generation:
     prompt_tokens: int
     cached_tokens: int  # KV reused from the store (cached_tokens + computed_tokens == prompt_tokens)
     computed_tokens: int
+    stored_tokens: int  # prompt tokens whose KV this request newly stored (chunks it encoded, prefix blocks)
     recomputed_tokens: int  # blend: reused chunk tokens recomputed in context (part of computed_tokens)
     ttft_s: float  # from the call to the first token chosen: tokenize, look up, load, relocate, forward
     total_s: float
     sources: tuple[SegmentSource, ...]
+    prompt_ids: tuple[int, ...]  # the prompt's token ids, as the model saw them
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -94,6 +99,10 @@ class Engine:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.co_retrieval = CoRetrievalCounter(auto_scaffold_after) if auto_scaffold_after else None
+        # Texts a plain-string prompt is cut at: chunks registered with this engine (`register`), replies it
+        # generated (given back their generated tokens), and the documents the framework hooks discovered.
+        self.chunks = ChunkIndex()
+        self.replies = ReplyIndex()
         self._background: list[threading.Thread] = []
 
     @classmethod
@@ -136,6 +145,27 @@ class Engine:
             if piece:
                 yield piece
 
+    def register(self, texts: Iterable[str]) -> int:
+        """Register document texts: wherever one appears in a plain-string prompt it becomes a `Chunk` (its KV
+        cached and reused at any position in modular/blend modes). Returns how many were new."""
+        return self.chunks.add_many(texts)
+
+    def split(self, text: str, chunk_texts: Iterable[str] = (), discovered: bool = True) -> list[Text | Chunk]:
+        """A plain-string prompt as segments: registered chunks, `chunk_texts` (marked for this request) and,
+        unless `discovered=False` or PC_RAG_DISCOVERY=0, documents the framework hooks discovered become
+        `Chunk`s; replies this engine generated keep their generated tokens; the rest is `Text`. The tokens
+        are those of the whole string (see `SegmentTokenizer.split`)."""
+        if not isinstance(text, str):
+            raise PromptError(f"split takes the prompt as a str, got {type(text).__name__}")
+        found = self.chunks.candidates(text) + self.replies.candidates(text) + marked(text, chunk_texts)
+        if discovered and discovery_enabled():
+            found += DISCOVERED.candidates(text)
+        return self.segmenter.split(text, resolve(found))
+
+    def pml(self, prompt: str) -> list[Text | Chunk]:
+        """A PML prompt resolved against the registered schemas (same as passing `PML(prompt)`)."""
+        return self.schemas.segments(prompt)
+
     def add_scaffold(self, chunks: Sequence[Chunk | str]) -> None:
         """Declare chunks that are retrieved together: whenever they appear in a prompt in this order (with
         only text between them), they are encoded jointly once and reused as one block, so inside the group
@@ -152,9 +182,14 @@ class Engine:
         return schema
 
     def next_token_logits(self, prompt: Prompt, mode: str = "modular", recompute_ratio: float = 0.15) -> torch.Tensor:
-        """Next-token logits after the prompt, [vocab] float32."""
+        """Next-token logits after the prompt, [vocab] float32. Like `generate`, it leaves the prompt's prefix
+        blocks behind (stored after the logits are computed), so scoring many continuations of one long
+        context computes the context once."""
         asm = self._prefill(prompt, mode, extra_capacity=0, recompute_ratio=recompute_ratio)
-        self.runner.release_cache(asm.cache)
+        try:
+            self.assembler.save_prefix(asm)
+        finally:
+            self.runner.release_cache(asm.cache)
         return asm.logits
 
     def warm(self, chunks: Iterable[Chunk | str], progress: bool = True) -> int:
@@ -182,10 +217,11 @@ class Engine:
         self._background = [t for t in self._background if t.is_alive()]
 
     # ---- the request path ------------------------------------------------------------------------------
-    def _segments(self, prompt: Prompt | str):
-        if isinstance(prompt, str):
-            # A PML prompt resolves against registered schemas; any other string is one fresh Text.
-            prompt = self.schemas.segments(prompt) if prompt.lstrip().startswith("<prompt") else [Text(prompt)]
+    def _segments(self, prompt: Prompt | str | PML):
+        if isinstance(prompt, PML):
+            prompt = self.schemas.segments(prompt.text)
+        elif isinstance(prompt, str):
+            prompt = self.split(prompt)
         return self.segmenter.segments(prompt)
 
     def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int, recompute_ratio: float) -> Assembled:
@@ -206,10 +242,10 @@ class Engine:
                 f"window of {shape.sliding_window}; pc_rag assembles full attention only"
             )
         recompute = Recompute(recompute_ratio, self.blend_selection) if mode == "blend" else None
-        pieces = self.assembler.plan(segments, mode)
+        plan = self.assembler.plan(segments, mode)
         if self.co_retrieval is not None and mode in ("modular", "blend"):
             self._count_co_retrieval(segments)
-        return self.assembler.assemble(pieces, extra_capacity, recompute)
+        return self.assembler.assemble(plan, extra_capacity, recompute)
 
     def _count_co_retrieval(self, segments) -> None:
         idx = [i for i, s in enumerate(segments) if s.kind == "chunk"]
@@ -261,11 +297,12 @@ class Engine:
         finally:  # also when a stream is abandoned: the generator is closed and the buffer returns to the pool
             total = time.perf_counter() - t0
             try:
-                if mode != "full":
-                    # Stored once the reply is out, not between its tokens: writing a 4K-token prefix to disk
-                    # or Redis would otherwise stall the stream right after the first token (the benchmark
-                    # saw it as slower decoding in exact mode).
-                    self.assembler.save_prefix_nodes(asm)
+                # Stored once the reply is out, not between its tokens: writing a 4K-token prefix to disk or
+                # Redis would otherwise stall the stream right after the first token (the benchmark saw it as
+                # slower exact-mode decoding). Every token but the last was fed back, so its KV is in the
+                # cache: the next turn of a chat reuses the prompt and the reply.
+                self.assembler.save_prefix(asm, ids[:-1])
+                self._remember_reply(text.text, ids)
             finally:
                 self.runner.release_cache(asm.cache)
         return Generation(
@@ -277,9 +314,35 @@ class Engine:
             cached_tokens=asm.cached_tokens,
             computed_tokens=asm.computed_tokens,
             recomputed_tokens=asm.recomputed_tokens,
+            stored_tokens=asm.plan.stored_tokens,
             ttft_s=ttft,
             total_s=total,
-            sources=tuple(
-                SegmentSource(p.segment.kind, len(p.segment), p.source, p.origin) for p in asm.pieces
-            ),
+            sources=tuple(SegmentSource(p.kind, p.n, p.source, p.origin) for p in asm.pieces),
+            prompt_ids=asm.plan.ids,
         )
+
+    def _remember_reply(self, text: str, ids: list[int]) -> None:
+        """Remember the reply's generated tokens for its text, as generated and as a chat template writes it
+        back (trimmed), so the next turn's prompt carries these very tokens (see find.ReplyIndex)."""
+        if not text.strip():
+            return
+
+        def decode(t):
+            return self.tokenizer.decode(t, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+        end = len(ids)
+        while end and decode(ids[:end]) != text:  # EOS, or a stop string, may end the text before the ids
+            end -= 1
+            if len(text) - len(decode(ids[:end])) > 64:
+                end = 0  # not a prefix of the ids' text: give up rather than decode the reply n times
+        if not end:
+            return
+        self.replies.remember(text, ids[:end])
+        stripped = text.strip()
+        if stripped != text:
+            start = 0
+            while start < end and not decode(ids[start:start + 1]).strip():
+                start += 1
+            while end > start and not decode(ids[end - 1:end]).strip():
+                end -= 1
+            self.replies.remember(stripped, ids[start:end] if decode(ids[start:end]) == stripped else None)

@@ -9,6 +9,7 @@ every mode sees exactly the same token ids. Put separators ("\\n\\n") inside the
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -19,13 +20,17 @@ from .errors import PromptError
 
 @dataclass(frozen=True)
 class Text:
-    """Free text computed fresh every request (system text, separators, the question).
+    """Free text computed fresh every request (system text, separators, the question), unless an earlier
+    request computed the same leading tokens (automatic prefix reuse).
 
     `position`: the position id of its first token; None places it right after the previous segment.
+    `token_ids`: its tokens, when they are already known (`Engine.split` keeps the tokens of the joined
+    prompt string); None tokenizes `text` on its own.
     """
 
     text: str
     position: int | None = None
+    token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Chunk:
     text: str
     position: int | None = None
     encode_position: int | None = None
+    token_ids: tuple[int, ...] | None = None  # as for Text
 
 
 Prompt = Sequence[Text | Chunk]
@@ -84,6 +90,80 @@ class SegmentTokenizer:
                 self._memo.popitem(last=False)
         return ids
 
+    def split(self, text: str, spans: Sequence) -> list[Text | Chunk]:
+        """A prompt string as segments, cut at `spans` (find.Span, leftmost first, not overlapping): chunks, and
+        replies this engine generated.
+
+        Tokenizing pieces on their own can give tokens the joined text would not have ("Context: The" cut
+        before "The" gives ':', ' ', 'The' instead of ':', ' The'), so the text is tokenized whole and each
+        chunk is widened to the tokens that cover it (here the chunk takes ' The', its leading space
+        included). The model sees the joined string's tokens, in every mode, and a chunk's tokens are the same
+        in every prompt where the same characters surround it.
+
+        A reply is a hard cut (see find.ReplyIndex): the text before it is tokenized as the string the model
+        answered after, and the reply gets the ids it was generated as (or is tokenized on its own when they
+        are not known). Tokenizers without offsets (slow, Python ones) tokenize each piece on its own.
+        """
+        out: list[Text | Chunk] = []
+        cursor, chunks = 0, []
+        for span in [*spans, None]:
+            if span is not None and span.kind == "chunk":
+                chunks.append(span)
+                continue
+            end = span.start if span is not None else len(text)
+            if end > cursor or span is None:
+                out += self._split_joined(text, cursor, end, chunks)
+            chunks = []
+            if span is not None:
+                out.append(Text(text[span.start: span.end], token_ids=span.reply_ids))
+                cursor = span.end
+        return [s for s in out if s.text or s.token_ids]
+
+    def _split_joined(self, full: str, a: int, b: int, chunks: list) -> list[Text | Chunk]:
+        """full[a:b] tokenized whole, cut into Text and Chunk at `chunks` (widened to token boundaries)."""
+        text = full[a:b]
+        if not chunks:
+            return [Text(text)]
+        try:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError:  # a slow tokenizer: no offsets
+            enc = None
+        if enc is None or "offset_mapping" not in enc:
+            return self._split_pieces(text, [(s.start - a, s.end - a) for s in chunks])
+        ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+        starts, ends = [o[0] for o in offsets], [o[1] for o in offsets]
+        out: list[Text | Chunk] = []
+        cut = 0  # next token not yet placed in a segment
+
+        def char(t: int) -> int:
+            return starts[t] if t < len(ids) else len(text)
+
+        for span in chunks:
+            first = bisect.bisect_right(ends, span.start - a)  # first token ending after the chunk's start
+            last = bisect.bisect_left(starts, span.end - a)  # one past the last token starting before its end
+            if first < cut or first >= last:
+                continue  # shares a token with the previous chunk, or covers none: stays text
+            if first > cut:
+                out.append(Text(text[char(cut): char(first)], token_ids=tuple(ids[cut:first])))
+            out.append(Chunk(text[char(first): char(last)], token_ids=tuple(ids[first:last])))
+            cut = last
+        if cut < len(ids):
+            out.append(Text(text[char(cut):], token_ids=tuple(ids[cut:])))
+        return out
+
+    @staticmethod
+    def _split_pieces(text: str, spans: Sequence[tuple[int, int]]) -> list[Text | Chunk]:
+        out: list[Text | Chunk] = []
+        cursor = 0
+        for start, end in spans:
+            if start > cursor:
+                out.append(Text(text[cursor:start]))
+            out.append(Chunk(text[start:end]))
+            cursor = end
+        if cursor < len(text):
+            out.append(Text(text[cursor:]))
+        return out
+
     def segments(self, prompt: Prompt) -> list[TokenSegment]:
         """Tokenize a prompt and lay out position ids; a BOS sink segment comes first when the model has one."""
         if isinstance(prompt, (str, Text, Chunk)):
@@ -95,7 +175,7 @@ class SegmentTokenizer:
         for i, seg in enumerate(prompt):
             if not isinstance(seg, (Text, Chunk)):
                 raise PromptError(f"prompt segment {i} is a {type(seg).__name__}; expected pc_rag.Text or pc_rag.Chunk")
-            ids = self.ids(seg.text)
+            ids = tuple(seg.token_ids) if seg.token_ids is not None else self.ids(seg.text)
             # BOS (the attention sink) at position 0 unless the prompt brings its own or claims position 0.
             if i == 0 and self.bos_id is not None and ids[:1] != (self.bos_id,) and seg.position != 0:
                 out.append(TokenSegment("bos", (self.bos_id,), 0))

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from pc_rag import cli
+from pc_rag.prefix import BLOCK_TOKENS
 
 from .conftest import DEMO_CHUNKS, worktree_env
 
@@ -37,10 +38,14 @@ def test_demo_second_process_reads_kv_from_disk(tiny_path, seeded_embeddings, tm
     assert second["store"]["tiers"]["disk"]["hits"] > 0
     q1 = {r["mode"]: r for r in second["rows"] if r["question"] == 1}
     assert q1["full"]["cached_tokens"] == 0
-    # The restarted process's first cached request (modular runs before exact) reads its whole prefix, system
-    # text and chunks, from disk; exact then finds the same prefix promoted to memory.
-    assert q1["modular"]["served"].get("disk", 0) == q1["modular"]["cached_tokens"] > 0
-    assert q1["exact"]["cached_tokens"] == q1["modular"]["cached_tokens"]
+    # The restarted process's first cached request (modular runs before exact) reads its system text and chunks
+    # from disk (a separator seen twice in one prompt is read once, then found in memory where it was promoted).
+    served = q1["modular"]["served"]
+    disk, memory = served.get("disk", 0), served.get("memory", 0)
+    assert disk > 0 and disk + memory == q1["modular"]["cached_tokens"]
+    # exact finds the first process's prefix blocks on disk: whole blocks only (the short tail of a request stays
+    # in the memory of the process that computed it), so at most BLOCK_TOKENS - 1 tokens short of the prompt.
+    assert q1["exact"]["cached_tokens"] >= q1["exact"]["prompt_tokens"] - BLOCK_TOKENS
 
 
 def test_warm_then_stats_then_clear(tiny_path, tmp_path, capsys):

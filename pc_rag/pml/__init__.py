@@ -77,7 +77,7 @@ Every problem is a `pc_rag.PMLError` naming the element and line.
 
 from .chunks import chunk_module_name, escape_text, prompt_for, schema_for_chunks
 from .parse import MAX_DEPTH, ROLE_TAGS, parse_pml
-from .prompt import SchemaRegistry, equivalent_plain_prompt
+from .prompt import PML, SchemaRegistry, equivalent_plain_prompt
 from .roles import ChatRoles, chat_roles
 from .schema import ModuleInfo, Piece, Schema, UnionInfo
 
@@ -86,6 +86,7 @@ __all__ = [
     "ROLE_TAGS",
     "ChatRoles",
     "ModuleInfo",
+    "PML",
     "Piece",
     "Schema",
     "SchemaRegistry",

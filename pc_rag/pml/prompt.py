@@ -25,6 +25,21 @@ class _Fresh:
     text: str
 
 
+@dataclass(frozen=True)
+class PML:
+    """A prompt written in PML, resolved against the engine's registered schemas: `Engine.generate(PML(...))`.
+
+    PML is asked for explicitly: a plain string is always plain text, even one that begins with "<prompt"
+    (a user may well ask about an HTML-like tag), so no prompt changes meaning by its first characters.
+    """
+
+    text: str
+
+    def __post_init__(self):
+        if not isinstance(self.text, str):
+            raise PMLError(f"PML(...) takes the prompt as a str, got {type(self.text).__name__}")
+
+
 class SchemaRegistry:
     """Registered PML schemas, and the resolution of PML prompts against them into Text / Chunk lists."""
 

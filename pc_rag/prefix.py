@@ -1,0 +1,161 @@
+"""Automatic exact prefix reuse: a request reuses the KV that any earlier request computed for the same
+leading tokens, whatever the segmentation, with no registration, the earlier request's reply included.
+
+A request's tokens (the prompt, then the reply as it is decoded) are laid out as *runs*: slots whose KV is
+computed in context. In `modular`/`blend`, runs are separated by *links*: blocks relocated from the chunk
+store (chunks, scaffolds, separators). A run is cut into blocks of `BLOCK_TOKENS` tokens from its first slot;
+each block's key chains its parent's key with the block's token ids and position ids (vLLM's scheme), and a
+link chains the relocated block's key and its place. So a key names everything its KV depends on, and a
+block is only ever found after the very same tokens, laid out the same way.
+
+Lookup (plain Python over keys, so it is tested without a model): the keys of a run's blocks are computed up
+front and fetched in one batch; the longest run of hits is reused. Where the chain breaks inside a block,
+`PrefixIndex` (memory only) lists the blocks stored under the last parent; the longest common token prefix
+with one of them is reused too, because the KV of token i depends only on tokens <= i: the first n tokens
+of any stored block are exact for a prompt that shares them. So reuse is token-exact while the blocks are in
+this process's index, and loses at most BLOCK_TOKENS - 1 tokens per request when they come from a disk or
+Redis tier filled by another process (only whole blocks can be found by hash there).
+
+Why BLOCK_TOKENS = 32: see the README ("Automatic prefix reuse"); smaller blocks lose fewer tokens to
+rounding in the persistent tiers but cost one store entry and one copy per block.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .blocks import link_key, prefix_key
+
+BLOCK_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Run:
+    """Slots [start, end) computed in context. `closed`: a link follows, so the run's length is part of the
+    layout and its last, shorter block is found by hash like the others; an open run (the last one, which
+    the reply extends) ends where the request ended, so its short tail is only found through the index."""
+
+    start: int
+    end: int
+    closed: bool
+
+
+@dataclass(frozen=True)
+class Link:
+    """A relocated block at slots [start, end): its store key and the position id of its first token."""
+
+    start: int
+    end: int
+    key: str
+    position: int
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """One prefix block of a request: slots [start, end), its key and its parent's key."""
+
+    start: int
+    end: int
+    key: str
+    parent: str
+
+
+def run_blocks(fingerprint: str, parent: str, ids: Sequence[int], positions: Sequence[int], start: int,
+               end: int, with_tail: bool, block_tokens: int = BLOCK_TOKENS) -> list[BlockRef]:
+    """The chained blocks of slots [start, end): full blocks, and the shorter last one if `with_tail`."""
+    out = []
+    for a in range(start, end, block_tokens):
+        b = min(a + block_tokens, end)
+        if b - a < block_tokens and not with_tail:
+            break
+        key = prefix_key(fingerprint, parent, tuple(ids[a:b]), tuple(positions[a:b]))
+        out.append(BlockRef(a, b, key, parent))
+        parent = key
+    return out
+
+
+def after_link(parent: str, link: Link) -> str:
+    return link_key(parent, link.key, link.position)
+
+
+def _packed(ids: Sequence[int], positions: Sequence[int]) -> bytes:
+    # Token and position ids interleaved, so one bytes comparison checks both.
+    return array("q", (x for pair in zip(ids, positions, strict=True) for x in pair)).tobytes()
+
+
+def _common_prefix(a: bytes, b: bytes, unit: int) -> int:
+    """Length, in units of `unit` bytes, of the common prefix of a and b (binary search over C slice compares)."""
+    lo, hi = 0, min(len(a), len(b)) // unit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[: mid * unit] == b[: mid * unit]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class PrefixIndex:
+    """In memory: which blocks were stored under each parent key, with their token and position ids.
+
+    Bounded: at most `max_blocks` blocks in all (least recently used forgotten first) and `max_children` per
+    parent (a fixed system prompt followed by thousands of questions gives its last block thousands of
+    children; the most recent ones are the likely matches). Forgetting an entry loses reuse, never
+    correctness: a block's KV is always fetched from the store and its tokens checked before use.
+    """
+
+    def __init__(self, max_blocks: int = 65536, max_children: int = 64):
+        self.max_blocks = max_blocks
+        self.max_children = max_children
+        self._children: dict[str, OrderedDict[str, bytes]] = {}
+        self._lru: OrderedDict[str, str] = OrderedDict()  # block key -> parent key
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def add(self, parent: str, key: str, ids: Sequence[int], positions: Sequence[int]) -> None:
+        packed = _packed(ids, positions)
+        with self._lock:
+            children = self._children.setdefault(parent, OrderedDict())
+            children[key] = packed
+            children.move_to_end(key)
+            self._lru[key] = parent
+            self._lru.move_to_end(key)
+            while len(children) > self.max_children:
+                self._forget(next(iter(children)))
+            while len(self._lru) > self.max_blocks:
+                self._forget(next(iter(self._lru)))
+
+    def _forget(self, key: str) -> None:
+        parent = self._lru.pop(key, None)
+        children = self._children.get(parent)
+        if children is not None:
+            children.pop(key, None)
+            if not children:
+                del self._children[parent]
+
+    def longest(self, parent: str, ids: Sequence[int], positions: Sequence[int]) -> tuple[str, int] | None:
+        """The stored child of `parent` sharing the longest token prefix with (ids, positions): (key, n), n >= 1."""
+        want = _packed(ids, positions)
+        with self._lock:
+            children = list(self._children.get(parent, {}).items())
+        best = None
+        for key, packed in children:
+            n = _common_prefix(want, packed, 16)
+            if n and (best is None or n > best[1]):
+                best = (key, n)
+        if best is not None:
+            with self._lock:
+                if best[0] in self._lru:
+                    self._lru.move_to_end(best[0])
+        return best
+
+    def clear(self) -> None:
+        with self._lock:
+            self._children.clear()
+            self._lru.clear()
