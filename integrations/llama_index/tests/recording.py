@@ -26,4 +26,5 @@ def chunks_per_call(llm):
 
 
 def chunk_texts(record):
-    return [s.text for s in record["segments"] if isinstance(s, Chunk)]
+    """The texts sent as chunks, stripped (the engine widens a chunk to token boundaries: " topic: ...")."""
+    return [s.text.strip() for s in record["segments"] if isinstance(s, Chunk)]
