@@ -2,9 +2,11 @@
 
 The one path every adapter request takes:
     framework messages -> role/content dicts -> the model's own chat template (`render_chat`) -> one string
-    -> `ChunkIndex.split` (registered documents become `Chunk`s) -> `stream_generation` -> text pieces, then
-    the engine's `Generation` (token counts, `cached_tokens`) -> `usage`.
-Completion-style calls skip the chat template and split the prompt string as it is.
+    -> `Engine.split` (registered, discovered and marked documents become `Chunk`s; earlier replies keep their
+    generated tokens) -> `stream_generation` -> text pieces, then the engine's `Generation` (token counts,
+    `cached_tokens`, `stored_tokens`) -> `usage`.
+Completion-style calls skip the chat template and split the prompt string as it is. Nothing needs wiring: the
+automatic prefix reuse works on any prompt, and the framework hooks (`discover`) register retrieved documents.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import PCRagError
-from .find import index_for
+from .find import discover, discovery_enabled, index_for
 from .segments import Chunk, Text
+
+__all__ = ["SamplingOptions", "chat_prompt", "completion_prompt", "discover", "discovery_enabled", "register",
+           "render_chat", "shared_engine", "stream_generation", "usage"]
 
 _ENGINES: dict[tuple[str, str, str], Any] = {}
 _ENGINES_LOCK = threading.Lock()
@@ -48,13 +53,20 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, str]]) -> str:
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
 
-def chat_prompt(engine, messages: Sequence[Mapping[str, str]]) -> list[Text | Chunk]:
-    """Chat messages as prompt segments: registered documents inside any message become `Chunk`s."""
-    return index_for(engine).split(render_chat(engine.tokenizer, messages))
+def chat_prompt(engine, messages: Sequence[Mapping[str, str]], chunk_texts: Sequence[str] = (),
+                discovered: bool = True) -> list[Text | Chunk]:
+    """Chat messages as prompt segments: registered and discovered documents (unless `discovered=False`) and
+    `chunk_texts` (content marked with `cache_control`) inside any message become `Chunk`s."""
+    return completion_prompt(engine, render_chat(engine.tokenizer, messages), chunk_texts, discovered)
 
 
-def completion_prompt(engine, prompt_text: str) -> list[Text | Chunk]:
+def completion_prompt(engine, prompt_text: str, chunk_texts: Sequence[str] = (),
+                      discovered: bool = True) -> list[Text | Chunk]:
     """A plain prompt string as segments (no chat template)."""
+    split = getattr(engine, "split", None)
+    if split is not None:
+        return split(prompt_text, chunk_texts=chunk_texts, discovered=discovered)
+    index_for(engine).add_many(chunk_texts)  # an engine stand-in without Engine.split (tests)
     return index_for(engine).split(prompt_text)
 
 
@@ -91,9 +103,12 @@ def stream_generation(engine, prompt: Sequence[Text | Chunk], options: SamplingO
 
 
 def usage(generation) -> dict[str, int]:
-    """Token counts of a finished request (`cached_tokens`: prompt tokens whose KV came from the store)."""
+    """Token counts of a finished request: `cached_tokens`, prompt tokens whose KV came from the store (reused);
+    `cache_creation_tokens`, prompt tokens whose KV this request newly stored (chunks it encoded, new prefix
+    blocks). `prompt_tokens` counts all prompt tokens, reused ones included (as ChatAnthropic's input_tokens)."""
     return {
         "prompt_tokens": int(generation.prompt_tokens),
         "completion_tokens": len(generation.token_ids),
         "cached_tokens": int(generation.cached_tokens),
+        "cache_creation_tokens": int(getattr(generation, "stored_tokens", 0)),
     }

@@ -247,7 +247,7 @@ class Assembler:
             best = self.prefixes.longest(parent, ids[a: run.end], positions[a: run.end])
             if best is not None:
                 key, n = best
-                block, origin = get_with_source(self.store, key)
+                block, origin = self._get(key)
                 if block is not None and block.token_ids[:n] == ids[a: a + n]:
                     found.append(Piece(a, n, "prefix", "prefix", positions[a], key, block, origin))
         return found
@@ -256,12 +256,23 @@ class Assembler:
         if not keys:
             return []
         get_many = getattr(self.store, "get_many_with_source", None)
-        if get_many is not None:
-            return get_many(keys)
-        return [get_with_source(self.store, k) for k in keys]
+        found = get_many(keys) if get_many is not None else [get_with_source(self.store, k) for k in keys]
+        return [(self._placed(b), o) for b, o in found]
+
+    def _get(self, key: str) -> tuple[KVBlock | None, str | None]:
+        block, origin = get_with_source(self.store, key)
+        return self._placed(block), origin
+
+    def _placed(self, block: KVBlock | None) -> KVBlock | None:
+        """The block on the model's device. Blocks read from disk or Redis are CPU tensors; the engine asks a
+        TieredStore to place them once, before promotion, and this catches any other store."""
+        if block is None or block.keys.device == self.runner.device:
+            return block
+        keys, values = self.runner.place(block.keys, block.values)
+        return KVBlock(keys, values, block.token_ids, block.start, block.meta)
 
     def _lookup_or_encode(self, key: str, token_ids: tuple[int, ...], start: int, kind: str):
-        block, origin = get_with_source(self.store, key)
+        block, origin = self._get(key)
         if block is not None and block.token_ids != token_ids:
             block = None  # a key collision or a foreign entry: never use KV for other tokens
         if block is None:

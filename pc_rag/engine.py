@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .assemble import MODES, Assembled, Assembler, Recompute
+from .blocks import KVBlock
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
 from .find import DISCOVERED, ChunkIndex, ReplyIndex, discovery_enabled, marked, resolve
@@ -86,6 +87,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.segmenter = SegmentTokenizer(tokenizer)
         self.store = open_store(store)
+        set_placement = getattr(self.store, "set_placement", None)
+        if set_placement is not None:  # blocks read from disk or Redis go to the model's device once, when promoted
+            set_placement(self._place_block)
         # PML schemas are laid out at registration; their modules are encoded lazily, on first use, like
         # any chunk (an eager encode of a thousands-module schema would be minutes of work up front).
         self.schemas = SchemaRegistry(self.segmenter, self.runner.shape.max_positions)
@@ -104,6 +108,12 @@ class Engine:
         self.chunks = ChunkIndex()
         self.replies = ReplyIndex()
         self._background: list[threading.Thread] = []
+
+    def _place_block(self, block):
+        if block.keys.device == self.runner.device:
+            return block
+        keys, values = self.runner.place(block.keys, block.values)
+        return KVBlock(keys, values, block.token_ids, block.start, block.meta)
 
     @classmethod
     def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu", store=None) -> Engine:

@@ -14,11 +14,14 @@ explicit `position_ids`, so slots, positions and the order blocks were fetched i
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import threading
 from dataclasses import dataclass
 
 import torch
 import transformers
+import xxhash
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.models.llama.modeling_llama import rotate_half  # Mistral and Qwen2 copy the same function
 
@@ -30,10 +33,20 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # "dynamic" and "longrope" rescale with the sequence length, so a relocated key would be wrong.
 RELOCATABLE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
-# transformers 5.24 renamed the forward keyword; older 5.x only know the old one.
-# Free request buffers kept for reuse (each is layers x capacity x KV bytes per token).
-POOL_SIZE = 2
+# Attention implementations that apply the explicit 4-D mask pc_rag passes (None: HF falls back to eager).
+# Flash-attention and flex kernels build their own (causal or packed) masks and would ignore ours.
+MASK_HONOURING_ATTENTION = (None, "eager", "sdpa")
 
+# Free request buffers kept for reuse (each is layers x capacity x KV bytes per token): at most POOL_SIZE of
+# them and at most `LlamaRunner.pool_max_bytes` together, by default POOL_SIZE context-size buffers capped at
+# POOL_MAX_BYTES (a long-context buffer of a 1B model is 4 GiB; the allocation it saves is small next to
+# the prefill of that many tokens).
+POOL_SIZE = 2
+POOL_MAX_BYTES = 1 << 30
+
+log = logging.getLogger("pc_rag.model")
+
+# transformers 5.24 renamed the forward keyword; older 5.x only know the old one.
 _CACHE_KW = "cache" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 24) else "past_key_values"
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -100,6 +113,10 @@ class SlotCache(Cache):
     def capacity(self) -> int:
         return self.keys.shape[3]
 
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
     def prepare_write(self, slots: list[int]) -> None:
         if slots == list(range(slots[0], slots[0] + len(slots))):
             self.write_range, self.write_slots = (slots[0], slots[0] + len(slots)), None
@@ -143,6 +160,7 @@ class LlamaRunner:
                 f"pc_rag supports Llama-family decoders ({', '.join(SUPPORTED_MODEL_TYPES)}); "
                 f"got model_type={getattr(config, 'model_type', None)!r} ({type(model).__name__})"
             )
+        _use_mask_honouring_attention(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config
@@ -158,13 +176,30 @@ class LlamaRunner:
         self.dtype, self.device = p.dtype, p.device
         rope = getattr(config, "rope_parameters", None) or {}
         self.rope_type = rope.get("rope_type", "default")
-        self.inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32)  # [D/2]
-        self.fingerprint = _model_fingerprint(model, self.dtype) + "-" + _tokenizer_fingerprint(tokenizer)
+        self.inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32)  # [D/2], on the model's device
         # One forward at a time: requests from several threads interleave step by step, each with its own
         # cache, so every thread gets exactly what a serial run gives.
         self._lock = threading.Lock()
         self._pool: list[SlotCache] = []
         self._pool_lock = threading.Lock()
+        context_bytes = self.shape.max_positions * self.shape.kv_bytes_per_token(self.dtype)
+        self.pool_max_bytes = min(POOL_MAX_BYTES, POOL_SIZE * context_bytes)
+        self._fingerprint: str | None = None
+        self._fingerprint_lock = threading.Lock()
+
+    @property
+    def fingerprint(self) -> str:
+        """What the KV depends on besides the tokens: every weight byte, the forward-relevant config, the
+        dtype and the tokenizer; never where the files live. Part of every store key.
+
+        Computed on first use (an Engine reads it when it is built), so a runner that only loads a model for
+        another one to wrap does not hash the weights twice.
+        """
+        with self._fingerprint_lock:
+            if self._fingerprint is None:
+                self._fingerprint = _model_fingerprint(self.model, self.dtype) + "-" + _tokenizer_fingerprint(
+                    self.tokenizer)
+            return self._fingerprint
 
     @classmethod
     def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu") -> LlamaRunner:
@@ -190,8 +225,11 @@ class LlamaRunner:
         return SlotCache(s.num_layers, s.kv_heads, s.head_dim, capacity, self.dtype, self.device)
 
     def acquire_cache(self, capacity: int) -> SlotCache:
-        """A request buffer from the pool (or a new one). Reusing buffers matters: allocating and first
-        touching a fresh 64 MB buffer cost about as much as relocating every cached chunk (measured, CPU)."""
+        """A request buffer from the pool (or a new one), never larger than the model's context: no request
+        writes a slot beyond it (a prompt's slots never outnumber its positions, and decoding stops at the
+        context's end). Reusing buffers matters: allocating and first touching a fresh 64 MB buffer cost about
+        as much as relocating every cached chunk (measured, CPU)."""
+        capacity = min(capacity, self.shape.max_positions)
         with self._pool_lock:
             fits = [c for c in self._pool if c.capacity >= capacity]
             if fits:
@@ -199,14 +237,26 @@ class LlamaRunner:
                 self._pool.remove(cache)
                 cache.length = 0
                 return cache
-        return self.new_cache(-(-capacity // 256) * 256)  # round up so nearby sizes share buffers
+        # round up so nearby sizes share buffers
+        return self.new_cache(min(-(-capacity // 256) * 256, self.shape.max_positions))
 
     def release_cache(self, cache: SlotCache) -> None:
-        """Return a buffer to the pool; the pool keeps the POOL_SIZE largest."""
+        """Return a buffer to the pool; the pool keeps the largest buffers that fit, at most POOL_SIZE of them
+        and `pool_max_bytes` together (the others are freed)."""
         with self._pool_lock:
-            self._pool.append(cache)
-            self._pool.sort(key=lambda c: c.capacity, reverse=True)
-            del self._pool[POOL_SIZE:]
+            kept, total = [], 0
+            for c in sorted([*self._pool, cache], key=lambda c: c.capacity, reverse=True):
+                if len(kept) < POOL_SIZE and total + c.nbytes <= self.pool_max_bytes:
+                    kept.append(c)
+                    total += c.nbytes
+            self._pool = kept
+
+    def place(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's keys and values on the model's device (the same tensors when they are there already).
+
+        Blocks read from disk or Redis are CPU tensors: move each once, here, rather than on every copy into a
+        request buffer (`relocate` would otherwise move it again for each request)."""
+        return _to_device(keys, self.device), _to_device(values, self.device)
 
     @torch.inference_mode()
     def forward(self, cache: SlotCache, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
@@ -279,13 +329,17 @@ class LlamaRunner:
         HF's RoPE rotates the halves (x1, x2) of each head by angle p*inv_freq: rotating again by
         delta*inv_freq gives angle (p+delta)*inv_freq exactly (attention scaling, as in yarn, is a
         constant factor that commutes with the rotation).
+
+        `src` may live on another device than `dst` (a block read from disk or Redis is on the CPU): it is
+        copied to `dst`'s device once, in its own dtype, and rotated there.
         """
         if delta == 0:
-            dst.copy_(src)
+            dst.copy_(src, non_blocking=_may_copy_async(src.device, dst.device))  # across devices if need be
             return
+        src = _to_device(src, dst.device)
         h = src.shape[-1] // 2
-        angle = delta * self.inv_freq.to(src.device)
-        if src.dtype == torch.float32:
+        angle = delta * self.inv_freq.to(dst.device)
+        if src.dtype == dst.dtype == torch.float32:
             cos, sin = angle.cos(), angle.sin()
             k1, k2 = src[..., :h], src[..., h:]
             o1, o2 = dst[..., :h], dst[..., h:]
@@ -294,34 +348,127 @@ class LlamaRunner:
             torch.mul(k2, cos, out=o2)
             o2.addcmul_(k1, sin)
         else:  # half precision: rotate in fp32 so the relocation adds one rounding, not four
-            k = src.float()
+            k = src.float()  # [L, H, T, D]
             k1, k2 = k[..., :h], k[..., h:]
             cos, sin = angle.cos(), angle.sin()
             dst[..., :h] = k1 * cos - k2 * sin
             dst[..., h:] = k2 * cos + k1 * sin
 
 
-def _model_fingerprint(model, dtype: torch.dtype) -> str:
-    """Architecture config + dtype + a strided sample of every weight tensor.
+def _may_copy_async(src: torch.device, dst: torch.device) -> bool:
+    # Host to accelerator may be asynchronous: the copy is queued on the stream before any kernel that reads
+    # the result (and overlaps with the host when the source is pinned). The other way round the host could
+    # read the result before the copy lands, so it stays synchronous.
+    return src.type == "cpu" and dst.type not in ("cpu", "meta")
 
-    Hashing every weight of a 1B model costs seconds at load; a fixed sample of each tensor (with its
-    shape and name) tells apart any two real checkpoints, fine-tunes included, in milliseconds.
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=_may_copy_async(t.device, device))
+
+
+def _use_mask_honouring_attention(model) -> None:
+    """Switch a model loaded with flash-attention or flex attention to sdpa (in place), or refuse it.
+
+    pc_rag's attention order comes from the explicit 4-D mask it passes (key slot <= query slot); those
+    kernels ignore it and would attend by their own causal rule over the buffer's slots."""
+    config = model.config
+    impl = getattr(config, "_attn_implementation", None)
+    if impl in MASK_HONOURING_ATTENTION:
+        return
+    error = None
+    try:
+        # 5.24 warns and changes nothing for a model class outside HF's attention interface: checked below.
+        model.set_attn_implementation("sdpa")
+    except Exception as e:  # any failure to switch leaves a model pc_rag cannot run: refused below
+        error = e
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        raise UnsupportedModelError(
+            f"{type(model).__name__} uses attn_implementation={impl!r}, whose kernels ignore the explicit attention "
+            f"mask pc_rag relies on, and switching it to 'sdpa' failed ({error or 'the setting did not change'}); "
+            f"load the model with attn_implementation='sdpa' or 'eager'"
+        ) from error
+    log.warning("%s was loaded with attn_implementation=%r, whose kernels ignore pc_rag's explicit attention mask; "
+                "switched it to 'sdpa' (the model object is changed in place)", type(model).__name__, impl)
+
+
+# Config fields that change no forward pass: where the checkpoint came from and what wrote it, the storage
+# dtype (the dtype in use is hashed instead), the attention kernel (eager and sdpa agree to rounding), output
+# switches, the label maps of classification heads, special token ids (the ids themselves are in every store
+# key), initialisation, and every generation setting (older configs still carry them at the top level).
+_CONFIG_FIELDS_OUTSIDE_FORWARD = frozenset({
+    "_name_or_path", "_commit_hash", "transformers_version", "architectures", "dtype", "torch_dtype",
+    "_attn_implementation", "_attn_implementation_internal", "attn_implementation", "_experts_implementation",
+    "output_attentions", "output_hidden_states", "return_dict", "use_cache", "id2label", "label2id",
+    "problem_type", "finetuning_task", "task_specific_params", "tokenizer_class", "prefix",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "initializer_range",
+}) | frozenset(transformers.GenerationConfig().to_dict())
+
+# Bytes copied at a time from an accelerator to the host for hashing.
+_HASH_CHUNK_BYTES = 64 << 20
+
+
+def _forward_config(config) -> dict:
+    return {k: v for k, v in config.to_dict().items() if k not in _CONFIG_FIELDS_OUTSIDE_FORWARD}
+
+
+def _hash_tensor(h, t: torch.Tensor, chunk_bytes: int = _HASH_CHUNK_BYTES, stage: bool | None = None) -> None:
+    """Feed every byte of `t` to the hash `h`. A CPU tensor is read in place; a tensor on an accelerator
+    (or any, with stage=True) is copied to the host `chunk_bytes` at a time, into one reused buffer (pinned
+    for CUDA), so hashing a model never holds a second copy of it. Both ways give the same digest."""
+    flat = t.detach().reshape(-1)
+    raw = (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)  # [bytes]
+    if raw.device.type == "meta":
+        raise UnsupportedModelError("the model's weights are on the meta device (not loaded): nothing to fingerprint")
+    if stage is None:
+        stage = raw.device.type != "cpu"
+    if not stage:
+        h.update(raw.numpy())
+        return
+    n = raw.numel()
+    buf = torch.empty(min(n, chunk_bytes), dtype=torch.uint8, pin_memory=raw.device.type == "cuda")
+    for a in range(0, n, chunk_bytes):
+        part = buf[: min(chunk_bytes, n - a)]
+        part.copy_(raw[a: a + part.numel()])
+        h.update(part.numpy())
+
+
+def _model_fingerprint(model, dtype: torch.dtype) -> str:
+    """Forward-relevant config + dtype + every byte of every weight, with its name, dtype and shape.
+
+    xxh3-128 runs near memory speed (9 to 16 GB/s over a 1B bf16 model on this 2-core machine: 0.16 to 0.27 s,
+    README "Model fingerprint"); a sample of each tensor would miss a fine-tune that changed a few embedding
+    rows. The in-memory tensors are hashed, not the files: a model may never have been saved, or
+    may have been changed after loading.
     """
-    h = hashlib.blake2b(digest_size=12)
-    h.update(model.config.to_json_string(use_diff=False).encode())
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(_forward_config(model.config), sort_keys=True, default=str).encode())
     h.update(str(dtype).encode())
+    seen: dict[tuple, str] = {}
     with torch.no_grad():
         for name, p in model.state_dict().items():
-            flat = p.detach().reshape(-1)
-            step = max(1, flat.numel() // 1024)
-            h.update(name.encode())
-            h.update(str(tuple(p.shape)).encode())
-            h.update(flat[::step][:1024].float().cpu().numpy().tobytes())
+            h.update(f"\n{name}|{p.dtype}|{tuple(p.shape)}|".encode())
+            ident = (p.device, p.data_ptr(), p.dtype, tuple(p.shape), p.stride())
+            if ident in seen:  # tied weights (lm_head = embed_tokens): hashed once, recorded as the same tensor
+                h.update(f"={seen[ident]}".encode())
+                continue
+            seen[ident] = name
+            _hash_tensor(h, p)
     return h.hexdigest()
 
 
 def _tokenizer_fingerprint(tokenizer) -> str:
+    """The tokenizer's definition (vocabulary, merges, normalizer, special tokens, post-processor), without
+    its truncation and padding state, which a call with `truncation=True` or `padding=...` leaves behind."""
     h = hashlib.blake2b(digest_size=8)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    h.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        spec.pop("truncation", None)
+        spec.pop("padding", None)
+        h.update(json.dumps(spec, sort_keys=True).encode())
+    else:
+        h.update(repr(sorted(tokenizer.get_vocab().items())).encode())
     return h.hexdigest()

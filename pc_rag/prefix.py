@@ -153,6 +153,7 @@ class PrefixIndex:
             with self._lock:
                 if best[0] in self._lru:
                     self._lru.move_to_end(best[0])
+                    self._children[parent].move_to_end(best[0])
         return best
 
     def clear(self) -> None:

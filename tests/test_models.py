@@ -1,10 +1,15 @@
 """Other checkpoints through the same code: bf16/fp16, Qwen2 and Mistral configs of the same shape."""
 
+import logging
+
 import pytest
 import torch
+import transformers
 
 import pc_rag
 from pc_rag import Chunk, Text
+from pc_rag.model import LlamaRunner
+from pc_rag.store import MemoryStore
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -25,8 +30,6 @@ def test_half_precision_runs_and_tracks_fp32(tiny_path, docs, dtype):
 
 
 def _save_variant(tmp_path, tiny_path, cls_name):
-    import transformers
-
     base = transformers.AutoConfig.from_pretrained(tiny_path)
     tok = transformers.AutoTokenizer.from_pretrained(tiny_path)
     common = dict(vocab_size=base.vocab_size, hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
@@ -57,3 +60,57 @@ def test_other_llama_family_architectures(tmp_path, tiny_path, docs, arch):
     engine.warm([docs[1]], progress=False)
     gen = engine.generate([Text("Intro. "), Chunk(docs[1]), Chunk(docs[0]), Text("\nQ?")], max_new_tokens=4)
     assert gen.cached_tokens >= len(engine.segmenter.ids(docs[0])) + len(engine.segmenter.ids(docs[1]))
+
+
+# ---- attention kernels that would ignore pc_rag's explicit mask ------------------------------------------------
+@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
+def test_flash_or_flex_attention_model_is_switched_to_sdpa(tiny_path, loaded, docs, caplog, impl):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_path)
+    # What a user's `from_pretrained(..., attn_implementation=impl)` leaves in the config (flash-attn itself is
+    # not installed here, so the setting is written directly).
+    model.config._attn_implementation = impl
+    with caplog.at_level(logging.WARNING, logger="pc_rag.model"):
+        engine = pc_rag.Engine(model, loaded[1], store=MemoryStore())
+    assert model.config._attn_implementation == "sdpa"
+    assert any(impl in r.getMessage() and "sdpa" in r.getMessage() for r in caplog.records)
+    # Blend recomputes tokens in the middle of the buffer: only the explicit mask keeps them from seeing later
+    # slots. Reference: the same weights loaded with sdpa (the session's model), same mode, <= 1e-5.
+    reference = pc_rag.Engine(*loaded, store=MemoryStore())
+    prompt = [Text("Sys. "), Chunk(docs[0]), Text("\n"), Chunk(docs[1]), Text("\nQ?")]
+    for e in (engine, reference):
+        e.blend_selection = "chunk_start"
+        e.warm(docs[:2], progress=False)
+    got = engine.next_token_logits(prompt, "blend", recompute_ratio=0.5)
+    assert (got - reference.next_token_logits(prompt, "blend", recompute_ratio=0.5)).abs().max().item() <= 1e-5
+
+
+def test_a_model_whose_attention_cannot_be_switched_is_refused(tiny_path, loaded):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_path)
+    model.config._attn_implementation = "flash_attention_2"
+    # As transformers does for a model class outside its attention interface: a warning, and nothing changes.
+    model.set_attn_implementation = lambda *args, **kwargs: None
+    with pytest.raises(pc_rag.UnsupportedModelError, match="flash_attention_2.*sdpa"):
+        pc_rag.Engine(model, loaded[1], store=MemoryStore())
+
+
+# ---- request buffers and their pool ---------------------------------------------------------------------------
+def test_request_buffers_never_exceed_the_models_context(loaded):
+    runner = LlamaRunner(*loaded)
+    n = runner.shape.max_positions
+    assert runner.acquire_cache(10**9).capacity == n
+    assert runner.acquire_cache(n - 1).capacity == n  # rounding up to a multiple of 256 stops at the context too
+    assert runner.acquire_cache(100).capacity == 256
+
+
+def test_buffer_pool_stays_bounded_in_bytes(loaded):
+    runner = LlamaRunner(*loaded)
+    context_bytes = runner.shape.max_positions * runner.shape.kv_bytes_per_token(runner.dtype)
+    bound = 2 * context_bytes  # stated bound: two context-size buffers at most (POOL_SIZE of them)
+    for capacity in [100, 700, 2000, 10**5, 10**6, 300, 5000, 10**9, 1500]:
+        runner.release_cache(runner.acquire_cache(capacity))
+        assert sum(c.keys.nbytes + c.values.nbytes for c in runner._pool) <= bound, capacity
+    assert sum(c.nbytes for c in runner._pool) <= runner.pool_max_bytes <= bound
+    # and the pool still serves: a released buffer comes back for a request it fits
+    small = runner.acquire_cache(200)
+    runner.release_cache(small)
+    assert runner.acquire_cache(150) is small

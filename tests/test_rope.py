@@ -1,10 +1,16 @@
 """RoPE relocation: a chunk encoded at one position and rotated to p equals encoding it at p (<= 1e-4, fp32)."""
 
+import copy
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers.models.llama.modeling_llama import rotate_half
 
 import pc_rag
 from pc_rag import Chunk, Text
+from pc_rag.model import LlamaRunner
 from pc_rag.store import MemoryStore
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -60,3 +66,68 @@ def test_dynamic_ntk_refuses_modular_but_runs_exact(tmp_path, docs):
     engine.generate(prompt, mode="exact", max_new_tokens=2)
     lf = engine.next_token_logits(prompt, "full")
     assert (engine.next_token_logits(prompt, "exact") - lf).abs().max().item() <= 1e-4
+
+
+# ---- blocks on another device than the request buffer (a block read from disk or Redis is a CPU tensor) ------
+class DeviceLog(TorchDispatchMode):
+    """Records, for every aten op, the devices and sizes of its tensor arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
+        self.ops.append((func, [(t.device.type, t.numel()) for t in tensors]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def meta_runner(loaded):
+    """A runner whose model sits on another device than the CPU blocks (`meta` stands in for CUDA here)."""
+    model, tok = loaded
+    with torch.device("meta"):
+        meta_model = type(model)(copy.deepcopy(model.config))  # the session's model keeps its own config
+    return LlamaRunner(meta_model, tok)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delta", [0, 300])
+def test_relocate_moves_a_cpu_block_once_and_rotates_on_the_buffers_device(loaded, dtype, delta):
+    runner = LlamaRunner(*loaded)
+    src = torch.randn(2, 2, 7, runner.shape.head_dim).to(dtype)  # [L, H, T, D] on the CPU
+    dst = torch.empty(2, 2, 7, runner.shape.head_dim, dtype=dtype, device="meta")  # `meta` stands in for CUDA
+    with DeviceLog() as log:
+        runner.relocate(dst, src, delta)
+    # Every op touching block-sized data (halves included) runs on meta, except the one copy from the host.
+    big = [(f, args) for f, args in log.ops if any(n >= src.numel() // 2 for _, n in args)]
+    on_host = [(f, args) for f, args in big if any(d == "cpu" for d, _ in args)]
+    assert len(on_host) == 1 and ("cpu", src.numel()) in on_host[0][1], on_host
+    assert len(big) > 1 if delta else len(big) == 1  # the rotation ran (on meta); delta 0 is the copy alone
+
+
+def test_place_moves_a_block_to_the_models_device_once(meta_runner, loaded):
+    k, v = torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+    mk, mv = meta_runner.place(k, v)
+    assert (mk.device.type, mv.device.type) == ("meta", "meta") and mk.shape == k.shape and mv.dtype == v.dtype
+    # already there: the same tensors, no copy
+    pk, pv = meta_runner.place(mk, mv)
+    assert pk is mk and pv is mv
+    ck, cv = LlamaRunner(*loaded).place(k, v)
+    assert ck is k and cv is v
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2**-7)])
+def test_relocate_equals_a_direct_rotation(loaded, dtype, tol):
+    # Reference: HF's RoPE formula (k * cos + rotate_half(k) * sin) at angle delta * inv_freq, in fp32 on the CPU.
+    # fp32: float rounding (<= 1e-5 absolute on unit-scale keys); bf16: one rounding to bf16 of the fp32 result
+    # (relative 2**-7 covers it, plus 1e-6 absolute near zero).
+    runner = LlamaRunner(*loaded)
+    src = torch.randn(2, 2, 9, runner.shape.head_dim).to(dtype)
+    delta = 1234
+    angle = delta * runner.inv_freq
+    cos, sin = torch.cat([angle.cos(), angle.cos()]), torch.cat([angle.sin(), angle.sin()])
+    ref = src.float() * cos + rotate_half(src.float()) * sin
+    dst = torch.empty_like(src)
+    runner.relocate(dst, src, delta)
+    torch.testing.assert_close(dst.float(), ref, rtol=tol, atol=1e-6 if dtype == torch.bfloat16 else tol)
