@@ -2,41 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field
 
-from pc_rag import adapters
 from pc_rag.adapters import SamplingOptions, shared_engine
-
-# Until the core's split takes `chunk_texts=` and `discovered=`: chunks marked in a request are registered
-# with the engine (for good) before the plain split.
-_SPLIT_TAKES_CHUNKS = "chunk_texts" in inspect.signature(adapters.chat_prompt).parameters
-
-
-def chat_segments(engine, messages: Sequence[Mapping[str, str]], chunk_texts: Iterable[str], discovered: bool):
-    """`pc_rag.adapters.chat_prompt`: the messages as segments, documents found in them as chunks."""
-    if _SPLIT_TAKES_CHUNKS:
-        return adapters.chat_prompt(engine, messages, chunk_texts=tuple(chunk_texts), discovered=discovered)
-    adapters.register(engine, chunk_texts)
-    return adapters.chat_prompt(engine, messages)
-
-
-def completion_segments(engine, text: str, discovered: bool):
-    """`pc_rag.adapters.completion_prompt`: the prompt string as segments, documents found in it as chunks."""
-    if _SPLIT_TAKES_CHUNKS:
-        return adapters.completion_prompt(engine, text, discovered=discovered)
-    return adapters.completion_prompt(engine, text)
-
-
-def counts(generation) -> dict[str, int]:
-    """`pc_rag.adapters.usage`, with `cache_creation_tokens` (0 where the core does not report it yet)."""
-    out = adapters.usage(generation)
-    out.setdefault("cache_creation_tokens", 0)
-    return out
 
 
 class EngineFields(BaseModel):

@@ -27,9 +27,9 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.tools import BaseTool
 
-from pc_rag.adapters import stream_generation
+from pc_rag.adapters import chat_prompt, stream_generation, usage
 
-from ._engine import EngineFields, chat_segments, counts
+from ._engine import EngineFields
 
 _ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system", ToolMessage: "tool"}
 
@@ -62,15 +62,15 @@ def _message_dict(message: BaseMessage) -> tuple[dict[str, str], list[str]]:
     return {"role": role, "content": message.text}, marked
 
 
-def usage_metadata(usage: dict[str, int]) -> UsageMetadata:
+def usage_metadata(counts: dict[str, int]) -> UsageMetadata:
     """pc_rag's token counts as LangChain reports them (as ChatAnthropic: `input_tokens` includes cached)."""
     return UsageMetadata(
-        input_tokens=usage["prompt_tokens"],
-        output_tokens=usage["completion_tokens"],
-        total_tokens=usage["prompt_tokens"] + usage["completion_tokens"],
+        input_tokens=counts["prompt_tokens"],
+        output_tokens=counts["completion_tokens"],
+        total_tokens=counts["prompt_tokens"] + counts["completion_tokens"],
         input_token_details={
-            "cache_read": usage["cached_tokens"],  # prompt tokens whose KV was reused
-            "cache_creation": usage["cache_creation_tokens"],  # prompt tokens whose KV this request stored
+            "cache_read": counts["cached_tokens"],  # prompt tokens whose KV was reused
+            "cache_creation": counts["cache_creation_tokens"],  # prompt tokens whose KV this request stored
         },
     )
 
@@ -118,7 +118,7 @@ class ChatPromptCache(EngineFields, BaseChatModel):
         engine = self._engine()
         parts = [_message_dict(m) for m in messages]
         marked = [text for _, texts in parts for text in texts]
-        prompt = chat_segments(engine, [d for d, _ in parts], marked, discovered=self.auto_chunks)
+        prompt = chat_prompt(engine, [d for d, _ in parts], chunk_texts=marked, discovered=self.auto_chunks)
         for item in stream_generation(engine, prompt, self._options(stop, kwargs)):
             if isinstance(item, str):
                 yield ChatGenerationChunk(message=AIMessageChunk(content=item))
@@ -127,7 +127,7 @@ class ChatPromptCache(EngineFields, BaseChatModel):
             yield ChatGenerationChunk(
                 message=AIMessageChunk(
                     content="",
-                    usage_metadata=usage_metadata(counts(generation)),
+                    usage_metadata=usage_metadata(usage(generation)),
                     response_metadata={
                         "model_name": self.model_name,
                         "finish_reason": generation.finish_reason,

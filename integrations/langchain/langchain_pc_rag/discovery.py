@@ -15,7 +15,7 @@ Off switches: `PC_RAG_DISCOVERY=0` in the environment (the core's `discover` the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any
 from uuid import UUID
@@ -24,12 +24,7 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.tracers.context import register_configure_hook
 
-try:
-    from pc_rag.adapters import discover as _discover
-except ImportError:  # a pc_rag without the discovered-documents registry: discovery is a no-op
-
-    def _discover(texts: Iterable[str]) -> int:
-        return 0
+from pc_rag.adapters import discover as _discover
 
 
 class DocumentDiscovery(BaseCallbackHandler):

@@ -9,9 +9,9 @@ from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import LLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from pc_rag.adapters import stream_generation
+from pc_rag.adapters import completion_prompt, stream_generation, usage
 
-from ._engine import EngineFields, completion_segments, counts
+from ._engine import EngineFields
 
 
 def token_usage(usages: list[dict[str, int]]) -> dict:
@@ -45,7 +45,7 @@ class PromptCacheLLM(EngineFields, LLM):
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
         engine = self._engine()
-        segments = completion_segments(engine, prompt, discovered=self.auto_chunks)
+        segments = completion_prompt(engine, prompt, discovered=self.auto_chunks)
         for item in stream_generation(engine, segments, self._options(stop, kwargs)):
             if isinstance(item, str):
                 # BaseLLM.stream does not report tokens for us (unlike BaseChatModel).
@@ -58,7 +58,7 @@ class PromptCacheLLM(EngineFields, LLM):
                     text="",
                     generation_info={
                         "finish_reason": generation.finish_reason,
-                        "usage": counts(generation),
+                        "usage": usage(generation),
                         "model_name": self.model_name,
                     },
                 )

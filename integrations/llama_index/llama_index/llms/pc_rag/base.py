@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import inspect
 import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -41,36 +40,14 @@ from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from pc_rag import adapters
-from pc_rag.adapters import SamplingOptions, shared_engine, stream_generation
+from pc_rag.adapters import SamplingOptions, chat_prompt, completion_prompt, shared_engine, stream_generation, usage
 
 T = TypeVar("T")
 
-# Until the core's split takes `chunk_texts=` and `discovered=`: chunks marked in a request are registered
-# with the engine (for good) before the plain split.
-_SPLIT_TAKES_CHUNKS = "chunk_texts" in inspect.signature(adapters.chat_prompt).parameters
-
-
-def _chat_split(engine, messages: list[dict], chunk_texts: list[str], discovered: bool):
-    """`pc_rag.adapters.chat_prompt`: the messages as segments, documents found in them as chunks."""
-    if _SPLIT_TAKES_CHUNKS:
-        return adapters.chat_prompt(engine, messages, chunk_texts=tuple(chunk_texts), discovered=discovered)
-    adapters.register(engine, chunk_texts)
-    return adapters.chat_prompt(engine, messages)
-
-
-def _completion_split(engine, text: str, chunk_texts: list[str], discovered: bool):
-    """`pc_rag.adapters.completion_prompt`: the prompt string as segments, documents found in it as chunks."""
-    if _SPLIT_TAKES_CHUNKS:
-        return adapters.completion_prompt(engine, text, chunk_texts=tuple(chunk_texts), discovered=discovered)
-    adapters.register(engine, chunk_texts)
-    return adapters.completion_prompt(engine, text)
-
-
 def openai_usage(generation) -> dict[str, Any]:
     """A request's token counts in OpenAI's shape, plus pc_rag's flat `cached_tokens`/`cache_creation_tokens`."""
-    counts = adapters.usage(generation)
-    cached, created = counts["cached_tokens"], counts.get("cache_creation_tokens", 0)
+    counts = usage(generation)
+    cached, created = counts["cached_tokens"], counts["cache_creation_tokens"]
     return {
         "prompt_tokens": counts["prompt_tokens"],  # includes the cached ones
         "completion_tokens": counts["completion_tokens"],
@@ -337,12 +314,13 @@ class PromptCacheLLM(CustomLLM):
         parts = list(parts)
         marked = [text for _, texts in parts for text in texts]
         if getattr(engine.tokenizer, "chat_template", None):
-            return _chat_split(engine, [d for d, _ in parts], marked, self.auto_chunks)
+            return chat_prompt(engine, [d for d, _ in parts], chunk_texts=marked, discovered=self.auto_chunks)
         # No chat template (a base model): LlamaIndex's own rendering, as for any completion model.
-        return _completion_split(engine, self.messages_to_prompt(messages), marked, self.auto_chunks)
+        prompt = self.messages_to_prompt(messages)
+        return completion_prompt(engine, prompt, chunk_texts=marked, discovered=self.auto_chunks)
 
     def _completion_segments(self, prompt: str):
-        return _completion_split(self.get_engine(), prompt, [], self.auto_chunks)
+        return completion_prompt(self.get_engine(), prompt, discovered=self.auto_chunks)
 
     def _pieces(self, segments, kwargs) -> Iterator[tuple[str, str, dict | None]]:
         """(delta, text so far, None) per piece, then ("", full text, raw) with usage once done."""

@@ -14,7 +14,6 @@ Off switches: `PC_RAG_DISCOVERY=0` in the environment (the core's `discover` the
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from llama_index.core.instrumentation import get_dispatcher
@@ -23,12 +22,7 @@ from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
 from llama_index.core.schema import MetadataMode
 
-try:
-    from pc_rag.adapters import discover as _discover
-except ImportError:  # a pc_rag without the discovered-documents registry: discovery is a no-op
-
-    def _discover(texts: Iterable[str]) -> int:
-        return 0
+from pc_rag.adapters import discover as _discover
 
 
 class NodeDiscovery(BaseEventHandler):
