@@ -14,9 +14,10 @@ Per user request (one LLM call, or several: condense_plus_context condenses the 
   longest common token prefix with any earlier call's prompt_ids + generated token_ids[:-1] (every generated
   token but the last was fed back, so its KV exists), and in modular mode also every chunk segment whose
   token ids were a chunk in an earlier call (the union of both, so a chunk inside the prefix counts once).
-- ratio: reuse / bound (1.0: everything reusable was reused). In modular mode it can pass 1 by a little: the
-  engine's prefix chain continues after a relocated chunk, so text right after a chunk that sat at the same
-  place in an earlier request (a separator) is found too, which this bound does not count.
+- ratio: reuse / bound (1.0: everything reusable was reused). In modular mode it can miss 1 by a little
+  either way: separators between chunks are relocated blocks too, reused even from earlier in the same
+  request (the bound counts earlier requests only); and a chunk is reused whole or not at all, so when the
+  common prefix runs a few tokens into a chunk that changed, the bound counts tokens the engine cannot reuse.
 The table shows requests 2 and 3 (request 1 runs on an empty store). --out writes all of it as JSON.
 
 Flows (names for --flows):
