@@ -34,6 +34,21 @@ class EngineFields(BaseModel):
     top_p: float = Field(default=1.0, description="Nucleus sampling mass.")
     stop: list[str] | None = Field(default=None, description="Strings that end generation (not returned).")
     seed: int | None = Field(default=None, description="Sampling seed.")
+    auto_chunks: bool = Field(
+        default=True,
+        description="Reuse the KV of documents that any LangChain retriever in this process returned (found "
+        "wherever they appear in the prompt). False: only text blocks marked with `cache_control` and "
+        "documents registered with this model's engine (PromptCacheRetriever, register_documents) are chunks. "
+        "PC_RAG_DISCOVERY=0 in the environment turns discovery off for the whole process.",
+    )
+
+    def with_structured_output(self, schema: Any, **kwargs: Any):
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support structured output (with_structured_output): pc_rag decodes "
+            "free text, with no JSON mode, tool calls or constrained decoding, so a schema cannot be enforced. "
+            "Ask for JSON in the prompt and parse the reply with langchain_core.output_parsers.JsonOutputParser "
+            "(it may fail to parse), or use a model with structured output for that step."
+        )
 
     def _engine(self):
         if self.engine is not None:

@@ -14,8 +14,24 @@ from pc_rag.adapters import completion_prompt, stream_generation, usage
 from ._engine import EngineFields
 
 
+def token_usage(usages: list[dict[str, int]]) -> dict:
+    """Usage summed over a call's prompts, in the shape OpenAI-style consumers read from
+    `LLMResult.llm_output["token_usage"]` (langchain-community's OpenAI callback, LangSmith), plus
+    pc_rag's `cache_creation_tokens` (prompt tokens whose KV the requests stored)."""
+    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "cached_tokens",
+                                                    "cache_creation_tokens")}
+    return {
+        "prompt_tokens": total["prompt_tokens"],
+        "completion_tokens": total["completion_tokens"],
+        "total_tokens": total["prompt_tokens"] + total["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": total["cached_tokens"]},
+        "cache_creation_tokens": total["cache_creation_tokens"],
+    }
+
+
 class PromptCacheLLM(EngineFields, LLM):
-    """Completion model: the prompt string is split at registered documents and continued as it is."""
+    """Completion model: the prompt string is split at documents (discovered or registered) and continued as
+    it is. `generation_info["usage"]` holds each prompt's counts; `llm_output["token_usage"]` their sum."""
 
     @property
     def _llm_type(self) -> str:
@@ -29,7 +45,7 @@ class PromptCacheLLM(EngineFields, LLM):
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
         engine = self._engine()
-        segments = completion_prompt(engine, prompt)
+        segments = completion_prompt(engine, prompt, discovered=self.auto_chunks)
         for item in stream_generation(engine, segments, self._options(stop, kwargs)):
             if isinstance(item, str):
                 # BaseLLM.stream does not report tokens for us (unlike BaseChatModel).
@@ -60,7 +76,10 @@ class PromptCacheLLM(EngineFields, LLM):
             for chunk in self._stream(prompt, stop, run_manager, **kwargs):
                 full += chunk
             generations.append([Generation(text=full.text, generation_info=full.generation_info)])
-        return LLMResult(generations=generations)
+        usages = [g[0].generation_info["usage"] for g in generations]
+        return LLMResult(
+            generations=generations, llm_output={"token_usage": token_usage(usages), "model_name": self.model_name}
+        )
 
     def _call(
         self,

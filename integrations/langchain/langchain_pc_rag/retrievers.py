@@ -1,4 +1,6 @@
-"""Registering retrieved documents, so the chat model finds them in whatever prompt the chain builds."""
+"""Registering documents with one engine explicitly (optional: any retriever's documents are discovered
+automatically, see `discovery`). Registered documents are chunks even with `auto_chunks=False` or
+PC_RAG_DISCOVERY=0, and stay registered with the engine rather than in the bounded discovery registry."""
 
 from __future__ import annotations
 

@@ -1,15 +1,26 @@
 """PromptCacheLLM on the offline tiny Llama: the LlamaIndex LLM surface (random weights: text is noise)."""
 
-from llama_index.core.llms import ChatMessage
-from llama_index.llms.pc_rag import PromptCacheLLM, __all__, register_nodes
+import asyncio
+import time
+from pydoc_data.topics import topics
 
-from .tiny_model import tiny_model_path
+import pytest
+from llama_index.core import VectorStoreIndex
+from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+from llama_index.core.embeddings import MockEmbedding
+from llama_index.core.llms import ChatMessage
+from llama_index.core.prompts import PromptTemplate
+from llama_index.core.schema import TextNode
+from llama_index.llms.pc_rag import PromptCacheLLM, __all__, register_nodes
+from pydantic import BaseModel
+
+from .tiny_model import fresh_engine, template_less_model_path, tiny_model_path
 
 
 def test_all():
     assert sorted(__all__) == sorted(
-        ["PromptCacheLLM", "PromptCacheNodeRegistrar", "PromptCacheSynthesizer", "prompt_cache_query_engine",
-         "register_nodes"]
+        ["PromptCacheLLM", "PromptCacheNodeRegistrar", "PromptCacheSynthesizer", "UsageTotals",
+         "prompt_cache_query_engine", "register_nodes", "track_usage"]
     )
 
 
@@ -20,15 +31,30 @@ def test_metadata_loads_nothing():
     assert llm._loaded is None
 
 
+def test_context_window_comes_from_the_checkpoint_without_loading_it():
+    llm = PromptCacheLLM(model=tiny_model_path())
+    assert llm.metadata.context_window == 2048  # the tiny model's max_position_embeddings, not LlamaIndex's 3900
+    assert llm._loaded is None
+    assert PromptCacheLLM(model=tiny_model_path(), context_window=1000).metadata.context_window == 1000
+
+
+USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "cached_tokens",
+              "cache_creation_tokens"}
+
+
 def test_complete_stream_and_chat_report_usage():
     llm = PromptCacheLLM(model=tiny_model_path(), max_new_tokens=6)
     done = llm.complete("Hello")
-    assert set(done.raw["usage"]) >= {"prompt_tokens", "completion_tokens", "cached_tokens", "cache_creation_tokens"}
-    assert done.raw["usage"]["completion_tokens"] == 6 and done.text
+    usage = done.raw["usage"]
+    assert set(usage) == USAGE_KEYS and done.text
+    assert usage["completion_tokens"] == 6
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 6
+    assert usage["prompt_tokens_details"] == {"cached_tokens": usage["cached_tokens"]}
+    assert llm.last_usage == usage
 
     responses = list(llm.stream_complete("Hello"))
     assert "".join(r.delta for r in responses) == responses[-1].text == done.text  # greedy: same text
-    assert responses[-1].raw["usage"]["prompt_tokens"] == done.raw["usage"]["prompt_tokens"]
+    assert responses[-1].raw["usage"]["prompt_tokens"] == usage["prompt_tokens"]
 
     messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi")]
     reply = llm.chat(messages)
@@ -37,12 +63,152 @@ def test_complete_stream_and_chat_report_usage():
     assert streamed[-1].raw["usage"]["completion_tokens"] == 6
 
 
-def test_registered_node_text_is_a_cache_hit_in_a_completion():
-    from llama_index.core.schema import TextNode
+def test_token_counting_handler_reads_the_engine_counts():
+    # LlamaIndex's TokenCountingHandler takes prompt/completion tokens from raw["usage"] when present (else it
+    # counts with its own tokenizer, tiktoken): the engine's counts must be what it reports.
+    counter = TokenCountingHandler()
+    llm = PromptCacheLLM(model=tiny_model_path(), max_new_tokens=5, callback_manager=CallbackManager([counter]))
+    usage = llm.complete("The pass statement").raw["usage"]
+    assert (counter.prompt_llm_token_count, counter.completion_llm_token_count) == (
+        usage["prompt_tokens"], usage["completion_tokens"])
 
+
+def test_registered_node_text_is_a_cache_hit_in_a_completion():
     llm = PromptCacheLLM(model=tiny_model_path(), max_new_tokens=2)
     node = TextNode(text="The pass statement is a null operation.", metadata={"topic": "pass"})
     register_nodes(llm, [node])
     prompt = f"topic: pass\n\n{node.text}\n\nQ: what is pass?\nA:"
     llm.complete(prompt)
     assert llm.complete(prompt).raw["usage"]["cached_tokens"] > 0
+
+
+class SlowEngine:
+    """The tiny model's engine, sleeping `delay_s` (a blocking sleep, as a forward pass blocks) per piece."""
+
+    def __init__(self, engine, delay_s=0.05):
+        self.engine, self.delay_s, self.closed = engine, delay_s, False
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def stream_generation(self, prompt, **kwargs):
+        try:
+            for item in self.engine.stream_generation(prompt, **kwargs):
+                time.sleep(self.delay_s)
+                yield item
+        finally:
+            self.closed = True
+
+
+async def ticks_during(awaitable) -> int:
+    """How often a 5 ms ticker ran on the event loop while `awaitable` ran."""
+    ticks = 0
+    done = False
+
+    async def ticker():
+        nonlocal ticks
+        while not done:
+            await asyncio.sleep(0.005)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    try:
+        await awaitable
+    finally:
+        done = True
+        await task
+    return ticks
+
+
+async def drain(agen):
+    return [item async for item in agen]
+
+
+@pytest.mark.parametrize("method", ["achat", "astream_chat", "acomplete", "astream_complete"])
+async def test_async_calls_leave_the_event_loop_running(method):
+    # 8 pieces at 50 ms: a call that blocked the loop would let the ticker run 0 times (measured before the
+    # fix); off the loop it runs about 80 times. 20 leaves room for a slow, shared CI machine.
+    llm = PromptCacheLLM(engine=SlowEngine(fresh_engine()), max_new_tokens=8, context_window=2048)
+    messages = [ChatMessage(role="user", content="Hi")]
+
+    async def call():
+        if method == "achat":
+            return await llm.achat(messages)
+        if method == "acomplete":
+            return await llm.acomplete("Hi")
+        if method == "astream_chat":
+            return await drain(await llm.astream_chat(messages))
+        return await drain(await llm.astream_complete("Hi"))
+
+    assert await ticks_during(call()) >= 20
+    assert llm.last_usage["completion_tokens"] >= 1
+
+
+async def test_abandoned_async_stream_stops_the_engine():
+    engine = SlowEngine(fresh_engine())
+    llm = PromptCacheLLM(engine=engine, max_new_tokens=50, context_window=2048)
+    stream = await llm.astream_chat([ChatMessage(role="user", content="Hi")])
+    async for _ in stream:
+        break
+    await stream.aclose()
+    for _ in range(100):  # the worker stops at its next piece
+        if engine.closed:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.closed
+
+
+def test_chat_model_comes_from_the_tokenizer_once_loaded():
+    llm = PromptCacheLLM(model=template_less_model_path(), max_new_tokens=3)
+    assert llm._loaded is None
+    query_engine = VectorStoreIndex(
+        [TextNode(text=topics["pass"][:300])], embed_model=MockEmbedding(embed_dim=8)
+    ).as_query_engine(llm=llm)
+    query_engine.query("What is pass?")  # was: an error telling to use PromptCacheLLM, the class in use
+    assert llm.metadata.is_chat_model is False
+    assert llm.last_usage["completion_tokens"] >= 1
+    assert PromptCacheLLM(model=tiny_model_path()).metadata.is_chat_model is True  # before loading: the default
+    assert PromptCacheLLM(model=template_less_model_path(), is_chat_model=True).metadata.is_chat_model is True
+
+
+def test_chat_without_a_chat_template_uses_messages_to_prompt():
+    llm = PromptCacheLLM(model=template_less_model_path(), max_new_tokens=3)
+    reply = llm.chat([ChatMessage(role="user", content="Hi")])
+    assert reply.raw["usage"]["completion_tokens"] >= 1
+
+
+def test_compact_mode_fits_the_model_context():
+    # Nodes of ~2,600 tokens in all: more than the tiny model's 2,048, less than LlamaIndex's default 3,900.
+    # With 3,900 compact packed them into one prompt the model could not take and answered "Empty Response"
+    # (refine swallowed the error); with the model's own context it packs them into several prompts.
+    texts = [t[:2000] for k, t in sorted(topics.items()) if len(t) >= 2000][:5]
+    index = VectorStoreIndex([TextNode(text=t) for t in texts], embed_model=MockEmbedding(embed_dim=8))
+    llm = PromptCacheLLM(model=tiny_model_path(), max_new_tokens=2)
+    prompts = []
+    llm.__dict__["_record"] = lambda usage: prompts.append(usage["prompt_tokens"])
+    index.as_query_engine(llm=llm, similarity_top_k=5).query("What is it?")
+    assert len(prompts) >= 2  # every request answered, none refused
+    assert sum(prompts) > 2048 and all(n + 2 <= 2048 for n in prompts)
+
+
+class Answer(BaseModel):
+    text: str
+
+
+async def test_structured_output_is_refused_before_running():
+    llm = PromptCacheLLM(model=tiny_model_path())
+    prompt = PromptTemplate("Say {x}")
+    with pytest.raises(NotImplementedError, match="PromptCacheLLM does not support structured output"):
+        llm.structured_predict(Answer, prompt, x="hi")
+    with pytest.raises(NotImplementedError, match="structured output"):
+        await llm.astructured_predict(Answer, prompt, x="hi")
+    with pytest.raises(NotImplementedError, match="structured output"):
+        llm.as_structured_llm(Answer)
+    assert llm.last_usage is None  # nothing ran
+
+
+def test_tool_calls_in_the_history_are_refused():
+    llm = PromptCacheLLM(model=tiny_model_path())
+    call = ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [{"id": "1"}]})
+    with pytest.raises(ValueError, match="tool_calls"):
+        llm.chat([ChatMessage(role="user", content="hi"), call])

@@ -11,39 +11,18 @@ import pytest
 from llama_index.core import VectorStoreIndex
 from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.schema import TextNode
-from llama_index.llms.pc_rag import PromptCacheLLM, PromptCacheNodeRegistrar, prompt_cache_query_engine
+from llama_index.llms.pc_rag import PromptCacheNodeRegistrar, prompt_cache_query_engine
 
-from pc_rag.segments import Chunk
-
+from .recording import RecordingLLM, chunks_per_call
 from .tiny_model import tiny_model_path
 
 NODES = [TextNode(text=topics[k][:500], metadata={"topic": k}) for k in ("assert", "break", "continue")]
-
-
-class RecordingLLM(PromptCacheLLM):
-    """Keeps the segments and usage of every request, so a test can see what the engine was sent."""
-
-    def _pieces(self, segments, kwargs):
-        record = {"segments": segments}
-        self.__dict__.setdefault("_records", []).append(record)
-        for delta, text, raw in super()._pieces(segments, kwargs):
-            if raw is not None:
-                record.update(raw=raw, text=text)
-            yield delta, text, raw
-
-    @property
-    def records(self):
-        return self.__dict__.setdefault("_records", [])
 
 
 @pytest.fixture(scope="module")
 def index():
     # Mock embeddings: retrieval order does not matter here, top_k=3 returns all three nodes.
     return VectorStoreIndex(NODES, embed_model=MockEmbedding(embed_dim=8))
-
-
-def chunks_per_call(llm):
-    return [sum(isinstance(s, Chunk) for s in r["segments"]) for r in llm.records]
 
 
 def test_our_query_engine_hits_on_the_second_query_and_matches_full_mode(index):

@@ -2,7 +2,9 @@
 
 import functools
 import os
+import shutil
 import tempfile
+from pathlib import Path
 
 from pc_rag.testing import build_tiny_llama
 
@@ -13,3 +15,28 @@ def tiny_model_path() -> str:
     if given:
         return given
     return str(build_tiny_llama(tempfile.mkdtemp(prefix="pc_rag_tiny_")))
+
+
+@functools.cache
+def template_less_model_path() -> str:
+    """The tiny model without a chat template (as a base model ships): chat_template.jinja left out."""
+    out = Path(tempfile.mkdtemp(prefix="pc_rag_tiny_base_")) / "model"
+    shutil.copytree(tiny_model_path(), out, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    return str(out)
+
+
+@functools.cache
+def _loaded():
+    import pc_rag
+
+    base = pc_rag.Engine.from_pretrained(tiny_model_path())
+    return base.model, base.tokenizer
+
+
+def fresh_engine():
+    """An Engine on the session's tiny model with an empty memory-only store (nothing cached yet)."""
+    import pc_rag
+    from pc_rag.store import MemoryStore
+
+    model, tokenizer = _loaded()
+    return pc_rag.Engine(model, tokenizer, store=MemoryStore())

@@ -5,7 +5,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_pc_rag import ChatPromptCache, register_documents
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
-from .tiny_model import tiny_model_path
+from .tiny_model import fresh_engine, tiny_model_path
 
 DOC = Document(page_content="The assert statement is a convenient way to insert debugging assertions.")
 
@@ -41,7 +41,25 @@ class TestChatPromptCacheIntegration(ChatModelIntegrationTests):
 
     @property
     def supported_usage_metadata_details(self) -> dict:
-        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+        return {
+            "invoke": ["cache_read_input", "cache_creation_input"],
+            "stream": ["cache_read_input", "cache_creation_input"],
+        }
+
+    def invoke_with_cache_creation_input(self, *, stream: bool = False) -> AIMessage:
+        # A document no earlier request sent, on an engine with an empty store: encoding it stores its KV.
+        llm = ChatPromptCache(engine=fresh_engine(), max_tokens=12)
+        doc = Document(page_content=f"{DOC.page_content} It is skipped under -O (stream={stream}).")
+        register_documents(llm, [doc])
+        messages = [SystemMessage(f"Context:\n\n{doc.page_content}"), HumanMessage("What is assert?")]
+        if not stream:
+            message = llm.invoke(messages)
+        else:
+            message = None
+            for chunk in llm.stream(messages):
+                message = chunk if message is None else message + chunk
+        assert message.usage_metadata["input_token_details"]["cache_creation"] > 0
+        return message
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         llm = ChatPromptCache(**self.chat_model_params)

@@ -45,7 +45,7 @@ def rag_chain(llm, documents):
 
 def sent_segments(llm, documents, question):
     messages = PROMPT.invoke({"context": stuff(documents), "input": question}).to_messages()
-    return chat_prompt(llm._engine(), [_message_dict(m) for m in messages])
+    return chat_prompt(llm._engine(), [_message_dict(m)[0] for m in messages])
 
 
 def test_second_request_reads_cache_and_matches_full_mode():

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pc_rag import Engine
+from pc_rag.find import ChunkIndex, ReplyIndex
+from pc_rag.segments import Chunk, Text
+
 
 class FakeTokenizer:
     chat_template = "fake"
@@ -13,6 +17,20 @@ class FakeTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
+class CharSegmenter:
+    """Cuts a prompt string at the spans `Engine.split` found, by characters (there are no tokens here)."""
+
+    @staticmethod
+    def split(text, spans):
+        out, cursor = [], 0
+        for span in spans:
+            if span.start > cursor:
+                out.append(Text(text[cursor: span.start]))
+            out.append(Chunk(text[span.start: span.end]))
+            cursor = span.end
+        return out + [Text(text[cursor:])] if cursor < len(text) or not out else out
+
+
 @dataclass(frozen=True)
 class FakeGeneration:
     text: str
@@ -20,6 +38,7 @@ class FakeGeneration:
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
+    stored_tokens: int
     ttft_s: float
     mode: str
     finish_reason: str
@@ -28,11 +47,16 @@ class FakeGeneration:
 class FakeEngine:
     """`stream_generation` as pc_rag.Engine's: text pieces, then a Generation.
 
-    `cached_tokens` counts the characters of Chunk segments, so tests can see what was found.
+    `cached_tokens` counts the characters of Chunk segments, so tests can see what was found. Prompt strings are
+    split by the engine's own rules (`Engine.split`: registered, discovered and marked documents).
     """
+
+    split = Engine.split
 
     def __init__(self, pieces=("Hello", " there")):
         self.tokenizer = FakeTokenizer()
+        self.segmenter = CharSegmenter()
+        self.chunks, self.replies = ChunkIndex(), ReplyIndex()
         self.pieces = pieces
         self.calls: list[tuple[list, dict]] = []
 
@@ -47,6 +71,7 @@ class FakeEngine:
             prompt_tokens=total,
             cached_tokens=cached,
             computed_tokens=total - cached,
+            stored_tokens=0,
             ttft_s=0.001,
             mode=kwargs["mode"],
             finish_reason="length",

@@ -4,7 +4,7 @@ from langchain_core.documents import Document
 from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate, format_document
 from langchain_core.retrievers import BaseRetriever
-from langchain_pc_rag import ChatPromptCache, PromptCacheLLM, PromptCacheRetriever
+from langchain_pc_rag import ChatPromptCache, PromptCacheLLM, PromptCacheRetriever, register_documents
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from pc_rag.segments import Chunk, Text
@@ -76,7 +76,7 @@ def test_stuff_chain_prompt_sends_registered_documents_as_chunks():
     )
     assert kwargs["max_new_tokens"] == 8 and kwargs["temperature"] == 0.0 and kwargs["mode"] == "modular"
     assert message.content == "Hello there"
-    assert message.usage_metadata["input_token_details"] == {"cache_read": 47}
+    assert message.usage_metadata["input_token_details"] == {"cache_read": 47, "cache_creation": 0}
     assert message.response_metadata["finish_reason"] == "length"
 
 
@@ -93,7 +93,7 @@ def test_stream_ends_with_one_usage_chunk_and_call_options_override_fields():
 
 def test_unregistered_prompt_is_all_text():
     engine = FakeEngine()
-    ChatPromptCache(engine=engine).invoke("Basel lies on the Rhine.")
+    ChatPromptCache(engine=engine).invoke("Bern lies on the Aare (no retriever ever returned this).")
     segments, _ = engine.calls[-1]
     assert all(isinstance(s, Text) for s in segments)
 
@@ -120,6 +120,26 @@ def test_completion_llm_splits_the_raw_prompt_and_reports_usage():
     generation = result.generations[0][0]
     assert generation.text == "Hello there"
     assert generation.generation_info["usage"]["cached_tokens"] == len("Lyon lies on the Rhone.")
+
+
+def test_completion_llm_reports_summed_token_usage_in_llm_output():
+    # What OpenAI-style consumers read (langchain-community's OpenAI callback: llm_output["token_usage"]).
+    engine = FakeEngine()
+    llm = PromptCacheLLM(engine=engine, model="m")
+    register_documents(llm, [DOCS[1]])
+    prompts = [f"Context: {DOCS[1].page_content}\nQ: river?\nA:", "Q: hi\nA:"]
+    result = llm.generate(prompts)
+    totals = [len(p) for p in prompts]  # the engine double counts characters
+    assert result.llm_output == {
+        "token_usage": {
+            "prompt_tokens": sum(totals),
+            "completion_tokens": 4,
+            "total_tokens": sum(totals) + 4,
+            "prompt_tokens_details": {"cached_tokens": len(DOCS[1].page_content)},
+            "cache_creation_tokens": 0,
+        },
+        "model_name": "m",
+    }
 
 
 def test_missing_model_and_engine_is_a_clear_error():

@@ -1,21 +1,35 @@
 """PromptCacheLLM: a LlamaIndex LLM answered by a local pc_rag Engine that reuses the KV of retrieved nodes.
 
 One path: prompt string (completions) or chat messages rendered with the model's own chat template ->
-`ChunkIndex.split` (registered node texts become `Chunk`s) -> `Engine.stream_generation`. The non-streaming
-calls collect the stream. `raw["usage"]` holds `prompt_tokens`, `completion_tokens`, `cached_tokens`;
-`raw["ttft_s"]` is the time to first token.
+the prompt split into segments (nodes any retriever returned, TextBlocks marked by a CachePoint and nodes
+registered with the engine become `Chunk`s) -> `Engine.stream_generation`. The non-streaming calls collect
+the stream; the async ones run it in a worker thread so the event loop keeps running.
+
+Usage of every request: `raw["usage"]` in OpenAI's shape (`prompt_tokens`, `completion_tokens`,
+`total_tokens`, `prompt_tokens_details.cached_tokens`: what LlamaIndex's TokenCountingHandler reads) plus
+`cached_tokens` and `cache_creation_tokens`; `llm.last_usage`; and `track_usage()` around any query or chat.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+import asyncio
+import contextlib
+import contextvars
+import json
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import (
+    CachePoint,
     ChatMessage,
     ChatResponse,
+    ChatResponseAsyncGen,
     ChatResponseGen,
     CompletionResponse,
+    CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
@@ -26,29 +40,146 @@ from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from pc_rag.adapters import (
-    SamplingOptions,
-    chat_prompt,
-    completion_prompt,
-    shared_engine,
-    stream_generation,
-    usage,
-)
+from pc_rag.adapters import SamplingOptions, chat_prompt, completion_prompt, shared_engine, stream_generation, usage
+
+T = TypeVar("T")
+
+def openai_usage(generation) -> dict[str, Any]:
+    """A request's token counts in OpenAI's shape, plus pc_rag's flat `cached_tokens`/`cache_creation_tokens`."""
+    counts = usage(generation)
+    cached, created = counts["cached_tokens"], counts["cache_creation_tokens"]
+    return {
+        "prompt_tokens": counts["prompt_tokens"],  # includes the cached ones
+        "completion_tokens": counts["completion_tokens"],
+        "total_tokens": counts["prompt_tokens"] + counts["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "cached_tokens": cached,  # prompt tokens whose KV was reused
+        "cache_creation_tokens": created,  # prompt tokens whose KV this request stored
+    }
 
 
-def _message_dict(message: ChatMessage) -> dict[str, str]:
-    other = [type(b).__name__ for b in message.blocks if not isinstance(b, TextBlock)]
+@dataclass
+class UsageTotals:
+    """Token counts summed over the requests finished inside a `track_usage()` block."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    cache_creation_tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, usage: dict[str, Any]) -> None:
+        with self._lock:
+            self.requests += 1
+            self.prompt_tokens += usage["prompt_tokens"]
+            self.completion_tokens += usage["completion_tokens"]
+            self.cached_tokens += usage["cached_tokens"]
+            self.cache_creation_tokens += usage["cache_creation_tokens"]
+
+
+# The totals objects of the enclosing track_usage() blocks. LlamaIndex runs parts of a query in threads and
+# tasks that copy the context (streaming chat engines write the reply in a thread): the copies hold the same
+# objects, so requests finished there are counted too.
+_TRACKERS: contextvars.ContextVar[tuple[UsageTotals, ...]] = contextvars.ContextVar("pc_rag_usage", default=())
+
+
+@contextlib.contextmanager
+def track_usage() -> Iterator[UsageTotals]:
+    """Sum the usage of every PromptCacheLLM request that finishes inside the block (in this context and the
+    threads and tasks started from it), e.g. around `query_engine.query(...)` or `chat_engine.chat(...)`."""
+    totals = UsageTotals()
+    token = _TRACKERS.set((*_TRACKERS.get(), totals))
+    try:
+        yield totals
+    finally:
+        _TRACKERS.reset(token)
+
+
+def _message_parts(message: ChatMessage) -> tuple[dict[str, str], list[str]]:
+    """A message as the role/content dict a chat template takes, and the texts it marks as chunks: the
+    TextBlock right before a `CachePoint`, or the whole text when `additional_kwargs` has `cache_control`
+    (the two ways LlamaIndex marks cacheable content for Anthropic)."""
+    blocks = message.blocks
+    other = [type(b).__name__ for b in blocks if not isinstance(b, (TextBlock, CachePoint))]
     if other:
         raise ValueError(f"PromptCacheLLM takes text only; the message has {other} blocks")
+    if message.additional_kwargs.get("tool_calls"):
+        raise ValueError(
+            "PromptCacheLLM cannot send a message with tool_calls: it has no tool calling, and dropping the calls "
+            "would change the conversation. Remove them from the history, or put their results in plain text."
+        )
+    content = message.content or ""
+    marked = [b.text for b, after in zip(blocks, blocks[1:], strict=False)
+              if isinstance(b, TextBlock) and isinstance(after, CachePoint)]
+    if message.additional_kwargs.get("cache_control"):
+        marked.append(content)
     role = message.role.value if isinstance(message.role, MessageRole) else str(message.role)
-    return {"role": role, "content": message.content or ""}
+    return {"role": role, "content": content}, marked
+
+
+async def _iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    """The items of a blocking iterator, produced in a worker thread so that the event loop keeps running.
+
+    `make` runs in the thread too (loading the model, splitting the prompt). When the consumer stops early
+    the thread stops at the next item and closes the iterator, so the engine frees the request's buffers.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    stop = threading.Event()
+
+    def post(entry) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, entry)
+        except RuntimeError:  # the loop is closed: nobody waits for the rest
+            stop.set()
+
+    def produce() -> None:
+        try:
+            items = make()
+            try:
+                for item in items:
+                    post(("item", item))
+                    if stop.is_set():
+                        break
+            finally:
+                close = getattr(items, "close", None)
+                if close is not None:
+                    close()
+        except BaseException as error:  # handed to the consumer, raised there
+            post(("error", error))
+        else:
+            post(("done", None))
+
+    context = contextvars.copy_context()  # instrumentation spans and track_usage() live in context variables
+    threading.Thread(target=context.run, args=(produce,), name="pc_rag-stream", daemon=True).start()
+    try:
+        while True:
+            kind, value = await queue.get()
+            if kind == "error":
+                raise value
+            if kind == "done":
+                return
+            yield value
+    finally:
+        stop.set()
+
+
+def _context_from_config(model: str) -> int | None:
+    """`max_position_embeddings` from a local checkpoint's config.json, without loading anything else."""
+    try:
+        return int(json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class PromptCacheLLM(CustomLLM):
-    """Local Llama through pc_rag; documents registered with its engine are reused wherever they appear.
+    """Local Llama through pc_rag; documents in the prompt are reused wherever they appear.
 
-    Register retrieved nodes with `PromptCacheNodeRegistrar(llm=...)` and answer with
-    `PromptCacheSynthesizer(llm=...)` (or `prompt_cache_query_engine(index, llm)`, which sets up both).
+    Nodes any LlamaIndex retriever returns are discovered automatically (see `discovery`): a stock
+    `index.as_query_engine(llm=llm)` or `index.as_chat_engine(chat_mode="context", llm=llm)` reuses them.
+    `PromptCacheNodeRegistrar` / `PromptCacheSynthesizer` / `prompt_cache_query_engine` are optional.
+    No function calling and no structured output (both raise NotImplementedError before anything runs).
     """
 
     model: str | None = Field(default=None, description="Path of a local HF Llama checkpoint; loaded lazily.")
@@ -61,26 +192,65 @@ class PromptCacheLLM(CustomLLM):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     stop: list[str] | None = Field(default=None, description="Strings that end generation (not returned).")
     seed: int | None = Field(default=None, description="Sampling seed.")
-    context_window: int = Field(
-        default=DEFAULT_CONTEXT_WINDOW,
-        description="The model's context in tokens, for LlamaIndex's prompt sizing (not read from the model, "
-        "so that building this object loads nothing).",
+    context_window: int | None = Field(
+        default=None,
+        gt=0,
+        description="The model's context in tokens, for LlamaIndex's prompt sizing. None: the model's own "
+        "(max_position_embeddings from the checkpoint's config.json, read without loading the weights).",
+    )
+    is_chat_model: bool | None = Field(
+        default=None,
+        description="Whether LlamaIndex sends chat messages (chat(): the model's chat template) rather than "
+        "prompt strings (complete()). None: from the tokenizer, chat when it has a chat template; the model "
+        "is loaded by the first predict/stream call (query engines), before LlamaIndex reads this.",
+    )
+    auto_chunks: bool = Field(
+        default=True,
+        description="Reuse the KV of nodes that any LlamaIndex retriever in this process returned, found "
+        "wherever they appear in the prompt. False: only TextBlocks marked by a CachePoint and nodes registered "
+        "with this LLM's engine are chunks. PC_RAG_DISCOVERY=0 turns discovery off for the whole process.",
     )
 
     _loaded: Any = PrivateAttr(default=None)
+    _config_context: int | None = PrivateAttr(default=None)
+    _last_usage: dict | None = PrivateAttr(default=None)
 
     @classmethod
     def class_name(cls) -> str:
         return "PromptCacheLLM"
 
+    # ---- what LlamaIndex reads to size and shape prompts ------------------------------------------------
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(
-            context_window=self.context_window,
+            context_window=self._context_window(),
             num_output=self.max_new_tokens,
-            is_chat_model=True,  # query engines then go through chat(), i.e. the model's chat template
+            is_chat_model=self._chat_model(),
             model_name=self.model or "pc-rag",
         )
+
+    def _loaded_engine(self):
+        return self.engine if self.engine is not None else self._loaded
+
+    def _context_window(self) -> int:
+        # LlamaIndex's default (3900) on a 2K model made compact mode answer "Empty Response": its refine step
+        # swallows the engine's too-long-prompt error. Synthesizers read this when they are built, before any
+        # request, so it comes from config.json rather than from loading the model.
+        if self.context_window is not None:
+            return self.context_window
+        engine = self._loaded_engine()
+        if engine is not None:
+            return engine.runner.shape.max_positions
+        if self.model and self._config_context is None:
+            self._config_context = _context_from_config(self.model)
+        return self._config_context or DEFAULT_CONTEXT_WINDOW
+
+    def _chat_model(self) -> bool:
+        if self.is_chat_model is not None:
+            return self.is_chat_model
+        engine = self._loaded_engine()
+        # Not loaded yet: chat, the usual case; predict/stream load the model before LlamaIndex branches on it.
+        return True if engine is None else bool(getattr(engine.tokenizer, "chat_template", None))
 
     def get_engine(self):
         """The pc_rag Engine answering this LLM (loaded on first use and shared per checkpoint)."""
@@ -92,6 +262,42 @@ class PromptCacheLLM(CustomLLM):
             self._loaded = shared_engine(self.model, self.dtype, self.device)
         return self._loaded
 
+    # LLM.predict/stream/apredict/astream choose chat() or complete() from metadata.is_chat_model: with the
+    # field unset, load the model first so that the choice comes from its tokenizer.
+    def predict(self, prompt, **prompt_args: Any) -> str:
+        self._load_if_undecided()
+        return super().predict(prompt, **prompt_args)
+
+    def stream(self, prompt, **prompt_args: Any):
+        self._load_if_undecided()
+        return super().stream(prompt, **prompt_args)
+
+    async def apredict(self, prompt, **prompt_args: Any) -> str:
+        await asyncio.to_thread(self._load_if_undecided)
+        return await super().apredict(prompt, **prompt_args)
+
+    async def astream(self, prompt, **prompt_args: Any):
+        await asyncio.to_thread(self._load_if_undecided)
+        return await super().astream(prompt, **prompt_args)
+
+    def _load_if_undecided(self) -> None:
+        if self.is_chat_model is None:
+            self.get_engine()
+
+    # ---- usage --------------------------------------------------------------------------------------------
+    @property
+    def last_usage(self) -> dict | None:
+        """`raw["usage"]` of the request this LLM finished last (in any thread; None before the first).
+
+        With concurrent requests on one LLM, use `track_usage()` around each query instead."""
+        return self._last_usage
+
+    def _record(self, usage: dict[str, Any]) -> None:
+        self._last_usage = usage
+        for totals in _TRACKERS.get():
+            totals.add(usage)
+
+    # ---- the request path ---------------------------------------------------------------------------------
     def _options(self, kwargs: dict[str, Any]) -> SamplingOptions:
         stop = kwargs.get("stop", self.stop)
         return SamplingOptions(
@@ -103,6 +309,19 @@ class PromptCacheLLM(CustomLLM):
             seed=kwargs.get("seed", self.seed),
         )
 
+    def _chat_segments(self, messages: Sequence[ChatMessage], parts: Iterable[tuple[dict, list[str]]]):
+        engine = self.get_engine()
+        parts = list(parts)
+        marked = [text for _, texts in parts for text in texts]
+        if getattr(engine.tokenizer, "chat_template", None):
+            return chat_prompt(engine, [d for d, _ in parts], chunk_texts=marked, discovered=self.auto_chunks)
+        # No chat template (a base model): LlamaIndex's own rendering, as for any completion model.
+        prompt = self.messages_to_prompt(messages)
+        return completion_prompt(engine, prompt, chunk_texts=marked, discovered=self.auto_chunks)
+
+    def _completion_segments(self, prompt: str):
+        return completion_prompt(self.get_engine(), prompt, discovered=self.auto_chunks)
+
     def _pieces(self, segments, kwargs) -> Iterator[tuple[str, str, dict | None]]:
         """(delta, text so far, None) per piece, then ("", full text, raw) with usage once done."""
         text = ""
@@ -111,41 +330,75 @@ class PromptCacheLLM(CustomLLM):
                 text += item
                 yield item, text, None
             else:
-                raw = {"usage": usage(item), "finish_reason": item.finish_reason, "mode": item.mode,
+                raw = {"usage": openai_usage(item), "finish_reason": item.finish_reason, "mode": item.mode,
                        "ttft_s": item.ttft_s}
+                self._record(raw["usage"])
                 yield "", text, raw
+
+    def _completions(self, segments, kwargs) -> Iterator[CompletionResponse]:
+        for delta, text, raw in self._pieces(segments, kwargs):
+            yield CompletionResponse(text=text, delta=delta, raw=raw or {})
+
+    def _chats(self, segments, kwargs) -> Iterator[ChatResponse]:
+        for delta, text, raw in self._pieces(segments, kwargs):
+            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+            yield ChatResponse(message=message, delta=delta, raw=raw or {})
+
+    def _complete(self, prompt: str, kwargs) -> CompletionResponse:
+        *_, last = self._completions(self._completion_segments(prompt), kwargs)
+        return CompletionResponse(text=last.text, raw=last.raw)
+
+    def _chat(self, messages: Sequence[ChatMessage], parts, kwargs) -> ChatResponse:
+        *_, last = self._chats(self._chat_segments(messages, parts), kwargs)
+        return ChatResponse(message=last.message, raw=last.raw)
 
     # ---- completions: the prompt string as it is -------------------------------------------------------
     @llm_completion_callback()
-    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        segments = completion_prompt(self.get_engine(), prompt)
-
-        def gen() -> CompletionResponseGen:
-            for delta, text, raw in self._pieces(segments, kwargs):
-                yield CompletionResponse(text=text, delta=delta, raw=raw or {})
-
-        return gen()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._complete(prompt, kwargs)
 
     @llm_completion_callback()
-    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        segments = completion_prompt(self.get_engine(), prompt)
-        *_, (_, text, raw) = self._pieces(segments, kwargs)
-        return CompletionResponse(text=text, raw=raw)
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._completions(self._completion_segments(prompt), kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await asyncio.to_thread(self._complete, prompt, kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        return _iterate_in_thread(lambda: self._completions(self._completion_segments(prompt), kwargs))
 
     # ---- chat: the model's chat template -----------------------------------------------------------------
     @llm_chat_callback()
-    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        segments = chat_prompt(self.get_engine(), [_message_dict(m) for m in messages])
-
-        def gen() -> ChatResponseGen:
-            for delta, text, raw in self._pieces(segments, kwargs):
-                message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
-                yield ChatResponse(message=message, delta=delta, raw=raw or {})
-
-        return gen()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat(messages, [_message_parts(m) for m in messages], kwargs)
 
     @llm_chat_callback()
-    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        segments = chat_prompt(self.get_engine(), [_message_dict(m) for m in messages])
-        *_, (_, text, raw) = self._pieces(segments, kwargs)
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), raw=raw)
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        parts = [_message_parts(m) for m in messages]
+        return self._chats(self._chat_segments(messages, parts), kwargs)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        parts = [_message_parts(m) for m in messages]  # bad input fails here, before a thread is used
+        return await asyncio.to_thread(self._chat, messages, parts, kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        parts = [_message_parts(m) for m in messages]
+        return _iterate_in_thread(lambda: self._chats(self._chat_segments(messages, parts), kwargs))
+
+    # ---- not supported: refused before the model runs --------------------------------------------------------
+    def _no_structured_output(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError(
+            "PromptCacheLLM does not support structured output (structured_predict, as_structured_llm): pc_rag "
+            "decodes free text, with no function calling, JSON mode or constrained decoding, so a schema cannot be "
+            "enforced and LlamaIndex's fallback parses whatever text comes back. Ask for the fields in the "
+            "prompt and parse the reply yourself (e.g. PydanticOutputParser), or use an LLM with function calling."
+        )
+
+    structured_predict = astructured_predict = _no_structured_output
+    stream_structured_predict = astream_structured_predict = as_structured_llm = _no_structured_output
