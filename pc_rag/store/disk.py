@@ -70,11 +70,12 @@ def block_file_name(key: str) -> str:
 
 def block_files(path: str | os.PathLike) -> list[tuple[Path, int]]:
     """The block files a DiskStore opened on `path` owns, with their sizes: regular files named
-    `kv-<key>.safetensors` in `path/pc_rag-kv-v1`. Creates nothing; [] when there is no such folder."""
+    `kv-<key>.safetensors` in `path/pc_rag-kv-v1`. Creates nothing; [] when that folder is missing or
+    cannot be listed."""
     folder = Path(path).expanduser() / BLOCKS_DIR
     try:
         return [(folder / name, st.st_size) for name, st in _scan(folder, _BLOCK_NAME) if stat.S_ISREG(st.st_mode)]
-    except FileNotFoundError:
+    except OSError:
         return []
 
 
