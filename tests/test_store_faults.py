@@ -282,6 +282,10 @@ def test_failed_write_does_not_stop_reads(tmp_path, monkeypatch):
     assert _requests_on_a_disk_that_cannot_be_written(store, 9) == ["disk"] * 9
     s = disk.tier_stats()[0]
     assert s.hits == 9 and s.errors == 1  # the first failed write paused writes only
+    monkeypatch.undo()  # space again; retry_now() ends the pause without waiting 5 s
+    store.retry_now()
+    store.put(key_of(200), make_block(200))
+    assert_same(disk.get(key_of(200)), make_block(200))
 
 
 def _mount_tmpfs(where: Path, size: str) -> None:
