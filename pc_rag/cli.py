@@ -2,7 +2,8 @@
 
 Cache folder (`--cache-dir`, default $PC_RAG_CACHE_DIR, else $XDG_CACHE_HOME/pc_rag, else ~/.cache/pc_rag):
 
-    <key>.safetensors   KV blocks of the disk store (the folder an Engine with the default store uses)
+    pc_rag-kv-v1/       KV blocks of the disk store, kv-<key>.safetensors (the disk tier of an Engine with
+                        the default store; `stats` and `clear` see only these names, nothing else there)
     embeddings/         chunk embedding matrices of the demo's FAISS index, keyed by the chunk texts
     models/bench/       the offline demo Llama (random weights), built on first use when no --model is given
 
@@ -167,8 +168,10 @@ def _warm(args, _extra) -> int:
 def _stats(args, _extra) -> int:
     import json
 
+    from .store import block_files
+
     cache_dir = _cache_dir(args)
-    blocks = _files(cache_dir, "*.safetensors")
+    blocks = block_files(cache_dir)
     embeddings = _files(cache_dir / "embeddings", "*.npy")
     models = sorted(p.name for p in (cache_dir / "models").glob("*") if p.is_dir())
     info = {
@@ -190,14 +193,15 @@ def _stats(args, _extra) -> int:
 
 
 def _clear(args, _extra) -> int:
-    from .store import DiskStore
+    from .store import BLOCKS_DIR, DiskStore, block_files
 
     cache_dir = _cache_dir(args)
     if not cache_dir.is_dir():
         print(f"nothing to clear: {cache_dir} does not exist")
         return 0
-    blocks = _files(cache_dir, "*.safetensors")
-    DiskStore(cache_dir, max_bytes=1 << 62).clear()  # a bound no folder reaches: opening it evicts nothing
+    blocks = block_files(cache_dir)
+    if (cache_dir / BLOCKS_DIR).is_dir():  # else opening a DiskStore would create the subfolder, to clear nothing
+        DiskStore(cache_dir, max_bytes=1 << 62).clear()  # a bound no folder reaches: opening it evicts nothing
     print(f"removed {len(blocks)} KV blocks ({_size(sum(s for _, s in blocks))}) from {cache_dir}")
     if args.all:
         for sub in ("embeddings", "models"):

@@ -31,7 +31,7 @@ from pc_rag.store import (
     parse_bytes,
 )
 from pc_rag.store.codec import encode_block
-from pc_rag.store.disk import SUFFIX
+from pc_rag.store.disk import BLOCKS_DIR, block_file_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,8 +59,17 @@ def assert_same(got: KVBlock | None, want: KVBlock) -> None:
     assert got.token_ids == want.token_ids and got.start == want.start and got.meta == want.meta
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.glob("*" + SUFFIX))
+def block_path(root: Path, key: str) -> Path:
+    """Where a DiskStore opened on `root` keeps the block of `key`."""
+    return root / BLOCKS_DIR / block_file_name(key)
+
+
+def block_names(root: Path) -> set[str]:
+    return {p.name for p in (root / BLOCKS_DIR).glob("kv-*.safetensors")}
+
+
+def dir_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in (root / BLOCKS_DIR).glob("kv-*.safetensors"))
 
 
 @pytest.fixture
@@ -143,7 +152,7 @@ def test_disk_bound_never_exceeded_under_stream(tmp_path):
         store.put(key_of(i), make_block(i, tokens=1 + i % 9))
         s = store.tier_stats()[0]
         assert s.bytes_held == dir_bytes(tmp_path) <= max_bytes
-        assert s.entries == len(list(tmp_path.glob("*" + SUFFIX)))
+        assert s.entries == len(block_names(tmp_path))
     assert s.evictions > 0
     assert_same(store.get(key_of(29)), make_block(29, tokens=1 + 29 % 9))  # newest survives
 
@@ -159,8 +168,8 @@ def test_disk_index_and_lru_order_survive_restart(tmp_path):
     s = reopened.tier_stats()[0]
     assert (s.entries, s.bytes_held) == (3, 3 * size)
     reopened.put(key_of(3), make_block(3))
-    assert not (tmp_path / (key_of(1) + SUFFIX)).exists()
-    assert {p.name for p in tmp_path.iterdir()} == {key_of(i) + SUFFIX for i in (0, 2, 3)}
+    assert not block_path(tmp_path, key_of(1)).exists()
+    assert set(os.listdir(tmp_path / BLOCKS_DIR)) == {block_file_name(key_of(i)) for i in (0, 2, 3)}
 
 
 def _flip_last_byte(p: Path) -> None:
@@ -186,7 +195,7 @@ def _empty(p: Path) -> None:
 def test_disk_corrupt_file_is_counted_removed_and_missed(tmp_path, damage, caplog):
     store = DiskStore(tmp_path)
     store.put(key_of(1), make_block(1))
-    path = tmp_path / (key_of(1) + SUFFIX)
+    path = block_path(tmp_path, key_of(1))
     damage(path)
     assert store.get(key_of(1)) is None
     s = store.tier_stats()[0]
@@ -199,10 +208,10 @@ def test_disk_corrupt_file_is_counted_removed_and_missed(tmp_path, damage, caplo
 def test_file_copied_under_another_key_is_a_miss(tmp_path):
     store = DiskStore(tmp_path)
     store.put(key_of(1), make_block(1))
-    shutil.copy(tmp_path / (key_of(1) + SUFFIX), tmp_path / (key_of(2) + SUFFIX))
+    shutil.copy(block_path(tmp_path, key_of(1)), block_path(tmp_path, key_of(2)))
     assert store.get(key_of(2)) is None
     assert store.tier_stats()[0].corrupt == 1
-    assert not (tmp_path / (key_of(2) + SUFFIX)).exists()
+    assert not block_path(tmp_path, key_of(2)).exists()
     assert_same(store.get(key_of(1)), make_block(1))
 
 
@@ -217,7 +226,7 @@ def test_invalid_keys_are_rejected_without_touching_the_filesystem(tmp_path, key
         store.put(key, make_block(1))
     with pytest.raises(StoreUsageError):
         DiskStore(root).get(key)
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["cache"]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["cache", f"cache/{BLOCKS_DIR}"]
 
 
 def test_second_process_sees_the_same_disk_cache(tmp_path):
@@ -290,7 +299,7 @@ def test_disk_full_warns_once_and_recovers(tmp_path, monkeypatch, caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
     assert disk.tier_stats()[0].errors == 3
-    assert list(tmp_path.iterdir()) == []  # no temp files left behind
+    assert os.listdir(tmp_path / BLOCKS_DIR) == []  # no temp files left behind
     monkeypatch.setattr(disk, "_write", real_write)
     time.sleep(0.06)
     store.put(key_of(5), make_block(5))
@@ -359,7 +368,7 @@ def test_read_racing_an_eviction_leaves_the_index_true(tmp_path, monkeypatch):
     got = []
 
     def unlink_while_reading(self, paths):
-        if any(p.name.startswith(key_of(0)) for p in paths):
+        if any(p.name == block_file_name(key_of(0)) for p in paths):
             reader = threading.Thread(target=lambda: got.append(store.get(key_of(0))))
             reader.start()
             reader.join(timeout=0.5)  # the fixed store makes the reader wait for the lock: it ends after us
@@ -376,7 +385,7 @@ def test_read_racing_an_eviction_leaves_the_index_true(tmp_path, monkeypatch):
         assert_same(got[0], make_block(0))
     stats = store.tier_stats()[0]
     assert stats.bytes_held == dir_bytes(tmp_path) <= 2 * size
-    assert sorted(p.name for p in tmp_path.glob("*" + SUFFIX)) == sorted(k + SUFFIX for k in store._index)
+    assert block_names(tmp_path) == {block_file_name(k) for k in store._index}
 
 
 def test_threads_share_one_store(tmp_path):
@@ -404,7 +413,7 @@ def test_threads_share_one_store(tmp_path):
     memory, disk = store.tier_stats()
     assert memory.bytes_held <= 3000 and memory.errors == 0
     assert disk.bytes_held == dir_bytes(tmp_path) <= 8000 and disk.errors == 0 and disk.corrupt == 0
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list((tmp_path / BLOCKS_DIR).glob("*.tmp"))
 
 
 # --- Redis without a server -------------------------------------------------------------------------------

@@ -4,10 +4,12 @@ multiples of the 0.5 s socket timeout so that a hang fails the test instead of s
 
 from __future__ import annotations
 
+import heapq
 import logging
 import shutil
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -60,6 +62,78 @@ class RedisServer:
             self.proc.terminate()
             self.proc.wait(timeout=10)
             self.proc = None
+
+
+class SlowProxy:
+    """A TCP proxy in front of a server that delivers every reply `delay_s` late: a slow but alive Redis
+    (a loaded server or a long network path). Replies are delayed, not serialised: several replies in flight
+    arrive together, as on a real link with that latency."""
+
+    def __init__(self, upstream_port: int, delay_s: float):
+        self.delay_s = delay_s
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self.sockets += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream, 0.0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, self.delay_s), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, delay_s: float) -> None:
+        due: list[tuple[float, int, bytes]] = []  # (time to send, sequence, data)
+        cond = threading.Condition()
+        done = []
+
+        def sender():
+            while True:
+                with cond:
+                    while not due and not done:
+                        cond.wait()
+                    if not due:
+                        return
+                    wait = due[0][0] - time.monotonic()
+                    if wait > 0:
+                        cond.wait(wait)
+                        continue
+                    _, _, data = heapq.heappop(due)
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    return
+
+        threading.Thread(target=sender, daemon=True).start()
+        seq = 0
+        while True:
+            try:
+                data = src.recv(1 << 16)
+            except OSError:
+                data = b""
+            with cond:
+                if not data:
+                    done.append(True)
+                    cond.notify()
+                    return
+                heapq.heappush(due, (time.monotonic() + delay_s, seq, data))
+                seq += 1
+                cond.notify()
+
+    def close(self) -> None:
+        for s in self.sockets:
+            try:
+                s.close()
+            except OSError:
+                pass
 
 
 @pytest.fixture
@@ -126,3 +200,81 @@ def test_maxmemory_allkeys_lru_bounds_the_server():
         assert_same(store.get(key_of(29)), make_block(29, tokens=3200))  # the newest is kept
     finally:
         srv.stop()
+
+
+def test_wrong_type_value_is_a_corrupt_miss_not_an_outage(server):
+    # A value of another type under a block's name (another program sharing the prefix, a manual HSET):
+    # GET answers WRONGTYPE. That is one bad entry, like a damaged blob, not a server failure.
+    import redis as redis_py
+
+    other = redis_py.Redis.from_url(server.url)
+    other.hset("pc_rag:" + key_of(1), "field", "value")
+    other.rpush("pc_rag:" + key_of(3), "a", "b")
+    RedisStore(server.url).put(key_of(2), make_block(2))
+    RedisStore(server.url).put(key_of(4), make_block(4))
+    tier = RedisStore(server.url)
+    store = TieredStore([MemoryStore(), tier], retry_after_s=60)
+
+    assert store.get_with_source(key_of(1)) == (None, None)
+    got, source = store.get_with_source(key_of(2))
+    assert source == "redis"
+    assert_same(got, make_block(2))
+    from pc_rag.store import get_many_with_source
+
+    batch = get_many_with_source(store, [key_of(3), key_of(4), key_of(5)])
+    assert [s for _, s in batch] == [None, "redis", None]
+    assert_same(batch[1][0], make_block(4))
+    s = tier.tier_stats()[0]
+    assert (s.corrupt, s.errors, s.hits, s.misses) == (2, 0, 2, 3)
+    assert other.exists("pc_rag:" + key_of(1), "pc_rag:" + key_of(3)) == 0  # removed, as damaged blobs are
+
+
+def test_batch_lookup_pays_a_slow_server_once(server):
+    # 12 chunks, a server answering 0.1 s late. Reference: the same keys looked up one by one (the engine's
+    # path before get_many_with_source), which pays the delay 12 times.
+    from pc_rag.store import get_many_with_source
+
+    keys = [key_of(i) for i in range(12)]
+    direct = RedisStore(server.url)
+    for i, key in enumerate(keys):
+        direct.put(key, make_block(i))
+    proxy = SlowProxy(server.port, delay_s=0.1)
+    try:
+        one_by_one = RedisStore(proxy.url)
+        one_by_one.get(key_of(99))  # connect first: the connection is not what is measured
+        t0 = time.monotonic()
+        assert all(one_by_one.get(key) is not None for key in keys)
+        per_key_s = time.monotonic() - t0
+
+        store = TieredStore([MemoryStore(), RedisStore(proxy.url)])
+        store.tiers[1].get(key_of(99))
+        t0 = time.monotonic()
+        got = get_many_with_source(store, keys)
+        batch_s = time.monotonic() - t0
+    finally:
+        proxy.close()
+    assert [s for _, s in got] == ["redis"] * 12
+    for i, (block, _) in enumerate(got):
+        assert_same(block, make_block(i))
+    assert per_key_s >= 12 * 0.1
+    assert batch_s < 0.5 and batch_s < per_key_s / 4, (batch_s, per_key_s)
+
+
+def test_server_slower_than_the_timeout_costs_one_timeout_per_batch(server):
+    from pc_rag.store import get_many_with_source
+
+    keys = [key_of(i) for i in range(12)]
+    for i, key in enumerate(keys):
+        RedisStore(server.url).put(key, make_block(i))
+    proxy = SlowProxy(server.port, delay_s=1.5)
+    try:
+        tier = RedisStore(proxy.url, timeout_s=0.3)
+        store = TieredStore([MemoryStore(), tier], retry_after_s=60)
+        t0 = time.monotonic()
+        got = get_many_with_source(store, keys)
+        elapsed = time.monotonic() - t0
+    finally:
+        proxy.close()
+    assert got == [(None, None)] * 12
+    assert elapsed < 3 * 0.3, elapsed  # one 0.3 s timeout for the batch, not one per key
+    assert tier.tier_stats()[0].errors == 1

@@ -1,27 +1,40 @@
 """Where KV blocks live. Storage knows blocks (tensors + metadata) and string keys, never the model.
 
 The engine calls `get(key) -> KVBlock | None`, `put(key, block)`, `tier_stats()` and `clear()`, and
-`get_with_source(store, key)` to learn which tier served a block. Build stores with
-`open_store(spec)`:
+`get_with_source(store, key)` to learn which tier served a block; `get_many_with_source(store, keys)`
+looks up a request's blocks at once (one Redis round trip), `put_block(store, key, block, persist=False)`
+keeps a block out of persistent tiers, and `TieredStore.set_placement(fn)` places blocks read from lower
+tiers (e.g. on the engine's device) before they are promoted. Build stores with `open_store(spec)`:
 
     memory.py      MemoryStore: tensors in process memory, LRU bounded by bytes, optional TTL
-    disk.py        DiskStore: one safetensors file per block, persistent, LRU bounded by bytes
+    disk.py        DiskStore: one safetensors file per block in <dir>/pc_rag-kv-v1/, persistent, LRU bounded
+                   by bytes; never touches a file it did not name
     redis_tier.py  RedisStore: safetensors blobs in a shared Redis, TTL; the server bounds the size
     tiered.py      TieredStore: tiers top to bottom, read-through promotion, write-through; a failing
-                   tier is a miss, never an error
+                   tier is a miss, never an error (reads and writes paused apart)
     codec.py       block <-> safetensors bytes, with the key, shape and checksum checks done on load
     spec.py        open_store: spec strings ("memory", "disk:/path", "redis://...") and the default
 """
 
 from .codec import CorruptBlockError
-from .disk import DiskStore
+from .disk import BLOCKS_DIR, DiskStore, block_files
 from .memory import MemoryStore
 from .redis_tier import RedisStore
 from .spec import default_cache_dir, open_store, parse_bytes
-from .tier import Store, StoreUsageError, TierStats, check_key, get_with_source
+from .tier import (
+    Store,
+    StoreUsageError,
+    TierStats,
+    TierUnavailableError,
+    check_key,
+    get_many_with_source,
+    get_with_source,
+    put_block,
+)
 from .tiered import TieredStore
 
 __all__ = [
+    "BLOCKS_DIR",
     "CorruptBlockError",
     "DiskStore",
     "MemoryStore",
@@ -29,10 +42,14 @@ __all__ = [
     "Store",
     "StoreUsageError",
     "TierStats",
+    "TierUnavailableError",
     "TieredStore",
+    "block_files",
     "check_key",
     "default_cache_dir",
+    "get_many_with_source",
     "get_with_source",
     "open_store",
     "parse_bytes",
+    "put_block",
 ]

@@ -22,6 +22,10 @@ from ..blocks import KVBlock
 from ..errors import StoreError
 
 FORMAT = "pc_rag.kvblock.v1"
+# Our headers are under 1 KB (metadata strings and three tensor entries; check_block caps KVBlock.meta at
+# 64 KiB). A larger declared length means the bytes are not ours, and refusing it up front means a bogus
+# length never makes a reader allocate or read gigabytes.
+MAX_HEADER_BYTES = 1 << 20
 
 
 class CorruptBlockError(StoreError):
@@ -68,14 +72,40 @@ def encode_block(key: str, block: KVBlock) -> bytes:
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
 
 
+def header_length(first8: bytes) -> int:
+    """The header length a safetensors blob declares in its first 8 bytes, if plausible for a block."""
+    if len(first8) < 8:
+        raise CorruptBlockError(f"{len(first8)} bytes, shorter than a safetensors length prefix")
+    n = int.from_bytes(first8[:8], "little")
+    if not 2 <= n <= MAX_HEADER_BYTES:  # "{}" is the shortest JSON header
+        raise CorruptBlockError(f"declared header length {n} is outside 2..{MAX_HEADER_BYTES}")
+    return n
+
+
+def declared_size(header: bytes) -> int:
+    """Total size of the blob whose JSON header (without its 8-byte length prefix) is `header`: 8 + header +
+    the end of its last tensor. A blob of any other size was cut short or padded; the disk tier checks this
+    before reading a file, so a huge (sparse) file with a plausible header is refused without being read."""
+    try:
+        entries = json.loads(header)
+        ends = [int(spec["data_offsets"][1]) for name, spec in entries.items() if name != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise CorruptBlockError(f"unreadable safetensors header: {type(e).__name__}: {e}") from e
+    return 8 + len(header) + max(ends, default=0)
+
+
 def _parse(buf: torch.Tensor) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """The safetensors layout read in place from a uint8 tensor: the tensors are views of `buf` (no copy),
-    after checking that every tensor's byte range lies inside the data section and fits its shape."""
-    header_len = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+    after checking that every tensor's byte range lies inside the data section and fits its shape, and that
+    the data section ends where the last tensor does."""
+    header_len = header_length(buf[:8].numpy().tobytes())
     base = 8 + header_len
-    if len(buf) < 8 or base > len(buf):
-        raise ValueError(f"header of {header_len} bytes in a file of {len(buf)}")
-    header = json.loads(buf[8:base].numpy().tobytes())
+    if base > len(buf):
+        raise ValueError(f"header of {header_len} bytes in a blob of {len(buf)}")
+    header_bytes = buf[8:base].numpy().tobytes()
+    if declared_size(header_bytes) != len(buf):
+        raise ValueError(f"tensors end at byte {declared_size(header_bytes)} of a blob of {len(buf)}")
+    header = json.loads(header_bytes)
     meta = header.pop("__metadata__")
     tensors = {}
     for name, spec in header.items():

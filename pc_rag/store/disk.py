@@ -1,25 +1,43 @@
-"""The disk tier: one safetensors file per block, `<dir>/<key>.safetensors`, persistent across restarts.
+"""The disk tier: one safetensors file per block, persistent across restarts.
 
-Writes go to a temporary file in the same directory and are renamed over the target (`os.replace`), so a
+The store owns one subfolder of the folder it is given, and only the names of one pattern in it:
+
+    <dir>/pc_rag-kv-v1/kv-<key>.safetensors              a block
+    <dir>/pc_rag-kv-v1/.kv-<key>.<pid>.<thread>.tmp      a write in progress
+
+Nothing else is ever indexed, counted, evicted or removed, whatever `<dir>` or the subfolder hold: a
+`--cache-dir` pointed at a checkpoint folder by mistake costs one new subfolder, never a file. Blocks of the
+layout before this one (`<dir>/<key>.safetensors`) are ignored: delete them by hand if they are yours.
+
+Reading trusts no entry: only a regular file is opened (never followed through a symlink, never blocking on
+a FIFO), and its size must be what its safetensors header declares before any data is read. A directory, a
+FIFO, a symlink, a truncated, padded or sparse file under a block's name is a corrupt entry: counted,
+removed where that is safe (a directory only if empty), a miss; the tier stays up.
+
+Writes go to a temporary file in the same folder and are renamed over the target (`os.replace`), so a
 reader sees either no file or a whole one; a crash mid-write leaves at most a `.tmp` file, removed by the
-next start. There is no fsync: after a power loss a file can be short or zeroed, which the checksum
-catches (counted as corrupt, removed, a miss).
+next start. There is no fsync: after a power loss a file can be short or zeroed, which the size and
+checksum checks catch (counted as corrupt, removed, a miss).
 
-The byte bound is LRU over an in-memory index (key -> file size) rebuilt from the directory on start and
+The byte bound is LRU over an in-memory index (key -> file size) rebuilt from the folder on start and
 ordered by file mtime; a hit touches the file's mtime so the order survives restarts. Several processes
-may share a directory: a get always looks at the file itself, so entries written by another process are
+may share a folder: a get always looks at the file itself, so entries written by another process are
 found. Each process enforces the bound over the files it knows (those present at its start, plus those it
-wrote or read since), so with several writers the directory can exceed the bound by what the others wrote
+wrote or read since), so with several writers the folder can exceed the bound by what the others wrote
 since this process started, until they evict too.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
+import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,22 +45,120 @@ import torch
 
 from ..blocks import KVBlock
 from ..errors import StoreError
-from .codec import CorruptBlockError, decode_block, encode_block
-from .tier import KEY_PATTERN, StoreUsageError, TierStats, check_key
+from .codec import CorruptBlockError, declared_size, decode_block, encode_block, header_length
+from .tier import KEY_PATTERN, StoreUsageError, TierStats, TierUnavailableError, check_key
 
 log = logging.getLogger("pc_rag.store")
 
-SUFFIX = ".safetensors"
+BLOCKS_DIR = "pc_rag-kv-v1"  # bump with the file name scheme: an old layout is then ignored, never misread
+_BLOCK_NAME = re.compile(rf"kv-({KEY_PATTERN.pattern})\.safetensors")
+_TMP_NAME = re.compile(rf"\.kv-({KEY_PATTERN.pattern})\.\d+\.\d+\.tmp")
 STALE_TMP_S = 3600.0  # a temp file this old belongs to a writer that died
+
+# O_NOFOLLOW: a symlink under a block's name is refused, not followed out of the cache. O_NONBLOCK: opening
+# a FIFO returns at once instead of waiting for a writer (no effect on regular files). Both are POSIX only.
+_READ_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+# O_EXCL: never write through anything already at the temp name (a symlink or FIFO left there).
+_WRITE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+
+
+def block_file_name(key: str) -> str:
+    return f"kv-{check_key(key)}.safetensors"
+
+
+def block_files(path: str | os.PathLike) -> list[tuple[Path, int]]:
+    """The block files a DiskStore opened on `path` owns, with their sizes: regular files named
+    `kv-<key>.safetensors` in `path/pc_rag-kv-v1`. Creates nothing; [] when that folder is missing or
+    cannot be listed."""
+    folder = Path(path).expanduser() / BLOCKS_DIR
+    try:
+        return [(folder / name, st.st_size) for name, st in _scan(folder, _BLOCK_NAME) if stat.S_ISREG(st.st_mode)]
+    except OSError:
+        return []
+
+
+def _scan(folder: Path, pattern: re.Pattern) -> Iterator[tuple[str, os.stat_result]]:
+    """(name, lstat) of the entries of `folder` whose name matches `pattern`; other names are not even
+    stat'ed. An entry that cannot be stat'ed (removed meanwhile by another process, an I/O error) is skipped,
+    not fatal: the rest of the folder is still listed. Raises OSError only if the folder cannot be opened."""
+    with os.scandir(folder) as it:
+        while True:
+            try:
+                entry = next(it)
+            except StopIteration:
+                return
+            except OSError as e:  # reading the folder failed midway: keep what was listed
+                log.debug("disk store: listing %s stopped early (%s)", folder, e)
+                return
+            if not pattern.fullmatch(entry.name):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError as e:
+                log.debug("disk store: skipping %s (%s)", entry.path, e)
+                continue
+            yield entry.name, st
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return kind
+    return "non-regular file"
+
+
+def read_block_file(path: Path) -> torch.Tensor:
+    """The bytes of a block file, as a uint8 tensor, read once the entry is known to be a regular file whose
+    size is what its safetensors header declares. Raises CorruptBlockError for any other entry (FIFO,
+    directory, symlink, device; a header that is implausible or disagrees with the file size),
+    FileNotFoundError when there is none, OSError when reading fails."""
+    st = os.lstat(path)  # before open(): a FIFO or a device is never opened at all
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptBlockError(f"{path.name} is a {_kind(st.st_mode)}, not a regular file")
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # replaced by a symlink since the lstat
+            raise CorruptBlockError(f"{path.name} is a symlink, not a regular file") from e
+        raise
+    # One readinto() an uninitialised uint8 tensor that the block's tensors then view (decode_block; a
+    # bytearray would be zero-filled first: one more pass over the data). Not an mmap (safetensors'
+    # load_file): it pins the file, would change under the tensor if the file were rewritten in place, and
+    # (measured) faulting the pages in was slower than one read.
+    with open(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # replaced between the lstat and the open
+            raise CorruptBlockError(f"{path.name} is a {_kind(st.st_mode)}, not a regular file")
+        size = st.st_size
+        n = header_length(f.read(8))
+        if 8 + n > size:
+            raise CorruptBlockError(f"header of {n} bytes in a file of {size}")
+        expected = declared_size(f.read(n))
+        if expected != size:
+            raise CorruptBlockError(f"file is {size} bytes, its header declares {expected}")
+        f.seek(0)
+        data = torch.empty(size, dtype=torch.uint8)
+        view, got = memoryview(data.numpy()), 0
+        while got < size:  # one read() returns at most ~2 GiB on Linux
+            chunk = f.readinto(view[got:])
+            if not chunk:
+                break
+            got += chunk
+    return data[:got]  # short: the file shrank while read, caught by decode_block's checks
 
 
 class DiskStore:
     name = "disk"
+    persistent = True
 
     def __init__(self, path: str | os.PathLike, max_bytes: int = 20 << 30):
         if max_bytes < 0:
             raise StoreUsageError(f"DiskStore needs max_bytes >= 0, got {max_bytes}")
-        self.path = Path(path).expanduser()
+        self.path = Path(path).expanduser()  # the folder given; blocks live in its subfolder blocks_dir
+        self.blocks_dir = self.path / BLOCKS_DIR
         self.max_bytes = max_bytes
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
         self._lock = threading.Lock()
@@ -50,22 +166,20 @@ class DiskStore:
         self._rebuild_index()
 
     def _rebuild_index(self) -> None:
-        # An unwritable or missing directory is not an error here: the store is built at engine start and
-        # must not fail it; get/put then raise StoreError, which the tiered store treats as a miss.
+        # An unwritable or missing folder is not an error here: the store is built at engine start and must
+        # not fail it; get/put then raise StoreError, which the tiered store treats as a miss.
+        found = []
+        now = time.time()
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            found = []
-            now = time.time()
-            with os.scandir(self.path) as it:
-                for entry in it:
-                    if entry.name.endswith(".tmp") and now - entry.stat().st_mtime > STALE_TMP_S:
-                        Path(entry.path).unlink(missing_ok=True)
-                    key = entry.name.removesuffix(SUFFIX)
-                    if entry.name.endswith(SUFFIX) and KEY_PATTERN.fullmatch(key) and entry.is_file():
-                        st = entry.stat()
-                        found.append((st.st_mtime_ns, key, st.st_size))
+            self.blocks_dir.mkdir(parents=True, exist_ok=True)
+            for name, st in _scan(self.blocks_dir, _TMP_NAME):
+                if stat.S_ISREG(st.st_mode) and now - st.st_mtime > STALE_TMP_S:
+                    self._remove_entry(self.blocks_dir / name)
+            for name, st in _scan(self.blocks_dir, _BLOCK_NAME):
+                if stat.S_ISREG(st.st_mode):  # anything else under a block name is dealt with when read
+                    found.append((st.st_mtime_ns, _BLOCK_NAME.fullmatch(name).group(1), st.st_size))
         except OSError as e:
-            log.debug("disk store %s: cannot scan (%s)", self.path, e)
+            log.debug("disk store %s: cannot scan (%s)", self.blocks_dir, e)
             return
         with self._lock:
             for _, key, size in sorted(found):
@@ -75,42 +189,34 @@ class DiskStore:
             self._unlink(self._evict_over_bound())  # a previous run may have used a larger bound
 
     def file_for(self, key: str) -> Path:
-        return self.path / (check_key(key) + SUFFIX)
+        return self.blocks_dir / block_file_name(key)
 
     def get(self, key: str) -> KVBlock | None:
         path = self.file_for(key)
         t0 = time.perf_counter()
         try:
-            # One readinto() an uninitialised uint8 tensor that the block's tensors then view (decode_block;
-            # a bytearray would be zero-filled first: one more pass over the data). Not an mmap
-            # (safetensors' load_file): it pins the file, would change under the tensor if the file were
-            # rewritten in place, and (measured) faulting the pages in was slower than one read.
-            with open(path, "rb") as f:
-                data = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
-                data = data[: f.readinto(data.numpy())]  # short read: a truncated file, caught by the checks
+            data = read_block_file(path)
+            block = decode_block(key, data)
         except FileNotFoundError:
             with self._lock:
                 self._forget(key)  # evicted by another process, or never written
                 self.stats.misses += 1
             return None
-        except OSError as e:
-            self._count_error()
-            raise StoreError(f"disk store cannot read {path}: {e}") from e
-        try:
-            block = decode_block(key, data)
         except CorruptBlockError as e:
             log.warning("disk store: removing %s: %s", path, e)
             with self._lock:
-                self._unlink([path])
+                self._remove_entry(path)
                 self._forget(key)
                 self.stats.corrupt += 1
                 self.stats.misses += 1
             return None
+        except OSError as e:
+            raise self._error(f"cannot read {path}", e) from e
         with self._lock:
             # The file may have been evicted by another thread since it was read: the bytes read are still a
             # whole, checked block (served), but the index must only list files that exist.
             try:
-                os.utime(path)  # LRU order for the next start
+                os.utime(path, follow_symlinks=False)  # LRU order for the next start
                 present = True
             except FileNotFoundError:
                 present = False
@@ -122,37 +228,61 @@ class DiskStore:
             self.stats.load_s += time.perf_counter() - t0
         return block
 
+    def get_many(self, keys: list[str]) -> list[KVBlock | None]:
+        # One file per block: nothing to batch yet (loading several files in parallel would be).
+        return [self.get(key) for key in keys]
+
     def put(self, key: str, block: KVBlock) -> None:
         path = self.file_for(key)
         data = encode_block(key, block)
         if len(data) > self.max_bytes:
             return  # larger than the whole budget
-        tmp = path.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = self.blocks_dir / f".kv-{key}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             try:
                 self._write(tmp, data)
-            except FileNotFoundError:  # the directory was removed while running: recreate it once
-                self.path.mkdir(parents=True, exist_ok=True)
+            except FileNotFoundError:  # the folder was removed while running: recreate it once
+                self.blocks_dir.mkdir(parents=True, exist_ok=True)
                 self._write(tmp, data)
             # The slow write above is outside the lock; the rename, the index update and the eviction's
             # unlinks are inside it, so no thread can unlink a file that another just renamed into place
             # (which would leave the index listing a file that is gone).
             with self._lock:
-                os.replace(tmp, path)
+                try:
+                    os.replace(tmp, path)
+                except IsADirectoryError:
+                    # A folder sits under the block's name: removed if empty, else this block is not stored.
+                    # Either way one bad entry, not a failing tier.
+                    self.stats.corrupt += 1
+                    self._remove_entry(path)
+                    os.replace(tmp, path)
                 self._account(key, len(data))
                 self._unlink(self._evict_over_bound())
         except OSError as e:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-            self._count_error()
-            raise StoreError(f"disk store cannot write {path}: {e}") from e
+            self._remove_entry(tmp)  # only ever our own temp name
+            if isinstance(e, IsADirectoryError):
+                log.warning("disk store: not storing %s: a folder that is not empty holds its name", path)
+                return
+            raise self._error(f"cannot write {path}", e) from e
 
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
-        with open(path, "wb") as f:
+        try:
+            fd = os.open(path, _WRITE_FLAGS, 0o644)
+        except FileExistsError:  # left by a dead process whose pid and thread id we now have
+            os.unlink(path)
+            fd = os.open(path, _WRITE_FLAGS, 0o644)
+        with open(fd, "wb") as f:
             f.write(data)
+
+    def _error(self, what: str, e: OSError) -> StoreError:
+        with self._lock:
+            self.stats.errors += 1
+        if e.errno == errno.ENOTDIR:  # the cache folder (or its subfolder name) is a file: nothing works
+            return TierUnavailableError(
+                f"disk store {self.path}: {what}: {e}; --cache-dir / disk:<path> must name a folder"
+            )
+        return StoreError(f"disk store: {what}: {e}")
 
     def _account(self, key: str, size: int) -> None:
         self._forget(key)
@@ -172,7 +302,7 @@ class DiskStore:
             key = next(iter(self._index))
             self._forget(key)
             self.stats.evictions += 1
-            victims.append(self.path / (key + SUFFIX))
+            victims.append(self.file_for(key))
         return victims
 
     def _unlink(self, paths: list[Path]) -> None:
@@ -182,23 +312,36 @@ class DiskStore:
             except OSError as e:
                 log.debug("disk store: cannot remove %s (%s)", p, e)
 
-    def _count_error(self) -> None:
-        with self._lock:
-            self.stats.errors += 1
+    @staticmethod
+    def _remove_entry(path: Path) -> None:
+        """Removes whatever is at `path`, one of our names: a file, FIFO or symlink (the link, never its
+        target) is unlinked; a directory only if it is empty, since what it holds is not ours to judge."""
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.debug("disk store: cannot remove %s (%s)", path, e)
 
     def clear(self) -> None:
-        """Removes this store's block files (only `<key>.safetensors` names; other files are left alone)."""
+        """Removes this store's block files (`pc_rag-kv-v1/kv-<key>.safetensors`); nothing else is touched."""
+        error = None
         with self._lock:  # as put: no rename can land between the listing and the unlinks
-            keys = list(self._index)
             self._index.clear()
             self.stats.bytes_held = 0
             self.stats.entries = 0
             try:
-                with os.scandir(self.path) as it:
-                    keys += [e.name.removesuffix(SUFFIX) for e in it if e.name.endswith(SUFFIX)]
+                for name, _ in list(_scan(self.blocks_dir, _BLOCK_NAME)):
+                    self._remove_entry(self.blocks_dir / name)
+            except FileNotFoundError:
+                pass  # no subfolder: nothing of ours to clear
             except OSError as e:
-                raise StoreError(f"disk store cannot list {self.path}: {e}") from e
-            self._unlink([self.path / (k + SUFFIX) for k in set(keys) if KEY_PATTERN.fullmatch(k)])
+                error = e
+        if error is not None:
+            raise self._error(f"cannot list {self.blocks_dir}", error) from error
 
     def tier_stats(self) -> list[TierStats]:
         with self._lock:

@@ -21,6 +21,7 @@ class MemoryStore:
     """
 
     name = "memory"
+    persistent = False
 
     def __init__(
         self,
@@ -53,6 +54,9 @@ class MemoryStore:
             self.stats.hits += 1
             self.stats.load_s += time.perf_counter() - t0
             return entry[0]
+
+    def get_many(self, keys: list[str]) -> list[KVBlock | None]:
+        return [self.get(key) for key in keys]
 
     def put(self, key: str, block: KVBlock) -> None:
         check_key(key)

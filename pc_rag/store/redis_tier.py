@@ -8,10 +8,17 @@ by default).
 The `redis` package is optional and imported only when a RedisStore is built. Timeouts are short and
 the client never retries: a down or unreachable server costs one failed call of at most `timeout_s`,
 after which the tiered store skips this tier for a while.
+
+`get_many` fetches a request's blocks in one round trip (a pipeline of GETs, sent as one write and answered
+in one stream), so a slow server costs its latency once per request, not once per block; the wait for the
+server to answer is bounded by one `timeout_s` for the batch. The bound applies to every socket read, not
+to the transfer as a whole: a batch of large blocks that keeps arriving is not cut off. A value of another
+Redis type under a block's name (WRONGTYPE) is a corrupt entry for that key only, like a damaged blob.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -20,7 +27,9 @@ from typing import Any
 from ..blocks import KVBlock
 from ..errors import StoreError
 from .codec import CorruptBlockError, decode_block, encode_block
-from .tier import StoreUsageError, TierStats, check_key
+from .tier import StoreUsageError, TierStats, TierUnavailableError, check_key
+
+log = logging.getLogger("pc_rag.store")
 
 
 def _connect(url: str, timeout_s: float) -> Any:
@@ -50,6 +59,7 @@ class RedisStore:
     """
 
     name = "redis"
+    persistent = True
 
     def __init__(
         self,
@@ -65,7 +75,7 @@ class RedisStore:
         self.ttl_s = ttl_s
         self.prefix = prefix
         self._client = client if client is not None else _connect(url, timeout_s)
-        self._errors: tuple[type[BaseException], ...] = (OSError, *_redis_errors())
+        self._errors, self._unreachable = _redis_errors()
         self._lock = threading.Lock()
         self.stats = TierStats(self.name)
 
@@ -75,28 +85,58 @@ class RedisStore:
         except self._errors as e:
             with self._lock:
                 self.stats.errors += 1
-            raise StoreError(f"redis store {self.url}: {what} failed: {type(e).__name__}: {e}") from e
+            message = f"redis store {self.url}: {what} failed: {type(e).__name__}: {e}"
+            if isinstance(e, self._unreachable):  # no answer at all: reads and writes fail alike
+                raise TierUnavailableError(message) from e
+            raise StoreError(message) from e  # the server answered with an error (e.g. OOM on SET)
 
     def get(self, key: str) -> KVBlock | None:
-        name = self.prefix + check_key(key)
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[str]) -> list[KVBlock | None]:
+        """The blocks of `keys`, in one round trip: a pipeline of GETs rather than MGET, because MGET answers
+        nil for a value of another type where GET names the WRONGTYPE, which is counted as corrupt."""
+        names = [self.prefix + check_key(key) for key in keys]
+        if not names:
+            return []
         t0 = time.perf_counter()
-        data = self._call("GET", self._client.get, name)
-        if data is None:
-            with self._lock:
-                self.stats.misses += 1
-            return None
-        try:
-            block = decode_block(key, data)
-        except CorruptBlockError:
-            self._call("DEL", self._client.delete, name)
-            with self._lock:
-                self.stats.corrupt += 1
-                self.stats.misses += 1
-            return None
+
+        def fetch():
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.get(name)
+            return pipe.execute(raise_on_error=False)  # a per-key error reply comes back as its exception
+
+        replies = self._call(f"GET of {len(names)} keys", fetch)
+        blocks: list[KVBlock | None] = []
+        bad = []
+        for key, name, data in zip(keys, names, replies, strict=True):
+            block = None
+            if isinstance(data, Exception):
+                if not str(data).startswith("WRONGTYPE"):
+                    with self._lock:
+                        self.stats.errors += 1
+                    raise StoreError(f"redis store {self.url}: GET {name} failed: {type(data).__name__}: {data}")
+                bad.append(name)
+            elif data is not None:
+                try:
+                    block = decode_block(key, data)
+                except CorruptBlockError:
+                    bad.append(name)
+            blocks.append(block)
+        hits = sum(b is not None for b in blocks)
         with self._lock:
-            self.stats.hits += 1
-            self.stats.load_s += time.perf_counter() - t0
-        return block
+            self.stats.hits += hits
+            self.stats.misses += len(blocks) - hits
+            self.stats.corrupt += len(bad)
+            if hits:
+                self.stats.load_s += time.perf_counter() - t0
+        if bad:
+            try:  # a second round trip only when something was damaged; a put would overwrite it anyway
+                self._call("UNLINK", self._client.unlink, *bad)
+            except StoreError as e:
+                log.debug("redis store: cannot remove corrupt entries %s (%s)", bad, e)
+        return blocks
 
     def put(self, key: str, block: KVBlock) -> None:
         name = self.prefix + check_key(key)
@@ -120,9 +160,11 @@ class RedisStore:
             return [replace(self.stats)]
 
 
-def _redis_errors() -> tuple[type[BaseException], ...]:
+def _redis_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(every error a call may raise, those that mean the server could not be reached or did not answer)."""
     try:
         import redis
-    except ImportError:
-        return ()
-    return (redis.RedisError,)
+    except ImportError:  # a client passed in without the package (tests): socket errors only
+        return (OSError,), (OSError,)
+    unreachable = (OSError, redis.ConnectionError, redis.TimeoutError)
+    return (*unreachable, redis.RedisError), unreachable

@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ..blocks import KVBlock
-from ..errors import PCRagError
+from ..errors import PCRagError, StoreError
 
 # Keys come from `blocks.chunk_key` / `prefix_key` ("chunk-<40 hex>"). Disk file names and Redis names are
 # built from them, so only letters, digits, '-' and '_' are allowed: no '/', no '.', nothing that could
 # name a path outside the cache directory.
 KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,199}")
 
+# KVBlock.meta travels in the safetensors header, which readers refuse above codec.MAX_HEADER_BYTES (1 MiB);
+# the engine's meta is a few short strings.
+MAX_META_BYTES = 64 << 10
+
 
 class StoreUsageError(PCRagError, ValueError):
     """The store was called wrongly (bad spec string, key or block); unlike a tier failure this is raised."""
+
+
+class TierUnavailableError(StoreError):
+    """The whole tier is unreachable (server down or not answering, cache folder not a folder): TieredStore
+    then skips it for reads and writes alike, where a plain StoreError pauses only the failing direction."""
 
 
 @dataclass
@@ -27,14 +39,19 @@ class TierStats:
     bytes_held: int = 0
     entries: int = 0
     evictions: int = 0  # LRU evictions and TTL expiries
-    corrupt: int = 0  # corrupt, truncated or foreign entries found (and removed) on load
+    corrupt: int = 0  # corrupt, truncated, foreign or wrong-type entries found (and removed) on load
     errors: int = 0  # failed operations (I/O error, server down); each was treated as a miss by TieredStore
     load_s: float = 0.0  # total time spent in get() calls that hit
 
 
 @runtime_checkable
 class Store(Protocol):
-    """What the engine calls. Every tier and the tiered composition implement it."""
+    """What the engine calls. Every tier and the tiered composition implement it.
+
+    Optional, used when present: `get_many(keys)` (one call for a request's blocks), `get_with_source`,
+    `get_many_with_source`, a `persist` argument to `put`, and a `persistent` class attribute (True for
+    tiers that outlive the process: disk, Redis).
+    """
 
     name: str
 
@@ -54,6 +71,47 @@ def get_with_source(store: Store, key: str) -> tuple[KVBlock | None, str | None]
         return store.get_with_source(key)
     block = store.get(key)
     return block, (store.name if block is not None else None)
+
+
+def get_many_with_source(store: Store, keys: Sequence[str]) -> list[tuple[KVBlock | None, str | None]]:
+    """`get_with_source` for a request's keys at once, in order: a TieredStore asks each tier once for all the
+    keys still missing (one Redis round trip for the whole request); a single tier with `get_many` is asked
+    once; any other store is asked key by key."""
+    keys = list(keys)
+    if hasattr(store, "get_many_with_source"):
+        return store.get_many_with_source(keys)
+    if hasattr(store, "get_many"):
+        blocks = get_many(store, keys)
+        return [(b, store.name if b is not None else None) for b in blocks]
+    return [get_with_source(store, key) for key in keys]
+
+
+def get_many(store: Store, keys: list[str]) -> list[KVBlock | None]:
+    """`store.get_many(keys)` when the store has it, else one `get` per key; always one result per key."""
+    if not hasattr(store, "get_many"):
+        return [store.get(key) for key in keys]
+    blocks = list(store.get_many(keys))
+    if len(blocks) != len(keys):
+        raise StoreError(f"store {store.name!r}: get_many returned {len(blocks)} results for {len(keys)} keys")
+    return blocks
+
+
+def put_block(store: Store, key: str, block: KVBlock, persist: bool = True) -> None:
+    """`store.put(key, block, persist=persist)` when the store takes `persist` (TieredStore); otherwise a plain
+    `store.put(key, block)`, skipped when `persist` is False and the store is itself persistent (a disk or
+    Redis tier used alone). persist=False: the block may be kept in memory but must not outlive the process."""
+    if _takes_persist(store):
+        store.put(key, block, persist=persist)
+    elif persist or not getattr(store, "persistent", False):
+        store.put(key, block)
+
+
+def _takes_persist(store: Store) -> bool:
+    try:
+        params = inspect.signature(store.put).parameters
+    except (TypeError, ValueError):  # a builtin or C-implemented put without a signature
+        return False
+    return "persist" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def check_key(key: str) -> str:
@@ -77,5 +135,11 @@ def check_block(block: KVBlock) -> KVBlock:
     if k.shape[2] != len(block.token_ids):
         raise StoreUsageError(
             f"KVBlock holds {k.shape[2]} tokens of KV but {len(block.token_ids)} token ids"
+        )
+    meta_bytes = len(json.dumps(block.meta, sort_keys=True, default=str))
+    if meta_bytes > MAX_META_BYTES:
+        raise StoreUsageError(
+            f"KVBlock.meta is {meta_bytes} bytes of JSON, more than {MAX_META_BYTES}: keep meta to a few short "
+            "strings (it is stored in every block's header)"
         )
     return block
