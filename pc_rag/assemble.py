@@ -27,7 +27,7 @@ from .errors import PCRagError, PromptError, UnsupportedModelError
 from .model import LlamaRunner, SlotCache
 from .prefix import BLOCK_TOKENS, Link, PrefixIndex, Run, after_link, run_blocks
 from .segments import TokenSegment
-from .store import get_with_source
+from .store import get_many_with_source, get_with_source, put_block
 
 MODES = ("full", "exact", "modular", "blend")
 REUSING_CHUNKS = ("modular", "blend")
@@ -94,14 +94,6 @@ class Assembled:
     @property
     def pieces(self) -> tuple[Piece, ...]:
         return self.plan.pieces
-
-
-def _put(store, key: str, block: KVBlock, persist: bool) -> None:
-    """Write a block; `persist=False` keeps it out of disk and Redis (only this process's index finds it)."""
-    tiers = getattr(store, "tiers", [store])
-    for tier in tiers if not persist else [store]:
-        if persist or not getattr(tier, "persistent", tier.name != "memory"):
-            tier.put(key, block)
 
 
 class Assembler:
@@ -256,9 +248,7 @@ class Assembler:
     def _fetch(self, keys: list[str]) -> list[tuple[KVBlock | None, str | None]]:
         if not keys:
             return []
-        get_many = getattr(self.store, "get_many_with_source", None)
-        found = get_many(keys) if get_many is not None else [get_with_source(self.store, k) for k in keys]
-        return [(self._placed(b), o) for b, o in found]
+        return [(self._placed(b), o) for b, o in get_many_with_source(self.store, keys)]
 
     def _get(self, key: str) -> tuple[KVBlock | None, str | None]:
         block, origin = get_with_source(self.store, key)
@@ -432,5 +422,5 @@ class Assembler:
                 block = KVBlock(k.clone(), v.clone(), ids[ref.start: ref.end], positions[ref.start],
                                 {"kind": "prefix"})
                 whole = ref.end - ref.start == self.block_tokens or item.closed
-                _put(self.store, ref.key, block, persist=whole)
+                put_block(self.store, ref.key, block, persist=whole)
                 self.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
