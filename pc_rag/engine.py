@@ -241,14 +241,17 @@ class Engine:
         return encoded
 
     def stats(self) -> dict:
-        """Store tiers' counters, and scaffolds: groups declared, bytes of their joint KV, automatic builds
-        that failed (each logged on the "pc_rag" logger)."""
+        """Store tiers' counters; scaffolds: groups declared, bytes of their joint KV, automatic builds that
+        failed (each logged on the "pc_rag" logger); prefix blocks this process's index knows; texts registered
+        as chunks with this engine and replies it remembers."""
         with self._scaffold_lock:  # a snapshot: background builds may add groups meanwhile
             groups = list(self.assembler.scaffolds.values())
             failed = self._scaffolds_failed
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
                 "scaffolds": {"groups": sum(len(g) for g in groups), "bytes": self.assembler.scaffold_bytes,
-                              "failed": failed}}
+                              "failed": failed},
+                "prefix": {"blocks_indexed": len(self.assembler.prefixes), "block_tokens": self.assembler.block_tokens},
+                "registered": {"chunks": len(self.chunks), "replies": len(self.replies)}}
 
     def wait_for_background(self, timeout: float | None = None) -> None:
         """Wait for background work (automatic scaffold encodes) to finish."""
