@@ -372,7 +372,7 @@ class Engine:
                 # slower exact-mode decoding). Every token but the last was fed back, so its KV is in the
                 # cache: the next turn of a chat reuses the prompt and the reply.
                 self.assembler.save_prefix(asm, ids[:-1])
-                self._remember_reply(text.text, ids)
+                self._remember_reply(prompt, text.text, ids)
             finally:
                 self.runner.release_cache(asm.cache)
         return Generation(
@@ -391,9 +391,15 @@ class Engine:
             prompt_ids=asm.plan.ids,
         )
 
-    def _remember_reply(self, text: str, ids: list[int]) -> None:
+    def _remember_reply(self, prompt, text: str, ids: list[int]) -> None:
         """Remember the reply's generated tokens for its text, as generated and as a chat template writes it
         back (trimmed), so the next turn's prompt carries these very tokens (see find.ReplyIndex)."""
+        if isinstance(prompt, str):
+            after = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(s, (Text, Chunk)) for s in prompt):
+            after = "".join(s.text for s in prompt)
+        else:
+            return  # PML: its text is not the prompt's text
         if not text.strip():
             return
 
@@ -407,7 +413,7 @@ class Engine:
                 end = 0  # not a prefix of the ids' text: give up rather than decode the reply n times
         if not end:
             return
-        self.replies.remember(text, ids[:end])
+        self.replies.remember(text, ids[:end], after)
         stripped = text.strip()
         if stripped != text:
             start = 0
@@ -415,4 +421,4 @@ class Engine:
                 start += 1
             while end > start and not decode(ids[end - 1:end]).strip():
                 end -= 1
-            self.replies.remember(stripped, ids[start:end] if decode(ids[start:end]) == stripped else None)
+            self.replies.remember(stripped, ids[start:end] if decode(ids[start:end]) == stripped else None, after)

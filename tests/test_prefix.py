@@ -245,3 +245,18 @@ def test_sources_and_counts_add_up(engine, docs):
         assert sum(s.tokens for s in g.sources) == g.prompt_tokens == len(g.prompt_ids)
         assert g.cached_tokens + g.computed_tokens == g.prompt_tokens
     assert torch.is_tensor(engine.next_token_logits(prompt, "modular"))
+
+
+def test_a_reply_cuts_a_prompt_only_after_the_prompt_it_answered(engine):
+    prompt1 = system_text()[:400] + "\nAssistant:"
+    g1 = engine.generate(prompt1, mode="exact", max_new_tokens=12)
+    assert g1.text.strip()
+    # the same words elsewhere: plain text, the joined string's tokens
+    other = "Someone once said:" + g1.text + " and that was all."
+    assert ids_of(engine, other)[1:] == tuple(engine.tokenizer(other, add_special_tokens=False)["input_ids"])
+    assert all(s.token_ids is None or not isinstance(s, Text) or s.text != g1.text for s in engine.split(other))
+    # after the prompt it answered: a cut, and the reply keeps its generated tokens
+    follow = prompt1 + g1.text + "\nUser: ok"
+    pieces = engine.split(follow)
+    assert [s.text for s in pieces][:2] == [prompt1, g1.text]
+    assert pieces[1].token_ids == g1.token_ids[: len(pieces[1].token_ids)]
