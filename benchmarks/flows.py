@@ -13,7 +13,8 @@ Per user request (one LLM call, or several: condense_plus_context condenses the 
 - bound share: the tokens the request shares with earlier ones, over input_tokens: for each call, the
   longest common token prefix with any earlier call's prompt_ids + its reply (as generated, token_ids[:-1]:
   every generated token but the last was fed back; or as a chat template writes it back, trimmed), and in
-  modular mode also every chunk segment whose token ids were a chunk in an earlier call (the union of both, so a chunk inside the prefix counts once).
+  modular mode also every chunk segment whose token ids were a chunk in an earlier call (the union of both,
+  so a chunk inside the prefix counts once).
 - ratio: reuse / bound (1.0: everything reusable was reused). In modular mode it can miss 1 by a little
   either way: separators between chunks are relocated blocks too, reused even from earlier in the same
   request (the bound counts earlier requests only); and a chunk is reused whole or not at all, so when the
