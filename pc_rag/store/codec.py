@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 
 import torch
 import xxhash
@@ -46,6 +47,8 @@ _BLOCK_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 _TENSORS = {"none": ("keys", "values", "token_ids"),
             "int8": ("keys", "values", "key_scales", "value_scales", "token_ids")}
 _F16_MIN, _F16_MAX = 2.0**-14, 65504.0  # float16's normal range, for scales
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
 
 
 class CorruptBlockError(StoreError):
@@ -196,7 +199,10 @@ def decode_block(key: str, data: bytes | torch.Tensor, timings: dict[str, float]
     """
     t0 = time.perf_counter()
     if not isinstance(data, torch.Tensor):
-        data = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        # A view of the bytes, not a copy (the Redis tier's reply is a fresh bytes object that nothing else
+        # holds): a copy of a 4K-token prompt's blocks cost more than verifying them. torch warns that the
+        # buffer is read-only; blocks are never written (Store contract), so that warning is filtered above.
+        data = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     try:
         meta, tensors, section = _parse(data)
         keys, values, ids = tensors["keys"], tensors["values"], tensors["token_ids"]
