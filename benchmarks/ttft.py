@@ -66,6 +66,22 @@ def build_prompt(chunks):
     return parts[:-1] + [Text(QUESTION)]
 
 
+def interleaved(cases, reps):
+    """timeit for several cases measured in turn, one run of each per round (after one warm-up round), so that a
+    shared machine's load drifting over a minute moves every case alike and their ratios hold. `cases`: name ->
+    (fn, setup or None)."""
+    times = {name: [] for name in cases}
+    for i in range(reps + 1):
+        for name, (fn, setup) in cases.items():
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return {name: {"min_s": min(t), "median_s": statistics.median(t)} for name, t in times.items()}
+
+
 def timeit(fn, reps, setup=None):
     """min and median seconds of `fn` over `reps` runs after one warm-up; `setup` runs untimed before each."""
     times = []
@@ -107,8 +123,8 @@ class Workload:
         cache = copy.deepcopy(self.sys_cache)
         self.engine.model(input_ids=self.x[:, self.n_sys:], cache=cache, logits_to_keep=1)
 
-    def ideal(self, reps):
-        """The question alone over a ready DynamicCache (the cache copy is made outside the timing)."""
+    def ideal_case(self):
+        """(run, setup): the question alone over a ready DynamicCache (the copy is made in setup, untimed)."""
         caches = []
 
         def setup():
@@ -118,6 +134,10 @@ class Workload:
         def run():
             self.engine.model(input_ids=self.x[:, -self.q:], cache=caches[0], logits_to_keep=1)
 
+        return run, setup
+
+    def ideal(self, reps):
+        run, setup = self.ideal_case()
         return timeit(run, reps, setup)
 
     @torch.inference_mode()
@@ -282,10 +302,7 @@ def _run(model_path, lengths, reps, dtype, device, seed, disk_dir, redis_url=Non
         row = {"prompt_tokens": len(w.ids), "chunks": k, "question_tokens": w.q}
         row["hf_full"] = timeit(w.hf_full, reps)
         row["hf_prefix"] = timeit(w.hf_prefix, reps)
-        row["ideal"] = w.ideal(reps)
         row["pc_full"] = timeit(pc("full"), reps)
-        row["pc_modular_warm_memory"] = timeit(pc("modular"), reps)
-        row["pc_modular_warm_disk"] = timeit(pc("modular"), reps, setup=memory_tier.clear)
         engine.blend_selection = "deviation"
         for ratio in BLEND_RATIOS:
             row[f"pc_blend_{ratio}"] = timeit(pc("blend", ratio=ratio), reps)
@@ -293,10 +310,12 @@ def _run(model_path, lengths, reps, dtype, device, seed, disk_dir, redis_url=Non
         for ratio in CHUNK_START_RATIOS:
             row[f"pc_blend_{ratio}_chunk_start"] = timeit(pc("blend", ratio=ratio), reps)
         engine.generate(w.prompt, mode="exact", max_new_tokens=1)
-        row["pc_exact_warm_memory"] = timeit(pc("exact"), reps)
-        row["pc_exact_warm_disk"] = timeit(pc("exact"), reps, setup=memory_tier.clear)
-        steps = {"modular_disk": load_steps(engine, disk_tier, pc("modular"), reps, memory_tier.clear),
-                 "exact_disk": load_steps(engine, disk_tier, pc("exact"), reps, memory_tier.clear)}
+        # The ideal and the warm columns whose ratios are the goals, measured in turn (see `interleaved`).
+        cases = {"ideal": w.ideal_case(),
+                 "pc_modular_warm_memory": (pc("modular"), None),
+                 "pc_modular_warm_disk": (pc("modular"), memory_tier.clear),
+                 "pc_exact_warm_memory": (pc("exact"), None),
+                 "pc_exact_warm_disk": (pc("exact"), memory_tier.clear)}
         if redis_engine is not None:
             redis_tier.clear()
             mirror_to(disk_tier, redis_tier)  # the same blocks, one tier further
@@ -304,8 +323,12 @@ def _run(model_path, lengths, reps, dtype, device, seed, disk_dir, redis_url=Non
             def pr(mode, prompt=w.prompt):
                 return lambda: redis_engine.next_token_logits(prompt, mode=mode)
 
-            row["pc_modular_warm_redis"] = timeit(pr("modular"), reps, setup=redis_memory.clear)
-            row["pc_exact_warm_redis"] = timeit(pr("exact"), reps, setup=redis_memory.clear)
+            cases["pc_modular_warm_redis"] = (pr("modular"), redis_memory.clear)
+            cases["pc_exact_warm_redis"] = (pr("exact"), redis_memory.clear)
+        row |= interleaved(cases, reps)
+        steps = {"modular_disk": load_steps(engine, disk_tier, pc("modular"), reps, memory_tier.clear),
+                 "exact_disk": load_steps(engine, disk_tier, pc("exact"), reps, memory_tier.clear)}
+        if redis_engine is not None:
             steps["modular_redis"] = load_steps(redis_engine, redis_tier, pr("modular"), reps, redis_memory.clear)
             redis_tier.clear()
             redis_memory.clear()
