@@ -78,3 +78,17 @@ def test_ttft_benchmark_runs_and_stores_the_formula_bytes(tiny_path, tmp_path):
     assert "| decode tok/s full |" in md and "| modular disk |" in md
     ttft.plot(result, tmp_path / "ttft.png")
     assert (tmp_path / "ttft.png").stat().st_size > 0
+
+
+def test_loads_benchmark_runs_prefetch_and_compression(tiny_path):
+    pytest.importorskip("langchain_pc_rag")
+    from benchmarks import loads
+
+    result = loads.run(tiny_path, lengths=[600], reps=1, fidelity_prompts=2)
+    row = result["rows"][0]
+    assert set(row["prefetch"]) >= {"memory", "disk", "disk_prefetch"}
+    assert row["prefetch"]["disk_prefetch"]["ttft_ms"] > 0
+    # int8 blocks: a quarter of float32's bytes, plus scales and header
+    assert 0.24 < row["bytes_per_token"]["disk int8"] / row["bytes_per_token"]["disk"] < 0.3
+    assert result["fidelity"]["none"]["kl_modular"] == 0.0  # the reference against itself
+    assert "| int8 |" in loads.markdown(result)
