@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from . import fidelity, ttft
+from . import fidelity, loads, ttft
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -34,6 +34,15 @@ def section(out: Path) -> str:
         + ttft.markdown(t)
         + "\n![TTFT against prompt length](docs/ttft.png)\n"
     )
+    l_path = out / "loads.json"
+    if l_path.exists():
+        parts.append(
+            "### Loading from disk and Redis: prefetch and compressed blocks\n\n"
+            "`benchmarks/loads.py`: a LangChain retrieval chain with its chunks' KV on disk, TTFT from the LLM call "
+            "with and without prefetch on retrieval; int8 blocks against exact ones (bytes, load time, fidelity "
+            "cost). See docs/store.md for what each column measures.\n\n"
+            + loads.markdown(json.loads(l_path.read_text()))
+        )
     f_path = out / "fidelity.json"
     if f_path.exists():
         f = json.loads(f_path.read_text())
@@ -70,7 +79,8 @@ def section(out: Path) -> str:
     parts.append(
         "Reproduce the rest (`pip install -e \".[bench]\"` for the plot): "
         "`python benchmarks/ttft.py --lengths 1024 2048 4096 8192 --reps 5 --out bench_out && "
-        "python -m benchmarks.fidelity --prompts 12 --out bench_out && python -m benchmarks.report --out bench_out` "
+        "python -m benchmarks.fidelity --prompts 12 --out bench_out && python -m benchmarks.loads --out bench_out && "
+        "python -m benchmarks.report --out bench_out` "
         "(`pc-rag bench` runs the first)."
     )
     return "\n".join(parts)

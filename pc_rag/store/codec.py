@@ -144,24 +144,32 @@ def declared_size(header: bytes) -> int:
     before reading a file, so a huge (sparse) file with a plausible header is refused without being read."""
     try:
         entries = json.loads(header)
+    except ValueError as e:
+        raise CorruptBlockError(f"unreadable safetensors header: {type(e).__name__}: {e}") from e
+    return 8 + len(header) + _data_end(entries)
+
+
+def _data_end(entries) -> int:
+    try:
         ends = [int(spec["data_offsets"][1]) for name, spec in entries.items() if name != "__metadata__"]
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
         raise CorruptBlockError(f"unreadable safetensors header: {type(e).__name__}: {e}") from e
-    return 8 + len(header) + max(ends, default=0)
+    return max(ends, default=0)
 
 
 def _parse(buf: torch.Tensor) -> tuple[dict[str, str], dict[str, torch.Tensor], memoryview]:
     """The safetensors layout read in place from a uint8 tensor: (metadata, tensors as views of `buf` (no
     copy), the data section), after checking that the tensors are exactly the codec's, in canonical order,
     tiling the data section with no gap, each byte range fitting its shape."""
-    header_len = header_length(buf[:8].numpy().tobytes())
+    raw = memoryview(buf.numpy())  # header slices through a memoryview: cheaper than tensor slicing per block
+    header_len = header_length(raw[:8].tobytes())
     base = 8 + header_len
     if base > len(buf):
         raise ValueError(f"header of {header_len} bytes in a blob of {len(buf)}")
-    header_bytes = buf[8:base].numpy().tobytes()
-    if declared_size(header_bytes) != len(buf):
-        raise ValueError(f"tensors end at byte {declared_size(header_bytes)} of a blob of {len(buf)}")
-    header = json.loads(header_bytes)
+    header = json.loads(raw[8:base].tobytes())
+    end = base + _data_end(header)
+    if end != len(buf):
+        raise ValueError(f"tensors end at byte {end} of a blob of {len(buf)}")
     meta = header.pop("__metadata__")
     if meta.get("format") != FORMAT:
         raise StaleBlockError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
@@ -181,7 +189,7 @@ def _parse(buf: torch.Tensor) -> tuple[dict[str, str], dict[str, torch.Tensor], 
             raise ValueError(f"tensor {name!r}: byte range {a}..{b} is not where the layout puts shape {spec['shape']}")
         tensors[name] = buf[base + a: base + b].view(dtype).view(spec["shape"])
         offset = b
-    return meta, tensors, memoryview(buf[base:].numpy())
+    return meta, tensors, raw[base:]
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
