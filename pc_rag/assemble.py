@@ -427,14 +427,17 @@ class Assembler:
         top = torch.topk(deviation[cand], k).indices
         return {candidates[i] for i in top.tolist()}
 
-    def save_prefix(self, assembled: Assembled, generated: Sequence[int] = ()) -> None:
+    def save_prefix(self, assembled: Assembled, generated: Sequence[int] = (),
+                    skip: frozenset[str] = frozenset()) -> frozenset[str]:
         """Store the prefix blocks this request computed, once the reply is out: every block of the plan's
         layout that was not reused whole, the forwarded reply tokens (`generated`, whose KV follows the
         prompt's in the cache) included. Whole blocks and blocks of closed runs go to every tier; the short
-        tail of the last run only to memory, since only this process's index can find it."""
+        tail of the last run only to memory, since only this process's index can find it. Returns the keys
+        written; `skip`: keys an earlier call for this request already wrote."""
         plan = assembled.plan
+        written: set[str] = set()
         if not plan.layout:
-            return
+            return frozenset()
         total = assembled.prompt_tokens
         ids = plan.ids + tuple(generated)
         positions = plan.positions + tuple(range(assembled.last_position + 1, assembled.last_position + 1
@@ -450,7 +453,7 @@ class Assembler:
             for ref in run_blocks(self.runner.fingerprint, parent, ids, positions, item.start, end, True,
                                   self.block_tokens):
                 parent = ref.key
-                if ref.key in plan.hits:
+                if ref.key in plan.hits or ref.key in skip:
                     continue
                 k, v = assembled.cache.block_views(ref.start, ref.end)
                 block = KVBlock(k.clone(), v.clone(), ids[ref.start: ref.end], positions[ref.start],
@@ -458,3 +461,5 @@ class Assembler:
                 whole = ref.end - ref.start == self.block_tokens or item.closed
                 put_block(self.store, ref.key, block, persist=whole)
                 self.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
+                written.add(ref.key)
+        return frozenset(written)
