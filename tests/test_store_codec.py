@@ -66,6 +66,30 @@ def test_int8_takes_about_a_quarter_of_float32():
     assert block.nbytes / 4 < int8
 
 
+def test_prefix_blocks_stay_exact_in_a_compressed_tier(tmp_path):
+    # exact mode promises a full prefill's KV: its blocks are never quantized
+    store = DiskStore(tmp_path, compress="int8")
+    block = kv_block(8)
+    prefix = KVBlock(block.keys, block.values, block.token_ids, block.start, {"kind": "prefix"})
+    store.put(key_of(8), prefix)
+    assert_same(store.get(key_of(8)), prefix)
+
+
+def test_exact_mode_from_a_compressed_disk_equals_full(loaded, docs, tmp_path):
+    import pc_rag
+    from pc_rag import Chunk, Text
+
+    model, tok = loaded
+    prompt = [Text("Answer from the documents.\n\n"), Chunk(docs[0]), Text("\n\n"), Chunk(docs[1]), Text("\n\nQ?")]
+    spec = f"disk:{tmp_path}?compress=int8"
+    pc_rag.Engine(model, tok, store=spec).generate(prompt, mode="exact", max_new_tokens=4)
+    other = pc_rag.Engine(model, tok, store=spec)  # another process: only the disk tier holds the prefix
+    got = other.next_token_logits(prompt, mode="exact")
+    assert other.store.tier_stats()[0].hits > 0  # the prefix came from the compressed disk tier
+    ref = other.next_token_logits(prompt, mode="full")
+    assert torch.allclose(got, ref, atol=1e-4)
+
+
 def test_non_finite_block_is_stored_exact(tmp_path):
     block = kv_block(4)
     block.keys[0, 0, 0, 0] = math.inf

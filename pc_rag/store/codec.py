@@ -99,9 +99,13 @@ def _tensors(block: KVBlock, codec: str) -> dict[str, torch.Tensor]:
 
 
 def encode_block(key: str, block: KVBlock, codec: str = "none") -> bytes:
-    """The block as safetensors bytes in FORMAT, with `codec` ("none" or "int8")."""
+    """The block as safetensors bytes in FORMAT, with `codec` ("none" or "int8"). Blocks of the exact-prefix
+    chain (meta kind "prefix") are always stored exact: `exact` mode promises a full prefill's KV, and keeps
+    that promise from a compressed tier; chunks and scaffolds are relocated approximations anyway."""
     if codec not in CODECS:
         raise StoreError(f"unknown block codec {codec!r}; choose one of {', '.join(CODECS)}")
+    if block.meta.get("kind") == "prefix":
+        codec = "none"
     if codec != "none" and not (torch.isfinite(block.keys).all() and torch.isfinite(block.values).all()):
         codec = "none"  # a scale cannot represent inf or nan: keep such a block exact
     tensors = _tensors(block, codec)
