@@ -12,7 +12,10 @@ greedy first token is the right answer, in each mode:
 - blend R S: modular, then a fraction R of the reused chunk tokens recomputed in context, chosen by S
   (`chunk_start`: the first tokens of each chunk; `deviation`: where cached and fresh keys differ most);
 - scaffold: modular with the prompt's chunks declared as a scaffold (encoded jointly, so each sees those
-  before it).
+  before it);
+- modular int8 (with --codec int8): modular with every chunk block read back from a disk tier that stores
+  compressed blocks (8-bit keys and values with scales), i.e. the fidelity cost of compression on top of
+  modular.
 Also per mode: how often its answer equals full's. Writes accuracy.json and accuracy.md to --out.
 Held-out prompts come from a random stream (--seed) disjoint from the training and evaluation streams.
 """
@@ -22,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,10 +56,14 @@ def parse_blend(spec: str) -> tuple[float, str]:
 TASK_TITLES = {"single": "single hop", "two_hop": "two hop"}
 
 
-def answer_logprobs(engine, example, blends: list[str]) -> dict[str, torch.Tensor]:
-    """Per mode, the log-probabilities of the answer token (the next token after the prompt)."""
+def answer_logprobs(engine, example, blends: list[str], coded: dict | None = None) -> dict[str, torch.Tensor]:
+    """Per mode, the log-probabilities of the answer token (the next token after the prompt). `coded`: codec
+    name -> an engine on the same model over a disk tier that stores blocks with that codec."""
     prompt = example.prompt()
     out = {}
+    for codec, other in (coded or {}).items():
+        other.warm(list(example.chunks), progress=False)  # stored compressed, then read back by the request
+        out[f"modular {codec}"] = torch.log_softmax(other.next_token_logits(prompt, mode="modular").float(), -1)
 
     def logp(mode, ratio=0.0):
         return torch.log_softmax(engine.next_token_logits(prompt, mode=mode, recompute_ratio=ratio).float(), -1)
@@ -88,9 +97,13 @@ def answers(engine, example, blends: list[str]) -> dict[str, str]:
     return greedy(engine.tokenizer, answer_logprobs(engine, example, blends))
 
 
-def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: list[str]) -> dict:
+def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: list[str],
+        codecs: list[str] = ()) -> dict:
     engine = pc_rag.Engine.from_pretrained(model, store="memory")
-    modes = [*BASE_MODES[:3], *(blend_name(b) for b in blends), BASE_MODES[3]]
+    # A disk tier alone: a block is written compressed and every later request reads it back from there.
+    folder = Path(tempfile.mkdtemp(prefix="pc_rag_accuracy_"))
+    coded = {c: pc_rag.Engine(engine.model, engine.tokenizer, store=f"disk:{folder / c}?compress={c}") for c in codecs}
+    modes = [*BASE_MODES[:3], *(f"modular {c}" for c in codecs), *(blend_name(b) for b in blends), BASE_MODES[3]]
     name_list, value_list = names(), values()
     rng = random.Random(seed)
     rows = []
@@ -104,7 +117,7 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
                 ex = make_example(rng, task, k, name_list, value_list)
                 ids = [i for s in engine.segmenter.segments(ex.prompt()) for i in s.token_ids]
                 assert ids == token_ids(engine.tokenizer, ex), "engine tokenization differs from training"
-                logps = answer_logprobs(engine, ex, blends)
+                logps = answer_logprobs(engine, ex, blends, coded)
                 got = greedy(engine.tokenizer, logps)
                 for m in modes:
                     right[m] += got[m] == ex.answer
@@ -116,6 +129,7 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
                          "mean_kl_from_full": kls,
                          "seconds": round(time.time() - t0, 1)})
             print(json.dumps(rows[-1]), flush=True)
+    shutil.rmtree(folder, ignore_errors=True)
     return {"model": str(model), "seed": seed, "modes": modes, "rows": rows}
 
 
@@ -154,6 +168,8 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=200, help="held-out prompts per task and chunk count")
     ap.add_argument("--chunks", type=int, nargs="+", default=[4])
     ap.add_argument("--blend", nargs="*", default=list(DEFAULT_BLENDS), help="RATIO:SELECTION settings to compare")
+    ap.add_argument("--codec", nargs="*", default=[], choices=["int8"],
+                    help="also modular with chunk blocks stored with this codec (read back from a disk tier)")
     ap.add_argument("--seed", type=int, default=777)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench_out")
@@ -161,7 +177,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     for spec in args.blend:
         parse_blend(spec)
-    result = run(args.model, args.prompts, args.chunks, args.seed, args.blend)
+    result = run(args.model, args.prompts, args.chunks, args.seed, args.blend, args.codec)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps(result, indent=1))

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from . import fidelity, prefix, ttft
+from . import fidelity, loads, prefix, ttft
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -34,6 +34,15 @@ def section(out: Path) -> str:
         + ttft.markdown(t)
         + "\n![TTFT against prompt length](docs/ttft.png)\n"
     )
+    l_path = out / "loads.json"
+    if l_path.exists():
+        parts.append(
+            "### Loading from disk and Redis: prefetch and compressed blocks\n\n"
+            "`benchmarks/loads.py`: a LangChain retrieval chain with its chunks' KV on disk, TTFT from the LLM call "
+            "with and without prefetch on retrieval; int8 blocks against exact ones (bytes, load time, fidelity "
+            "cost). See docs/store.md for what each column measures.\n\n"
+            + loads.markdown(json.loads(l_path.read_text()))
+        )
     p_path = out / "prefix.json"
     if p_path.exists():
         p = json.loads(p_path.read_text())
@@ -86,7 +95,8 @@ def section(out: Path) -> str:
         "`python benchmarks/ttft.py --lengths 1024 2048 4096 8192 --reps 5 --out bench_out && "
         "python -m benchmarks.prefix --reps 7 --out bench_out && "
         "python benchmarks/flows.py --out bench_out/flows.json && "
-        "python -m benchmarks.fidelity --prompts 12 --out bench_out && python -m benchmarks.report --out bench_out` "
+        "python -m benchmarks.fidelity --prompts 12 --out bench_out && python -m benchmarks.loads --out bench_out && "
+        "python -m benchmarks.report --out bench_out` "
         "(`pc-rag bench` runs the first)."
     )
     return "\n".join(parts)

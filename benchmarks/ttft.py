@@ -10,21 +10,29 @@ Workload: a system text, k chunks of real text (pydoc topics, ~256 tokens each) 
   then assembled in an order no request used), warm from memory and from disk (memory tier emptied before
   each request), and cold (empty store: every chunk encoded on the request path); pc_blend at several
   recompute ratios with the deviation selection, and with chunk-start (first tokens of each chunk).
+- pc_modular / pc_exact warm from Redis: a second engine on the same model over memory and a local
+  redis-server (started on a free port when `redis-server` is installed, or --redis URL) holding a copy of
+  the disk tier's blocks; the memory tier emptied before each request.
 - ideal: only the question, over a cache that already holds the rest (the floor no cache can beat).
-Also: decode tokens/s (pc_rag vs HF over the same cache), chunk warm-up throughput vs full prefill
-throughput, disk load GB/s, bytes per stored token vs 2*L*H_kv*d_h*b.
+Also: decode tokens/s (pc_rag vs HF over the same cache, 32 tokens, and --decode-tokens (512) against HF
+`generate` over the same cache), chunk warm-up throughput vs full prefill throughput, disk load GB/s, bytes
+per stored token vs 2*L*H_kv*d_h*b, and where a request from disk or Redis spends its time (`load_steps`:
+lookups, of which the tier's open/read/verify sums, relocation and copy into the request buffer, forward).
 Writes ttft.json, ttft.md and ttft.png under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
 import random
 import shutil
+import socket
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -56,6 +64,22 @@ def build_prompt(chunks):
     for c in chunks:
         parts += [Chunk(c), Text("\n\n")]
     return parts[:-1] + [Text(QUESTION)]
+
+
+def interleaved(cases, reps):
+    """timeit for several cases measured in turn, one run of each per round (after one warm-up round), so that a
+    shared machine's load drifting over a minute moves every case alike and their ratios hold. `cases`: name ->
+    (fn, setup or None)."""
+    times = {name: [] for name in cases}
+    for i in range(reps + 1):
+        for name, (fn, setup) in cases.items():
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return {name: {"min_s": min(t), "median_s": statistics.median(t)} for name, t in times.items()}
 
 
 def timeit(fn, reps, setup=None):
@@ -99,8 +123,8 @@ class Workload:
         cache = copy.deepcopy(self.sys_cache)
         self.engine.model(input_ids=self.x[:, self.n_sys:], cache=cache, logits_to_keep=1)
 
-    def ideal(self, reps):
-        """The question alone over a ready DynamicCache (the cache copy is made outside the timing)."""
+    def ideal_case(self):
+        """(run, setup): the question alone over a ready DynamicCache (the copy is made in setup, untimed)."""
         caches = []
 
         def setup():
@@ -110,7 +134,24 @@ class Workload:
         def run():
             self.engine.model(input_ids=self.x[:, -self.q:], cache=caches[0], logits_to_keep=1)
 
+        return run, setup
+
+    def ideal(self, reps):
+        run, setup = self.ideal_case()
         return timeit(run, reps, setup)
+
+    @torch.inference_mode()
+    def hf_generate_tokens_per_s(self, n):
+        """HF `generate` (greedy, exactly n new tokens) over a DynamicCache holding the prompt but the question:
+        (n - 1) tokens over the time of n new tokens minus the time of 1 (the question's prefill)."""
+        def gen(k):
+            cache = DynamicCache(ddp_cache_data=[(k_.clone(), v.clone()) for k_, v in self.prefix_kv])
+            t0 = time.perf_counter()
+            self.engine.model.generate(input_ids=self.x, cache=cache, max_new_tokens=k, min_new_tokens=k,
+                                       do_sample=False, pad_token_id=self.engine.tokenizer.eos_token_id)
+            return time.perf_counter() - t0
+
+        return (n - 1) / (gen(n) - gen(1))
 
     @torch.inference_mode()
     def hf_decode_tokens_per_s(self, n=32):
@@ -124,18 +165,122 @@ class Workload:
         return n / (time.perf_counter() - t0)
 
 
-def run(model_path, lengths, reps, dtype="float32", device="cpu", seed=0):
+@contextlib.contextmanager
+def local_redis(url: str | None = "auto"):
+    """A Redis URL for the benchmark: `url` as given, or with "auto" a redis-server without persistence started
+    on a free local port for the duration (None when the binary is missing), or None for "none"."""
+    if url != "auto":
+        yield None if url in (None, "none") else url
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def run(model_path, lengths, reps, dtype="float32", device="cpu", seed=0, redis="auto", decode_tokens=512):
     disk_dir = Path(tempfile.mkdtemp(prefix="pc_rag_bench_disk_"))
     try:
-        return _run(model_path, lengths, reps, dtype, device, seed, disk_dir)
+        with local_redis(redis) as redis_url:
+            return _run(model_path, lengths, reps, dtype, device, seed, disk_dir, redis_url, decode_tokens)
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)  # the disk tier holds every chunk's KV: gigabytes at 8K
 
 
-def _run(model_path, lengths, reps, dtype, device, seed, disk_dir):
+class StepTimer:
+    """Times the phases of an engine's requests: planning (store lookups, encoding misses), assembling (copy
+    and relocation into the request buffer, then the forward), and the forward alone."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.times = {"plan_s": 0.0, "assemble_s": 0.0, "forward_s": 0.0}
+        asm, runner = engine.assembler, engine.runner
+        for obj, name, slot in ((asm, "plan", "plan_s"), (asm, "assemble", "assemble_s"),
+                                (runner, "forward", "forward_s")):
+            setattr(obj, name, self._timed(getattr(obj, name), slot))
+
+    def _timed(self, fn, slot):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.times[slot] += time.perf_counter() - t0
+        return wrapper
+
+    def close(self):
+        for obj, name in ((self.engine.assembler, "plan"), (self.engine.assembler, "assemble"),
+                          (self.engine.runner, "forward")):
+            del obj.__dict__[name]
+
+
+def load_steps(engine, tier, fn, reps, clear):
+    """Median per-request milliseconds of each step of `fn` (one request, memory emptied before each) served
+    by the persistent tier `tier`: ttft, plan (lookups and encodes) and within it the tier's wall time
+    (`load`) and the per-block sums of open/read/verify/decode (parallel: they may exceed `load`), copy
+    (relocating keys and copying values into the request buffer), forward; and the bytes read."""
+    fields = ("load_s", "open_s", "read_s", "verify_s", "decode_s", "bytes_read")
+    samples = []
+    fn()
+    for _ in range(reps):
+        clear()
+        before = tier.tier_stats()[0]
+        timer = StepTimer(engine)
+        t0 = time.perf_counter()
+        try:
+            fn()
+        finally:
+            total = time.perf_counter() - t0
+            timer.close()
+        after = tier.tier_stats()[0]
+        t = timer.times
+        sample = {"ttft_ms": total * 1000, "plan_ms": t["plan_s"] * 1000,
+                  "copy_ms": (t["assemble_s"] - t["forward_s"]) * 1000, "forward_ms": t["forward_s"] * 1000}
+        for f in fields:
+            delta = getattr(after, f) - getattr(before, f)
+            sample[f.replace("_s", "_ms") if f.endswith("_s") else f] = delta * 1000 if f.endswith("_s") else delta
+        samples.append(sample)
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+
+def mirror_to(source, target) -> int:
+    """Copies every block of the DiskStore `source` into `target` (another tier); returns how many."""
+    n = 0
+    for key in list(source._index):
+        block = source.get(key)
+        if block is not None:
+            target.put(key, block)
+            n += 1
+    return n
+
+
+def _run(model_path, lengths, reps, dtype, device, seed, disk_dir, redis_url=None, decode_tokens=512):
     engine = pc_rag.Engine.from_pretrained(model_path, dtype=dtype, device=device,
                                            store=["memory:16GiB", f"disk:{disk_dir}?max_bytes=64GiB"])
-    memory_tier = engine.store.tiers[0]
+    memory_tier, disk_tier = engine.store.tiers
+    redis_engine = None
+    if redis_url is not None:
+        redis_engine = pc_rag.Engine(engine.model, engine.tokenizer, store=["memory:16GiB", redis_url])
+        redis_memory, redis_tier = redis_engine.store.tiers
     pool = corpus_chunks(engine)
     rng = random.Random(seed)
     rows = []
@@ -157,10 +302,7 @@ def _run(model_path, lengths, reps, dtype, device, seed, disk_dir):
         row = {"prompt_tokens": len(w.ids), "chunks": k, "question_tokens": w.q}
         row["hf_full"] = timeit(w.hf_full, reps)
         row["hf_prefix"] = timeit(w.hf_prefix, reps)
-        row["ideal"] = w.ideal(reps)
         row["pc_full"] = timeit(pc("full"), reps)
-        row["pc_modular_warm_memory"] = timeit(pc("modular"), reps)
-        row["pc_modular_warm_disk"] = timeit(pc("modular"), reps, setup=memory_tier.clear)
         engine.blend_selection = "deviation"
         for ratio in BLEND_RATIOS:
             row[f"pc_blend_{ratio}"] = timeit(pc("blend", ratio=ratio), reps)
@@ -168,20 +310,53 @@ def _run(model_path, lengths, reps, dtype, device, seed, disk_dir):
         for ratio in CHUNK_START_RATIOS:
             row[f"pc_blend_{ratio}_chunk_start"] = timeit(pc("blend", ratio=ratio), reps)
         engine.generate(w.prompt, mode="exact", max_new_tokens=1)
-        row["pc_exact_warm_memory"] = timeit(pc("exact"), reps)
-        row["pc_exact_warm_disk"] = timeit(pc("exact"), reps, setup=memory_tier.clear)
+        # The ideal and the warm columns whose ratios are the goals, measured in turn (see `interleaved`).
+        # A memory case's setup is one untimed run of it: the case before it may have emptied the memory tier.
+        cases = {"ideal": w.ideal_case(),
+                 "pc_modular_warm_memory": (pc("modular"), pc("modular")),
+                 "pc_modular_warm_disk": (pc("modular"), memory_tier.clear),
+                 "pc_exact_warm_memory": (pc("exact"), pc("exact")),
+                 "pc_exact_warm_disk": (pc("exact"), memory_tier.clear)}
+        if redis_engine is not None:
+            redis_tier.clear()
+            mirror_to(disk_tier, redis_tier)  # the same blocks, one tier further
+
+            def pr(mode, prompt=w.prompt):
+                return lambda: redis_engine.next_token_logits(prompt, mode=mode)
+
+            cases["pc_modular_warm_redis"] = (pr("modular"), redis_memory.clear)
+            cases["pc_exact_warm_redis"] = (pr("exact"), redis_memory.clear)
+        row |= interleaved(cases, reps)
+        steps = {"modular_disk": load_steps(engine, disk_tier, pc("modular"), reps, memory_tier.clear),
+                 "exact_disk": load_steps(engine, disk_tier, pc("exact"), reps, memory_tier.clear)}
+        if redis_engine is not None:
+            steps["modular_redis"] = load_steps(redis_engine, redis_tier, pr("modular"), reps, redis_memory.clear)
+            redis_tier.clear()
+            redis_memory.clear()
+        row["load_steps"] = steps
         row["pc_modular_cold"] = timeit(pc("modular"), max(1, reps // 2), setup=engine.store.clear)
 
         for mode in ("full", "exact", "modular"):  # reuse only changes the prefill: these must agree
             gen = engine.generate(w.prompt, mode=mode, max_new_tokens=33)
             row[f"pc_{mode}_decode_tokens_per_s"] = gen.decode_tokens_per_s
         row["hf_decode_tokens_per_s"] = w.hf_decode_tokens_per_s(32)
+        if decode_tokens:
+            # The same greedy loop over n tokens: pc_rag's stream (modular, incremental detokenization) against
+            # HF generate over the same cache. An EOS may end pc_rag's reply early: its token count is kept.
+            gen = engine.generate(w.prompt, mode="modular", max_new_tokens=decode_tokens)
+            row["pc_decode_long"] = {"tokens": len(gen.token_ids), "tokens_per_s": gen.decode_tokens_per_s}
+            row["hf_generate_long"] = {"tokens": decode_tokens,
+                                       "tokens_per_s": w.hf_generate_tokens_per_s(decode_tokens)}
         row["warm_tokens_per_s"] = chunk_tokens / warm_s
         row["full_prefill_tokens_per_s"] = len(w.ids) / row["hf_full"]["median_s"]
         row["disk_load_GBps"] = _disk_load_gbps(engine, memory_tier, w.chunks)
         row["speedup_modular_vs_hf_full"] = row["hf_full"]["median_s"] / row["pc_modular_warm_memory"]["median_s"]
         row["modular_over_ideal"] = row["pc_modular_warm_memory"]["median_s"] / row["ideal"]["median_s"]
         row["exact_over_ideal"] = row["pc_exact_warm_memory"]["median_s"] / row["ideal"]["median_s"]
+        for key in ("pc_modular_warm_disk", "pc_exact_warm_disk", "pc_modular_warm_redis", "pc_exact_warm_redis"):
+            if key in row:
+                row[key.removeprefix("pc_").replace("_warm", "") + "_over_ideal"] = (
+                    row[key]["median_s"] / row["ideal"]["median_s"])
         rows.append(row)
         print(_row_line(row), flush=True)
     shape = engine.runner.shape
@@ -205,21 +380,23 @@ def _disk_load_gbps(engine, memory_tier, chunks):
     disk = engine.store.tiers[1]
     memory_tier.clear()
     t0 = time.perf_counter()
-    nbytes = sum(disk.get(k).nbytes for k in keys)
+    nbytes = sum(b.nbytes for b in disk.get_many(keys))  # one request's batch: read in parallel
     return nbytes / (time.perf_counter() - t0) / 1e9
 
 
 def _row_line(row):
-    ms = {k: round(v["median_s"] * 1000, 1) for k, v in row.items() if isinstance(v, dict)}
-    rest = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if not isinstance(v, dict)}
+    ms = {k: round(v["median_s"] * 1000, 1) for k, v in row.items() if isinstance(v, dict) and "median_s" in v}
+    rest = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()
+            if not (isinstance(v, dict) and "median_s" in v)}
     return json.dumps(rest | {"median_ms": ms})
 
 
 COLUMNS = [("hf_full", "HF full prefill"), ("hf_prefix", "HF prefix reuse (deepcopy)"),
            ("pc_full", "pc_rag full"), ("pc_exact_warm_memory", "exact warm (memory)"),
            ("pc_exact_warm_disk", "exact warm (disk)"),
+           ("pc_exact_warm_redis", "exact warm (Redis)"),
            ("pc_modular_cold", "modular cold"), ("pc_modular_warm_memory", "modular warm (memory)"),
-           ("pc_modular_warm_disk", "modular warm (disk)"),
+           ("pc_modular_warm_disk", "modular warm (disk)"), ("pc_modular_warm_redis", "modular warm (Redis)"),
            *[(f"pc_blend_{r}", f"blend {r} deviation") for r in BLEND_RATIOS],
            *[(f"pc_blend_{r}_chunk_start", f"blend {r} chunk-start") for r in CHUNK_START_RATIOS],
            ("ideal", "ideal")]
@@ -235,7 +412,7 @@ def markdown(result):
         "|---" * (len(COLUMNS) + 3) + "|",
     ]
     for r in result["rows"]:
-        cells = [f"{r[k]['median_s'] * 1000:.1f}" for k, _ in COLUMNS]
+        cells = [f"{r[k]['median_s'] * 1000:.1f}" if k in r else "–" for k, _ in COLUMNS]
         lines.append(f"| {r['prompt_tokens']} | " + " | ".join(cells)
                      + f" | {r['speedup_modular_vs_hf_full']:.1f}x | {r['modular_over_ideal']:.2f} |")
     lines += ["", "| prompt tokens | decode tok/s full | decode tok/s exact | decode tok/s modular | decode tok/s HF "
@@ -245,6 +422,33 @@ def markdown(result):
         lines.append(f"| {r['prompt_tokens']} | {decode} | {r['hf_decode_tokens_per_s']:.1f} "
                      f"| {r['warm_tokens_per_s']:.0f} | {r['full_prefill_tokens_per_s']:.0f} "
                      f"| {r['disk_load_GBps']:.2f} |")
+    ratios = [("modular_disk_over_ideal", "modular disk"), ("exact_disk_over_ideal", "exact disk"),
+              ("modular_redis_over_ideal", "modular Redis"), ("exact_redis_over_ideal", "exact Redis")]
+    lines += ["", "Warm from a persistent tier, against the ideal (the memory tier emptied before each request):", "",
+              "| prompt tokens | " + " | ".join(f"{name} / ideal" for _, name in ratios) + " |", "|---" * 5 + "|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['prompt_tokens']} | " + " | ".join(f"{r[k]:.2f}" if k in r else "–" for k, _ in ratios)
+                     + " |")
+    lines += ["", "Where a request from a persistent tier spends its time (median ms per request; open, read, verify "
+              "and decode are sums over blocks read in parallel, so they can exceed the tier's wall time `load`; "
+              "copy = relocating keys and copying values into the request buffer):", "",
+              "| prompt tokens | path | TTFT | plan (lookups) | tier wall | open | read | verify | decode | copy "
+              "| forward | MB read | GB/s (read / tier wall) |", "|---" * 13 + "|"]
+    for r in result["rows"]:
+        for path, st in r.get("load_steps", {}).items():
+            gbps = st["bytes_read"] / (st["load_ms"] / 1000) / 1e9 if st["load_ms"] else float("nan")
+            cells = [st[k] for k in ("ttft_ms", "plan_ms", "load_ms", "open_ms", "read_ms", "verify_ms", "decode_ms",
+                                     "copy_ms", "forward_ms")]
+            lines.append(f"| {r['prompt_tokens']} | {path.replace('_', ' ')} | "
+                         + " | ".join(f"{c:.1f}" for c in cells) + f" | {st['bytes_read'] / 1e6:.1f} | {gbps:.2f} |")
+    if any("pc_decode_long" in r for r in result["rows"]):
+        lines += ["", "| prompt tokens | decode tok/s pc_rag (modular, tokens) | decode tok/s HF generate (tokens) |",
+                  "|---|---|---|"]
+        for r in result["rows"]:
+            if "pc_decode_long" in r:
+                p, h = r["pc_decode_long"], r["hf_generate_long"]
+                lines.append(f"| {r['prompt_tokens']} | {p['tokens_per_s']:.1f} ({p['tokens']}) "
+                             f"| {h['tokens_per_s']:.1f} ({h['tokens']}) |")
     lines += ["", f"Bytes per stored token: {result['bytes_per_token_stored']:.0f} "
               f"(formula 2·L·H_kv·d_h·b = {result['bytes_per_token_formula']})."]
     return "\n".join(lines) + "\n"
@@ -260,6 +464,8 @@ def plot(result, path):
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.get_cmap("tab20").colors
     for i, (key, name) in enumerate(COLUMNS):
+        if any(key not in r for r in result["rows"]):
+            continue
         style = "--" if key.startswith("hf") or key == "ideal" else "-"
         ax.plot(xs, [r[key]["median_s"] * 1000 for r in result["rows"]], style, marker="osD^v"[i % 5],
                 color=colors[(2 * i) % 20 + (i >= 10)], label=name)
@@ -291,11 +497,15 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--redis", default="auto", help="Redis URL for the Redis columns; 'auto' (default) starts a "
+                    "local redis-server when installed; 'none' skips them")
+    ap.add_argument("--decode-tokens", type=int, default=512, help="long decode against HF generate (0: skip)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     out = Path(args.out)
     model = model_or_bench(args.model, out)
-    result = run(model, args.lengths, args.reps, args.dtype, args.device)
+    result = run(model, args.lengths, args.reps, args.dtype, args.device, redis=args.redis,
+                 decode_tokens=args.decode_tokens)
     (out / "ttft.json").write_text(json.dumps(result, indent=2))
     (out / "ttft.md").write_text(markdown(result))
     plot(result, out / "ttft.png")

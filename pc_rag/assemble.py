@@ -47,6 +47,20 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Wanted:
+    """A relocated block the prompt needs, before the store is asked: `_layout` collects them all and looks
+    them up in one batch (parallel disk reads, one Redis round trip), then encodes the misses."""
+
+    slot: int
+    source: str  # "chunk" | "scaffold"
+    kind: str  # as Piece.kind
+    position: int  # position id of its first token in the prompt
+    key: str
+    token_ids: tuple[int, ...]
+    start: int  # position its KV is encoded at
+
+
+@dataclass(frozen=True)
 class Recompute:
     """Blend: which reused chunk tokens are recomputed with the whole prompt as context.
 
@@ -169,7 +183,8 @@ class Assembler:
 
     def _layout(self, segments: list[TokenSegment], mode: str) -> list:
         """The prompt as relocated blocks (Pieces, fetched or encoded now) and runs of in-context slots
-        ((Run, [(first slot, segment kind), ...]) for reporting what the fresh slots hold)."""
+        ((Run, [(first slot, segment kind), ...]) for reporting what the fresh slots hold). Every relocated
+        block is looked up in one batch, then the misses are encoded."""
         items: list = []
         run: list[tuple[int, str]] = []
         run_start = slot = 0
@@ -182,26 +197,26 @@ class Assembler:
         j = 0
         while j < len(segments):
             seg = segments[j]
-            piece = None
+            want = None
             if mode in REUSING_CHUNKS and seg.kind == "chunk":
                 end = self._scaffold_end(segments, j)
                 if end is not None:
-                    piece = self.scaffold_piece(segments[j:end], slot)
+                    want = self._scaffold_wanted(segments[j:end], slot)
                     span = segments[j:end]
                     j = end
                 else:
-                    piece, span = self.chunk_piece(seg, slot), [seg]
+                    want, span = self._chunk_wanted(seg, slot), [seg]
                     j += 1
             elif mode in REUSING_CHUNKS and seg.kind == "sep" and self.reuse_separators and j < len(segments) - 1 \
-                    and items and isinstance(items[-1], Piece) and run_start == slot:
+                    and items and isinstance(items[-1], Wanted) and run_start == slot:
                 # Whitespace between chunks ("\n\n" in every RAG template) is reused like a chunk: computing
                 # it fresh cost as much as a question of the same length per separator (measured: 14 of the
                 # 41 fresh tokens at 4K tokens, +15% TTFT); its KV barely depends on context (see fidelity).
-                piece, span = self.chunk_piece(seg, slot), [seg]
+                want, span = self._chunk_wanted(seg, slot), [seg]
                 j += 1
-            if piece is not None:
+            if want is not None:
                 close_run(slot, closed=True)
-                items.append(piece)
+                items.append(want)
                 slot += sum(len(s) for s in span)
                 run_start = slot
                 continue
@@ -209,7 +224,16 @@ class Assembler:
             slot += len(seg)
             j += 1
         close_run(slot, closed=False)
-        return items
+        keys = list(dict.fromkeys(w.key for w in items if isinstance(w, Wanted)))
+        found = dict(zip(keys, self._fetch(keys), strict=True))
+        out = []
+        for item in items:
+            if isinstance(item, Wanted):
+                item = self._piece(item, *found[item.key])
+                if item.origin == "computed":  # encoded just now: a later use of it in this prompt reads the store
+                    found[item.key] = self._get(item.key)
+            out.append(item)
+        return out
 
     @staticmethod
     def _fresh(a: int, b: int, kinds: list[tuple[int, str]], positions) -> list[Piece]:
@@ -262,23 +286,30 @@ class Assembler:
         keys, values = self.runner.place(block.keys, block.values)
         return KVBlock(keys, values, block.token_ids, block.start, block.meta)
 
-    def _lookup_or_encode(self, key: str, token_ids: tuple[int, ...], start: int, kind: str):
-        block, origin = self._get(key)
-        if block is not None and block.token_ids != token_ids:
+    def _piece(self, want: Wanted, block: KVBlock | None, origin: str | None) -> Piece:
+        """The Piece for a wanted block, given what the store answered; a miss is encoded now and stored."""
+        if block is not None and block.token_ids != want.token_ids:
             block = None  # a key collision or a foreign entry: never use KV for other tokens
         if block is None:
-            block, origin = self.encode_chunk(token_ids, start, kind), "computed"
-            self.store.put(key, block)
-            if kind == "scaffold":
+            block, origin = self.encode_chunk(want.token_ids, want.start, want.source), "computed"
+            self.store.put(want.key, block)
+            if want.source == "scaffold":
                 self.scaffold_bytes += block.nbytes
-        return block, origin
+        return Piece(want.slot, len(want.token_ids), want.source, want.kind, want.position, want.key, block, origin)
+
+    def _chunk_wanted(self, seg: TokenSegment, slot: int) -> Wanted:
+        start = seg.encode_start if seg.encode_start is not None else len(self.sink_ids)
+        key = chunk_key(self.runner.fingerprint, seg.token_ids, self.sink_ids, start)
+        return Wanted(slot, "chunk", seg.kind, seg.start, key, seg.token_ids, start)
 
     def chunk_piece(self, seg: TokenSegment, slot: int) -> Piece:
         """A chunk's own block (encoded after the sink, at its encode position), from the store or encoded now."""
-        start = seg.encode_start if seg.encode_start is not None else len(self.sink_ids)
-        key = chunk_key(self.runner.fingerprint, seg.token_ids, self.sink_ids, start)
-        block, origin = self._lookup_or_encode(key, seg.token_ids, start, "chunk")
-        return Piece(slot, len(seg), "chunk", seg.kind, seg.start, key, block, origin)
+        want = self._chunk_wanted(seg, slot)
+        return self._piece(want, *self._get(want.key))
+
+    def chunk_keys(self, segments: Sequence[TokenSegment]) -> list[str]:
+        """Store keys of the chunks' own blocks (what `chunk_piece` would look up), e.g. to prefetch them."""
+        return [self._chunk_wanted(seg, 0).key for seg in segments]
 
     def _scaffold_end(self, segments: list[TokenSegment], j: int) -> int | None:
         """End index of a declared scaffold group starting at segment j (its chunks in order, separated
@@ -302,13 +333,16 @@ class Assembler:
                 best = end
         return best
 
-    def scaffold_piece(self, span: list[TokenSegment], slot: int) -> Piece:
-        """The joint block of `span` (chunks and the text between them), from the store or encoded now."""
+    def _scaffold_wanted(self, span: list[TokenSegment], slot: int) -> Wanted:
         ids = tuple(t for s in span for t in s.token_ids)
         start = len(self.sink_ids)
         key = scaffold_key(self.runner.fingerprint, [s.token_ids for s in span], self.sink_ids, start)
-        block, origin = self._lookup_or_encode(key, ids, start, "scaffold")
-        return Piece(slot, len(ids), "scaffold", "scaffold", span[0].start, key, block, origin)
+        return Wanted(slot, "scaffold", "scaffold", span[0].start, key, ids, start)
+
+    def scaffold_piece(self, span: list[TokenSegment], slot: int) -> Piece:
+        """The joint block of `span` (chunks and the text between them), from the store or encoded now."""
+        want = self._scaffold_wanted(span, slot)
+        return self._piece(want, *self._get(want.key))
 
     @torch.inference_mode()
     def encode_chunk(self, token_ids: tuple[int, ...], start: int, kind: str = "chunk") -> KVBlock:

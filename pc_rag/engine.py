@@ -10,10 +10,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
+from . import prefetch
 from .assemble import MODES, Assembled, Assembler, Recompute
 from .blocks import KVBlock
 from .decode import Sampler, Sampling, TextStream
@@ -78,6 +80,8 @@ class Engine:
     # cost 758 ms against deviation's 1162 ms (deviation pays a probe of one layer over every token).
     # Deviation is better per token only at higher ratios (0.3: lowest answer KL on the trained model).
     blend_selection = "chunk_start"
+    # Documents the framework hooks discover are prefetched from disk/Redis into memory (pc_rag.prefetch).
+    prefetch_on_discover = True
 
     def __init__(self, model, tokenizer, store=None, auto_scaffold_after: int | None = None):
         """`store`: a store object or spec (see `pc_rag.store.open_store`): "memory", "disk:PATH",
@@ -116,6 +120,7 @@ class Engine:
         # build added a group raised "dictionary changed size during iteration"), the thread list and the count:
         self._scaffold_lock = threading.Lock()
         self._scaffolds_failed = 0  # automatic scaffold builds that raised (logged on the "pc_rag" logger)
+        prefetch.watch(self)
 
     def _place_block(self, block):
         if block.keys.device == self.runner.device:
@@ -175,6 +180,20 @@ class Engine:
         """Register document texts: wherever one appears in a plain-string prompt it becomes a `Chunk` (its KV
         cached and reused at any position in modular/blend modes). Returns how many were new."""
         return self.chunks.add_many(texts)
+
+    def prefetch(self, texts: Iterable[str]) -> Future:
+        """Start loading the cached KV of these document texts from the persistent tiers (disk, Redis) into
+        memory, in the background; returns at once. The future resolves to the number of blocks brought into
+        memory (0 when the store has no persistent tier under a memory tier, or holds none of them). A text is
+        keyed as a chunk that follows a newline in a prompt string (its stripped text, tokenized on its own)."""
+        texts = [t for t in texts if isinstance(t, str) and t.strip()]
+        return prefetch.submit(lambda: self._prefetch_now(texts))
+
+    def _prefetch_now(self, texts: list[str]) -> int:
+        if not getattr(self.store, "can_prefetch", False):
+            return 0
+        segments = [TokenSegment("chunk", ids, 0) for ids in (self.segmenter.ids(t.strip()) for t in texts) if ids]
+        return self.store.prefetch(self.assembler.chunk_keys(segments))
 
     def split(self, text: str, chunk_texts: Iterable[str] = (), discovered: bool = True) -> list[Text | Chunk]:
         """A plain-string prompt as segments: registered chunks, `chunk_texts` (marked for this request) and,

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import ahocorasick
 
+from . import prefetch
 from .errors import PCRagError
 from .segments import Chunk, Text
 
@@ -305,10 +306,14 @@ def discovery_enabled() -> bool:
 
 
 def discover(texts: Iterable[str]) -> int:
-    """Register retrieved document texts in the process-wide registry; a no-op when PC_RAG_DISCOVERY=0."""
+    """Register retrieved document texts in the process-wide registry, and start prefetching their KV into
+    memory for every live engine (pc_rag.prefetch; never blocks); a no-op when PC_RAG_DISCOVERY=0."""
     if not discovery_enabled():
         return 0
-    return DISCOVERED.add_many(t for t in texts if isinstance(t, str))
+    texts = [t for t in texts if isinstance(t, str)]
+    added = DISCOVERED.add_many(texts)
+    prefetch.notify(texts)
+    return added
 
 
 # One index per engine, so every adapter instance built on the same Engine (the LangChain chat model, its

@@ -3,16 +3,19 @@
 The engine calls `get(key) -> KVBlock | None`, `put(key, block)`, `tier_stats()` and `clear()`, and
 `get_with_source(store, key)` to learn which tier served a block; `get_many_with_source(store, keys)`
 looks up a request's blocks at once (one Redis round trip), `put_block(store, key, block, persist=False)`
-keeps a block out of persistent tiers, and `TieredStore.set_placement(fn)` places blocks read from lower
-tiers (e.g. on the engine's device) before they are promoted. Build stores with `open_store(spec)`:
+keeps a block out of persistent tiers, `TieredStore.set_placement(fn)` places blocks read from lower
+tiers (e.g. on the engine's device) before they are promoted, and `TieredStore.prefetch(keys)` loads blocks
+from the persistent tiers into memory ahead of a request (pc_rag.prefetch). Build stores with
+`open_store(spec)`:
 
     memory.py      MemoryStore: tensors in process memory, LRU bounded by bytes, optional TTL
     disk.py        DiskStore: one safetensors file per block in <dir>/pc_rag-kv-v1/, persistent, LRU bounded
-                   by bytes; never touches a file it did not name
+                   by bytes; never touches a file it did not name; reads a request's files in parallel
     redis_tier.py  RedisStore: safetensors blobs in a shared Redis, TTL; the server bounds the size
     tiered.py      TieredStore: tiers top to bottom, read-through promotion, write-through; a failing
                    tier is a miss, never an error (reads and writes paused apart)
-    codec.py       block <-> safetensors bytes, with the key, shape and checksum checks done on load
+    codec.py       block <-> safetensors bytes (exact, or int8 with `compress=int8`), with the key, layout,
+                   shape and xxh3 checksum checks done on load
     spec.py        open_store: spec strings ("memory", "disk:/path", "redis://...") and the default
 """
 

@@ -58,6 +58,13 @@ class MemoryStore:
     def get_many(self, keys: list[str]) -> list[KVBlock | None]:
         return [self.get(key) for key in keys]
 
+    def contains(self, key: str) -> bool:
+        """Whether a live entry is held, without counting a hit or a miss or touching the LRU order (the
+        prefetcher asks before loading a block from a lower tier)."""
+        with self._lock:
+            entry = self._blocks.get(key)
+            return entry is not None and self._clock() < entry[1]
+
     def put(self, key: str, block: KVBlock) -> None:
         check_key(key)
         if block.nbytes > self.max_bytes:

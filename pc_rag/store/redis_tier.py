@@ -26,7 +26,7 @@ from typing import Any
 
 from ..blocks import KVBlock
 from ..errors import StoreError
-from .codec import CorruptBlockError, decode_block, encode_block
+from .codec import CODECS, CorruptBlockError, StaleBlockError, decode_block, encode_block
 from .tier import StoreUsageError, TierStats, TierUnavailableError, check_key
 
 log = logging.getLogger("pc_rag.store")
@@ -68,9 +68,13 @@ class RedisStore:
         prefix: str = "pc_rag:",
         timeout_s: float = 0.5,
         client: Any = None,
+        compress: str | None = None,
     ):
         if ttl_s is not None and ttl_s <= 0:
             raise StoreUsageError(f"RedisStore ttl_s must be > 0 or None, got {ttl_s}")
+        self.codec = "none" if compress in (None, "none") else compress
+        if self.codec not in CODECS:
+            raise StoreUsageError(f"unknown compress={compress!r}; choose one of {', '.join(CODECS)} (or None)")
         self.url = url
         self.ttl_s = ttl_s
         self.prefix = prefix
@@ -108,8 +112,10 @@ class RedisStore:
             return pipe.execute(raise_on_error=False)  # a per-key error reply comes back as its exception
 
         replies = self._call(f"GET of {len(names)} keys", fetch)
+        timings = {"read_s": time.perf_counter() - t0}  # the round trip and the transfer
         blocks: list[KVBlock | None] = []
-        bad = []
+        bad, stale = [], []  # damaged entries; entries of another format (another pc_rag version)
+        nbytes = 0
         for key, name, data in zip(keys, names, replies, strict=True):
             block = None
             if isinstance(data, Exception):
@@ -120,7 +126,10 @@ class RedisStore:
                 bad.append(name)
             elif data is not None:
                 try:
-                    block = decode_block(key, data)
+                    block = decode_block(key, data, timings)
+                    nbytes += len(data)
+                except StaleBlockError:
+                    stale.append(name)
                 except CorruptBlockError:
                     bad.append(name)
             blocks.append(block)
@@ -129,8 +138,12 @@ class RedisStore:
             self.stats.hits += hits
             self.stats.misses += len(blocks) - hits
             self.stats.corrupt += len(bad)
+            self.stats.bytes_read += nbytes
+            for step, seconds in timings.items():
+                setattr(self.stats, step, getattr(self.stats, step) + seconds)
             if hits:
                 self.stats.load_s += time.perf_counter() - t0
+        bad += stale
         if bad:
             try:  # a second round trip only when something was damaged; a put would overwrite it anyway
                 self._call("UNLINK", self._client.unlink, *bad)
@@ -140,7 +153,7 @@ class RedisStore:
 
     def put(self, key: str, block: KVBlock) -> None:
         name = self.prefix + check_key(key)
-        data = encode_block(key, block)
+        data = encode_block(key, block, self.codec)
         ex = None if self.ttl_s is None else max(1, round(self.ttl_s))
         self._call("SET", self._client.set, name, data, ex=ex)
 

@@ -15,9 +15,9 @@ from .tier import Store, StoreUsageError
 from .tiered import TieredStore
 
 SPEC_HELP = (
-    "a store spec is 'memory', 'memory:<size>', 'disk', 'disk:<path>', 'disk:<path>?max_bytes=<size>', "
-    "'redis://host:port/db' (options ?ttl_s=<s>&prefix=<p>), a list of those (top tier first), or a store "
-    "object; sizes are bytes or use KB/MB/GB/TB or KiB/MiB/GiB/TiB"
+    "a store spec is 'memory', 'memory:<size>', 'disk', 'disk:<path>', 'disk:<path>?max_bytes=<size>&compress=int8', "
+    "'redis://host:port/db' (options ?ttl_s=<s>&prefix=<p>&compress=int8), a list of those (top tier first), or a "
+    "store object; sizes are bytes or use KB/MB/GB/TB or KiB/MiB/GiB/TiB"
 )
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -45,8 +45,9 @@ def open_store(spec: str | Store | Sequence[str | Store] | None = None) -> Store
       $XDG_CACHE_HOME/pc_rag or ~/.cache/pc_rag).
     - a store object (anything with get/put/clear/tier_stats): used as is.
     - "memory" (4 GiB), "memory:2GiB", "memory?max_bytes=2GiB&ttl_s=600".
-    - "disk" (default directory), "disk:/path/to/dir", "disk:/path?max_bytes=50GiB".
-    - "redis://host:6379/0", "redis://host:6379/0?ttl_s=86400&prefix=pc_rag:" (also rediss://); the size
+    - "disk" (default directory), "disk:/path/to/dir", "disk:/path?max_bytes=50GiB"; `compress=int8` stores
+      8-bit keys and values with scales (lossy, about a quarter of float32's bytes; see docs/store.md).
+    - "redis://host:6379/0", "redis://host:6379/0?ttl_s=86400&prefix=pc_rag:&compress=int8" (also rediss://); the size
       bound is the server's maxmemory with maxmemory-policy allkeys-lru.
     - a list of the above: tiers, top first, e.g. ["memory:8GiB", "disk:/data/kv", "redis://cache:6379/0"].
 
@@ -73,6 +74,8 @@ def _open_tier(spec: str | Store) -> Store:
         query = dict(parse_qsl(parts.query))
         ttl = query.pop("ttl_s", None)
         kwargs = {"prefix": query.pop("prefix")} if "prefix" in query else {}
+        if "compress" in query:
+            kwargs["compress"] = query.pop("compress")
         url = urlunsplit(parts._replace(query=urlencode(query)))
         return RedisStore(url, ttl_s=_number(ttl, spec) if ttl not in (None, "none") else None, **kwargs)
     kind, _, rest = spec.partition(":")
@@ -91,9 +94,10 @@ def _open_tier(spec: str | Store) -> Store:
             ttl_s=_number(ttl, spec) if ttl is not None else None,
         )
     if kind == "disk":
+        compress = options.pop("compress", None)
         _no_extra(options, spec)
         path = Path(location).expanduser() if location else default_cache_dir()
-        return DiskStore(path, **({"max_bytes": max_bytes} if max_bytes is not None else {}))
+        return DiskStore(path, **({"max_bytes": max_bytes} if max_bytes is not None else {}), compress=compress)
     raise StoreUsageError(f"unknown store spec {spec!r}: {SPEC_HELP}")
 
 

@@ -41,7 +41,15 @@ class TierStats:
     evictions: int = 0  # LRU evictions and TTL expiries
     corrupt: int = 0  # corrupt, truncated, foreign or wrong-type entries found (and removed) on load
     errors: int = 0  # failed operations (I/O error, server down); each was treated as a miss by TieredStore
-    load_s: float = 0.0  # total time spent in get() calls that hit
+    load_s: float = 0.0  # total time spent in get() calls that hit (wall time of each call)
+    # Persistent tiers: where load time goes, summed over the blocks read (in parallel, so the sum can exceed
+    # load_s): finding and opening the entry and checking its header (disk) or the round trip (Redis),
+    # reading the bytes, verifying them (checksum, shapes), dequantizing compressed blocks.
+    open_s: float = 0.0
+    read_s: float = 0.0
+    verify_s: float = 0.0
+    decode_s: float = 0.0
+    bytes_read: int = 0  # stored bytes of the blocks served
 
 
 @runtime_checkable

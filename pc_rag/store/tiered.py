@@ -13,6 +13,11 @@ the "pc_rag.store" logger, recovery logs one info line. No request fails because
 `set_placement(fn)`: blocks decoded from a persistent tier are CPU tensors; fn (e.g. a move to the engine's
 device) is applied once to each block that did not come from a non-persistent top tier, before it is
 promoted and returned, so the memory tier holds placed blocks and the next hit needs no move.
+
+`prefetch(keys)`: loads blocks from the persistent tiers into the non-persistent ones above them (memory)
+without returning them, for a background thread that knows a request is coming (pc_rag.prefetch: documents a
+retriever just returned). A request that asks for a key a prefetch is loading waits for that load (at most
+`prefetch_wait_s`) instead of reading the same bytes again, then finds the block in memory.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class TieredStore:
         self._retry_at: list[dict[str, float | None]] = [{READ: None, WRITE: None} for _ in self.tiers]
         self._lock = threading.Lock()
         self._placement: Callable[[KVBlock], KVBlock] | None = None
+        self._loading: dict[str, threading.Event] = {}  # keys a prefetch is loading -> set when done
+        self.prefetch_wait_s = 2.0
 
     def set_placement(self, fn: Callable[[KVBlock], KVBlock] | None) -> None:
         """fn(block) -> block, applied once to every block read from a tier below the top (or from a top tier
@@ -73,9 +80,15 @@ class TieredStore:
         """(block, tier name) or (None, None) for each key, in order. Each tier is asked once, for the keys
         no tier above it had (one Redis round trip per request); a key repeated in `keys` is looked up once."""
         keys = [check_key(k) for k in keys]
+        self._wait_for_prefetch(keys)
+        found = self._lookup(list(dict.fromkeys(keys)), 0)
+        return [found.get(key, (None, None)) for key in keys]
+
+    def _lookup(self, missing: list[str], first: int) -> dict[str, tuple[KVBlock, str]]:
+        """Asks the tiers from `first` down, each once, for the keys no tier above had; places and promotes
+        the hits. Returns {key: (block, tier name)} for the keys found."""
         found: dict[str, tuple[KVBlock, str]] = {}
-        missing = list(dict.fromkeys(keys))
-        for i, tier in enumerate(self.tiers):
+        for i, tier in enumerate(self.tiers[first:], start=first):
             if not missing:
                 break
             if not self._usable(i, READ):
@@ -93,7 +106,52 @@ class TieredStore:
                 else:
                     found[key] = (self._place_and_promote(i, key, block), tier.name)
             missing = still
-        return [found.get(key, (None, None)) for key in keys]
+        return found
+
+    @property
+    def can_prefetch(self) -> bool:
+        """True when the top tiers do not outlive the process and some tier below them does (memory over
+        disk or Redis): only then can a prefetch bring anything closer."""
+        top = self._volatile_top()
+        return 0 < top < len(self.tiers)
+
+    def _volatile_top(self) -> int:
+        """How many tiers, from the top, are not persistent (the tiers a prefetch fills)."""
+        n = 0
+        while n < len(self.tiers) and not _persistent(self.tiers[n]):
+            n += 1
+        return n
+
+    def prefetch(self, keys: Sequence[str]) -> int:
+        """Loads the blocks of `keys` found in the persistent tiers into the tiers above them (memory); keys
+        already held there, or being loaded by another prefetch, are skipped. Returns how many blocks were
+        brought up. Meant for a background thread; counted in the lower tiers' hits and misses like any read."""
+        top = self._volatile_top()
+        if not 0 < top < len(self.tiers):
+            return 0
+        keys = [check_key(k) for k in dict.fromkeys(keys)]
+        keys = [k for k in keys if not any(_holds(tier, k) for tier in self.tiers[:top])]
+        with self._lock:
+            keys = [k for k in keys if k not in self._loading]
+            for k in keys:
+                self._loading[k] = threading.Event()
+        try:
+            return len(self._lookup(keys, top)) if keys else 0
+        finally:
+            with self._lock:
+                done = [self._loading.pop(k) for k in keys]
+            for event in done:
+                event.set()
+
+    def _wait_for_prefetch(self, keys: list[str]) -> None:
+        """Waits (at most prefetch_wait_s in all) for the prefetches loading any of `keys`."""
+        with self._lock:
+            events = [self._loading[k] for k in keys if k in self._loading]
+        deadline = time.monotonic() + self.prefetch_wait_s
+        for event in events:
+            if not event.wait(max(0.0, deadline - time.monotonic())):
+                log.debug("store: a prefetch is still loading after %.1f s; reading directly", self.prefetch_wait_s)
+                return
 
     def _place_and_promote(self, i: int, key: str, block: KVBlock) -> KVBlock:
         placed = block
@@ -167,3 +225,8 @@ class TieredStore:
 
 def _persistent(tier: Store) -> bool:
     return bool(getattr(tier, "persistent", False))
+
+
+def _holds(tier: Store, key: str) -> bool:
+    contains = getattr(tier, "contains", None)
+    return bool(contains(key)) if contains is not None else False
