@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .assemble import MODES, Assembled, Assembler, Recompute
+from .batch import MAX_BATCH, BatchDecoder, DecodeStream, TurnLock, decode_steps_needed
 from .blocks import KVBlock
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
@@ -79,6 +80,13 @@ class Engine:
     # Deviation is better per token only at higher ratios (0.3: lowest answer KL on the trained model).
     blend_selection = "chunk_start"
 
+    # Requests that decode at the same time share one forward pass per step (batch.py: continuous batching;
+    # greedy tokens equal one-at-a-time runs, tests/test_batch.py). False: each request runs its own decode
+    # loop, concurrent requests taking turns at every step (the engine before batching; the benchmark's
+    # baseline). Set before the first request.
+    batch_decoding = True
+    max_batch = MAX_BATCH  # requests per decode step; more wait for a row to free up
+
     def __init__(self, model, tokenizer, store=None, auto_scaffold_after: int | None = None):
         """`store`: a store object or spec (see `pc_rag.store.open_store`): "memory", "disk:PATH",
         "redis://host:port/db", or a list of those as tiers. Default: memory over a disk tier in
@@ -116,6 +124,10 @@ class Engine:
         # build added a group raised "dictionary changed size during iteration"), the thread list and the count:
         self._scaffold_lock = threading.Lock()
         self._scaffolds_failed = 0  # automatic scaffold builds that raised (logged on the "pc_rag" logger)
+        self._decoder: BatchDecoder | None = None  # built on the first batched request (max_batch read then)
+        self._decoder_lock = threading.Lock()
+        # One prefill at a time, in arrival order (batch.py: a burst's first request answers after one prefill).
+        self._prefill_turn = TurnLock()
 
     def _place_block(self, block):
         if block.keys.device == self.runner.device:
@@ -241,14 +253,19 @@ class Engine:
         return encoded
 
     def stats(self) -> dict:
-        """Store tiers' counters, and scaffolds: groups declared, bytes of their joint KV, automatic builds
-        that failed (each logged on the "pc_rag" logger)."""
+        """Store tiers' counters; scaffolds: groups declared, bytes of their joint KV, automatic builds
+        that failed (each logged on the "pc_rag" logger); decode: batched decode steps, the tokens they produced,
+        the largest batch seen, requests decoding and waiting for a row now."""
         with self._scaffold_lock:  # a snapshot: background builds may add groups meanwhile
             groups = list(self.assembler.scaffolds.values())
             failed = self._scaffolds_failed
+        decoder = self._decoder
+        decode = decoder.stats() if decoder is not None else {
+            "active": 0, "waiting": 0, "steps": 0, "tokens": 0, "max_batch": self.max_batch, "max_batch_seen": 0}
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
                 "scaffolds": {"groups": sum(len(g) for g in groups), "bytes": self.assembler.scaffold_bytes,
-                              "failed": failed}}
+                              "failed": failed},
+                "decode": decode}
 
     def wait_for_background(self, timeout: float | None = None) -> None:
         """Wait for background work (automatic scaffold encodes) to finish."""
@@ -337,7 +354,12 @@ class Engine:
         t0 = time.perf_counter()
         mode, max_new_tokens = options.mode, options.max_new_tokens
         sampler = Sampler(Sampling.from_options(options))
-        asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=options.recompute_ratio)
+        if self.batch_decoding:
+            with self._prefill_turn:
+                asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens,
+                                    recompute_ratio=options.recompute_ratio)
+        else:
+            asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=options.recompute_ratio)
         token = sampler(asm.logits)
         ttft = time.perf_counter() - t0
 
@@ -345,7 +367,9 @@ class Engine:
         ids: list[int] = []
         finish = "length"
         room = self.runner.shape.max_positions - 1 - asm.last_position  # positions left for new tokens
+        steps = None
         try:
+            steps = self._decode_steps(asm, sampler, token, decode_steps_needed(max_new_tokens, room))
             for i in range(max_new_tokens):
                 ids.append(token)
                 if token in self.eos_ids:
@@ -359,11 +383,16 @@ class Engine:
                 if i + 1 == max_new_tokens or i + 1 > room:
                     yield text.finish()
                     break
-                pos, slot = asm.last_position + 1 + i, asm.prompt_tokens + i
-                token = sampler(self.runner.forward(asm.cache, [token], [pos], [slot]))
+                if steps is None:
+                    pos, slot = asm.last_position + 1 + i, asm.prompt_tokens + i
+                    token = sampler(self.runner.forward(asm.cache, [token], [pos], [slot]))
+                else:
+                    token = steps.next()
         finally:  # also when a stream is abandoned: the generator is closed and the buffer returns to the pool
             total = time.perf_counter() - t0
             try:
+                if steps is not None:  # leave the batch first: the decode loop no longer writes the buffer
+                    steps.close()
                 # Stored once the reply is out, not between its tokens: writing a 4K-token prefix to disk or
                 # Redis would otherwise stall the stream right after the first token (the benchmark saw it as
                 # slower exact-mode decoding). Every token but the last was fed back, so its KV is in the
@@ -387,6 +416,16 @@ class Engine:
             sources=tuple(SegmentSource(p.kind, p.n, p.source, p.origin) for p in asm.pieces),
             prompt_ids=asm.plan.ids,
         )
+
+    def _decode_steps(self, asm: Assembled, sampler: Sampler, token: int, steps: int) -> DecodeStream | None:
+        """The request's place in the shared decode loop (None: it decodes on its own, `batch_decoding=False`).
+        The loop starts computing the next token now, while this thread hands out the first."""
+        if not self.batch_decoding:
+            return None
+        with self._decoder_lock:
+            if self._decoder is None:
+                self._decoder = BatchDecoder(self.runner.decode_batch, self.eos_ids, self.max_batch)
+        return self._decoder.join(asm.cache, sampler, token, asm.last_position + 1, asm.prompt_tokens, steps)
 
     def _remember_reply(self, text: str, ids: list[int]) -> None:
         """Remember the reply's generated tokens for its text, as generated and as a chat template writes it
