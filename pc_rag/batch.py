@@ -38,6 +38,12 @@ log = logging.getLogger("pc_rag")
 # lone stream's. Requests beyond it wait (holding their prefilled buffer) and join as rows leave.
 MAX_BATCH = 16
 
+# How long the decode thread waits for a newcomer once nothing decodes, before it exits (the next request
+# starts a new one). Starting a thread per burst was cheap in time, but every new thread that runs torch ops
+# allocates from whichever malloc arena it is given: a server whose batch emptied between requests grew its
+# resident memory by a few KiB per request that way; one long-lived thread keeps to one arena.
+IDLE_EXIT_S = 10.0
+
 
 class TurnLock:
     """A lock granted in the order it was asked for.
@@ -133,6 +139,8 @@ class BatchDecoder:
         self.eos_ids = eos_ids
         self.max_batch = max_batch
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # notified when a request joins
+        self.idle_exit_s = IDLE_EXIT_S
         self._waiting: list[_Row] = []  # joined, not yet in a step (beyond max_batch, or arrived mid-step)
         self._active: list[_Row] = []
         self._thread: threading.Thread | None = None
@@ -150,9 +158,10 @@ class BatchDecoder:
         row = _Row(cache, sampler, token, position, slot, steps)
         with self._lock:
             self._waiting.append(row)
-            if self._thread is None:  # the loop exits when nothing decodes; a newcomer starts it again
+            if self._thread is None:  # the loop exits after idling; a newcomer starts it again
                 self._thread = threading.Thread(target=self._loop, name="pc_rag-decode", daemon=True)
                 self._thread.start()
+            self._wake.notify()
         return DecodeStream(self, row)
 
     def stats(self) -> dict:
@@ -189,8 +198,11 @@ class BatchDecoder:
             with self._lock:
                 batch = self._admit()
                 if not batch:
-                    self._thread = None
-                    return
+                    self._wake.wait(self.idle_exit_s)
+                    batch = self._admit()
+                    if not batch:
+                        self._thread = None
+                        return
             try:
                 logits = self._step([r.cache for r in batch], [r.token for r in batch],
                                     [r.position for r in batch], [r.slot for r in batch])

@@ -18,6 +18,7 @@ import json
 import logging
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +82,10 @@ class _SlotLayer(CacheLayerMixin):
         super().__init__()
         self.keys, self.values = keys, values  # [1, H_kv, capacity, D] views into the owner's buffers
         self.is_initialized = True
-        self._owner = owner
+        # A weak reference: a strong one made each buffer part of a reference cycle (cache -> layer -> cache),
+        # freed only by Python's cyclic collector, which on a long-running server ran rarely enough for
+        # released request buffers to pile up (resident memory grew by one buffer every few requests).
+        self._owner = weakref.proxy(owner)
 
     def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
         pass

@@ -50,10 +50,18 @@ class ServerProcess:
         self.stop()
 
     def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (start several, then `wait_ready` each: they load at once)."""
         cmd = [sys.executable, "-m", "pc_rag", "serve", "--model", self.model, "--port", str(self.port),
                "--log-level", "warning", *self.extra]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+
+    def wait_ready(self) -> None:
+        """Wait until /health answers; raise (quoting the log) if the process exits or the time runs out."""
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -11,7 +11,8 @@ Extensions (the `openai` client sends them with `extra_body={...}`):
 - `chunks`: texts to treat as chunks wherever they appear in this request's prompt (the completions
   counterpart of chat content parts marked with `cache_control`).
 Responses: `usage.prompt_tokens_details.cached_tokens` as OpenAI reports prompt caching (ChatOpenAI maps it to
-`cache_read`), plus `usage.pc_rag` with the engine's own counts and the time to first token.
+`cache_read`) and `cache_write_tokens` (ChatOpenAI: `cache_creation`), plus `usage.pc_rag` with the engine's
+own counts and the time to first token.
 """
 
 from __future__ import annotations
@@ -174,7 +175,11 @@ def usage(generation) -> dict[str, Any]:
         "prompt_tokens": generation.prompt_tokens,  # cached ones included, as OpenAI counts them
         "completion_tokens": completion,
         "total_tokens": generation.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
+        # cached_tokens as OpenAI reports prompt caching (ChatOpenAI: cache_read); cache_write_tokens, OpenAI's
+        # newer field for tokens written to the cache (ChatOpenAI: cache_creation), the prompt tokens whose KV
+        # this request stored.
+        "prompt_tokens_details": {"cached_tokens": generation.cached_tokens,
+                                  "cache_write_tokens": generation.stored_tokens},
         "pc_rag": {
             "mode": generation.mode,
             "cached_tokens": generation.cached_tokens,  # prompt tokens whose KV came from the store
