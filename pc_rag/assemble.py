@@ -27,7 +27,7 @@ from .errors import PCRagError, PromptError, UnsupportedModelError
 from .model import LlamaRunner, SlotCache
 from .prefix import BLOCK_TOKENS, Link, PrefixIndex, Run, after_link, run_blocks
 from .segments import TokenSegment
-from .store import get_with_source
+from .store import get_many_with_source, get_with_source, put_block
 
 MODES = ("full", "exact", "modular", "blend")
 REUSING_CHUNKS = ("modular", "blend")
@@ -94,14 +94,6 @@ class Assembled:
     @property
     def pieces(self) -> tuple[Piece, ...]:
         return self.plan.pieces
-
-
-def _put(store, key: str, block: KVBlock, persist: bool) -> None:
-    """Write a block; `persist=False` keeps it out of disk and Redis (only this process's index finds it)."""
-    tiers = getattr(store, "tiers", [store])
-    for tier in tiers if not persist else [store]:
-        if persist or not getattr(tier, "persistent", tier.name != "memory"):
-            tier.put(key, block)
 
 
 class Assembler:
@@ -256,9 +248,7 @@ class Assembler:
     def _fetch(self, keys: list[str]) -> list[tuple[KVBlock | None, str | None]]:
         if not keys:
             return []
-        get_many = getattr(self.store, "get_many_with_source", None)
-        found = get_many(keys) if get_many is not None else [get_with_source(self.store, k) for k in keys]
-        return [(self._placed(b), o) for b, o in found]
+        return [(self._placed(b), o) for b, o in get_many_with_source(self.store, keys)]
 
     def _get(self, key: str) -> tuple[KVBlock | None, str | None]:
         block, origin = get_with_source(self.store, key)
@@ -403,14 +393,17 @@ class Assembler:
         top = torch.topk(deviation[cand], k).indices
         return {candidates[i] for i in top.tolist()}
 
-    def save_prefix(self, assembled: Assembled, generated: Sequence[int] = ()) -> None:
+    def save_prefix(self, assembled: Assembled, generated: Sequence[int] = (),
+                    skip: frozenset[str] = frozenset()) -> frozenset[str]:
         """Store the prefix blocks this request computed, once the reply is out: every block of the plan's
         layout that was not reused whole, the forwarded reply tokens (`generated`, whose KV follows the
         prompt's in the cache) included. Whole blocks and blocks of closed runs go to every tier; the short
-        tail of the last run only to memory, since only this process's index can find it."""
+        tail of the last run only to memory, since only this process's index can find it. Returns the keys
+        written; `skip`: keys an earlier call for this request already wrote."""
         plan = assembled.plan
+        written: set[str] = set()
         if not plan.layout:
-            return
+            return frozenset()
         total = assembled.prompt_tokens
         ids = plan.ids + tuple(generated)
         positions = plan.positions + tuple(range(assembled.last_position + 1, assembled.last_position + 1
@@ -426,11 +419,13 @@ class Assembler:
             for ref in run_blocks(self.runner.fingerprint, parent, ids, positions, item.start, end, True,
                                   self.block_tokens):
                 parent = ref.key
-                if ref.key in plan.hits:
+                if ref.key in plan.hits or ref.key in skip:
                     continue
                 k, v = assembled.cache.block_views(ref.start, ref.end)
                 block = KVBlock(k.clone(), v.clone(), ids[ref.start: ref.end], positions[ref.start],
                                 {"kind": "prefix"})
                 whole = ref.end - ref.start == self.block_tokens or item.closed
-                _put(self.store, ref.key, block, persist=whole)
+                put_block(self.store, ref.key, block, persist=whole)
                 self.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
+                written.add(ref.key)
+        return frozenset(written)

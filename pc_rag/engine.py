@@ -253,9 +253,10 @@ class Engine:
         return encoded
 
     def stats(self) -> dict:
-        """Store tiers' counters; scaffolds: groups declared, bytes of their joint KV, automatic builds
-        that failed (each logged on the "pc_rag" logger); decode: batched decode steps, the tokens they produced,
-        the largest batch seen, requests decoding and waiting for a row now."""
+        """Store tiers' counters; scaffolds: groups declared, bytes of their joint KV, automatic builds that
+        failed (each logged on the "pc_rag" logger); prefix blocks this process's index knows; texts registered
+        as chunks with this engine and replies it remembers; decode: batched decode steps, the tokens they
+        produced, the largest batch seen, requests decoding and waiting for a row now."""
         with self._scaffold_lock:  # a snapshot: background builds may add groups meanwhile
             groups = list(self.assembler.scaffolds.values())
             failed = self._scaffolds_failed
@@ -265,6 +266,8 @@ class Engine:
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
                 "scaffolds": {"groups": sum(len(g) for g in groups), "bytes": self.assembler.scaffold_bytes,
                               "failed": failed},
+                "prefix": {"blocks_indexed": len(self.assembler.prefixes), "block_tokens": self.assembler.block_tokens},
+                "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
                 "decode": decode}
 
     def wait_for_background(self, timeout: float | None = None) -> None:
@@ -368,6 +371,7 @@ class Engine:
         finish = "length"
         room = self.runner.shape.max_positions - 1 - asm.last_position  # positions left for new tokens
         steps = None
+        done = False  # the reply ran to its end (not an abandoned stream)
         try:
             steps = self._decode_steps(asm, sampler, token, decode_steps_needed(max_new_tokens, room))
             for i in range(max_new_tokens):
@@ -388,6 +392,7 @@ class Engine:
                     token = sampler(self.runner.forward(asm.cache, [token], [pos], [slot]))
                 else:
                     token = steps.next()
+            done = True
         finally:  # also when a stream is abandoned: the generator is closed and the buffer returns to the pool
             total = time.perf_counter() - t0
             try:
@@ -397,8 +402,8 @@ class Engine:
                 # Redis would otherwise stall the stream right after the first token (the benchmark saw it as
                 # slower exact-mode decoding). Every token but the last was fed back, so its KV is in the
                 # cache: the next turn of a chat reuses the prompt and the reply.
-                self.assembler.save_prefix(asm, ids[:-1])
-                self._remember_reply(text.text, ids)
+                saved = self.assembler.save_prefix(asm, ids[:-1])
+                self._remember_reply(prompt, text.text, ids, asm if done else None, saved)
             finally:
                 self.runner.release_cache(asm.cache)
         return Generation(
@@ -427,9 +432,22 @@ class Engine:
                 self._decoder = BatchDecoder(self.runner.decode_batch, self.eos_ids, self.max_batch)
         return self._decoder.join(asm.cache, sampler, token, asm.last_position + 1, asm.prompt_tokens, steps)
 
-    def _remember_reply(self, text: str, ids: list[int]) -> None:
+    def _remember_reply(self, prompt, text: str, ids: list[int], asm: Assembled | None = None,
+                        saved: frozenset[str] = frozenset()) -> None:
         """Remember the reply's generated tokens for its text, as generated and as a chat template writes it
-        back (trimmed), so the next turn's prompt carries these very tokens (see find.ReplyIndex)."""
+        back (trimmed), so the next turn's prompt carries these very tokens (see find.ReplyIndex).
+
+        When trimming changes the reply's first or last token (" Hello" written back as "Hello"), the KV of
+        the generated tokens cannot serve the next turn: with `asm` (a reply that ran to its end), the trimmed
+        reply is run once over the prompt's cache, after the reply is out, and stored as the prefix's other
+        continuation, so a chat's next turn still reuses the previous reply. It costs one forward over the
+        reply's tokens (a fraction of decoding them) and only when the template's trim would lose them."""
+        if isinstance(prompt, str):
+            after = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(s, (Text, Chunk)) for s in prompt):
+            after = "".join(s.text for s in prompt)
+        else:
+            return  # PML: its text is not the prompt's text
         if not text.strip():
             return
 
@@ -443,7 +461,7 @@ class Engine:
                 end = 0  # not a prefix of the ids' text: give up rather than decode the reply n times
         if not end:
             return
-        self.replies.remember(text, ids[:end])
+        self.replies.remember(text, ids[:end], after)
         stripped = text.strip()
         if stripped != text:
             start = 0
@@ -451,4 +469,19 @@ class Engine:
                 start += 1
             while end > start and not decode(ids[end - 1:end]).strip():
                 end -= 1
-            self.replies.remember(stripped, ids[start:end] if decode(ids[start:end]) == stripped else None)
+            if decode(ids[start:end]) == stripped:
+                self.replies.remember(stripped, ids[start:end], after)
+                return
+            alt = self.segmenter.ids(stripped)  # how the next turn's prompt tokenizes the reply (a hard cut)
+            self.replies.remember(stripped, alt, after)
+            if asm is not None and self._continues_layout(asm) and len(alt) <= asm.cache.capacity - asm.prompt_tokens:
+                first = asm.last_position + 1
+                slots = list(range(asm.prompt_tokens, asm.prompt_tokens + len(alt)))
+                self.runner.forward(asm.cache, list(alt), list(range(first, first + len(alt))), slots)
+                self.assembler.save_prefix(asm, alt, skip=saved)
+
+    @staticmethod
+    def _continues_layout(asm: Assembled) -> bool:
+        """True when the request's stored prefix runs to the prompt's end (so a reply continues it)."""
+        layout = asm.plan.layout
+        return bool(layout) and getattr(layout[-1], "end", None) == asm.prompt_tokens

@@ -217,14 +217,21 @@ class ReplyIndex(ChunkIndex):
     answered, and the reply gets back its generated ids. The next turn's tokens then continue the earlier
     request's exactly, and the automatic prefix reuse covers the previous prompt and the reply.
 
+    A reply is only a cut where the text before it is exactly the prompt it was generated after (a hash of
+    that prompt is kept with it): the same words elsewhere ("Yes" quoted in another prompt) stay ordinary
+    text, tokenized with their neighbours.
+
     Keys are kept as written (not stripped): a reply is remembered both as generated and trimmed, the way
     chat templates write it back; `ids` is None for a trimmed form whose tokens cannot be told (a token that
     mixes the trimmed whitespace and text), which still cuts the prompt where the reply begins.
     """
 
+    MAX_PROMPTS = 8  # prompts remembered per reply text (the same short reply may follow several prompts)
+
     def __init__(self, max_texts: int = 4096, max_chars: int = 16 << 20):
         super().__init__(max_texts=max_texts, max_chars=max_chars)
         self._ids: dict[str, tuple[int, ...] | None] = {}
+        self._after: dict[str, list[int]] = {}  # reply text -> hashes of the prompts it followed
 
     @staticmethod
     def key(text: str) -> str:
@@ -232,26 +239,35 @@ class ReplyIndex(ChunkIndex):
             raise PCRagError(f"a reply text must be a str, got {type(text).__name__}")
         return text if text.strip() else ""
 
-    def remember(self, text: str, token_ids: Sequence[int] | None) -> None:
+    def remember(self, text: str, token_ids: Sequence[int] | None, after: str) -> None:
+        """`text` was generated as `token_ids` right after the prompt string `after`."""
         if not self.key(text):
             return
         with self._lock:
             self._ids[text] = None if token_ids is None else tuple(token_ids)
+            prompts = self._after.setdefault(text, [])
+            h = hash(after)
+            if h not in prompts:
+                prompts.append(h)
+                del prompts[: -self.MAX_PROMPTS]
         self.add(text)
         with self._lock:
             if len(self._ids) > len(self._keys):
                 for k in [k for k in self._ids if k not in self._keys]:
                     del self._ids[k]
+                    self._after.pop(k, None)
 
     def candidates(self, prompt_text: str) -> list[Span]:
         spans = super().candidates(prompt_text)
         with self._lock:
-            return [Span(s.start, s.end, "reply", self._ids.get(prompt_text[s.start: s.end])) for s in spans]
+            return [Span(s.start, s.end, "reply", self._ids.get(prompt_text[s.start: s.end])) for s in spans
+                    if hash(prompt_text[: s.start]) in self._after.get(prompt_text[s.start: s.end], ())]
 
     def clear(self) -> None:
         super().clear()
         with self._lock:
             self._ids.clear()
+            self._after.clear()
 
 
 def marked(prompt_text: str, texts: Iterable[str]) -> list[Span]:

@@ -105,11 +105,14 @@ class TokenSegment:
 class SegmentTokenizer:
     """Tokenizes segments on their own, with a bounded memo (chunk texts recur across requests)."""
 
-    def __init__(self, tokenizer, max_entries: int = 65536):
+    def __init__(self, tokenizer, max_entries: int = 65536, max_chars: int = 64 << 20):
         self.tokenizer = tokenizer
         self.bos_id: int | None = tokenizer.bos_token_id
         self._memo: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._max_entries = max_entries
+        # Bounded by characters too: whole prompt strings pass through here, and a server sees many long ones.
+        self._max_chars = max_chars
+        self._chars = 0
         self._lock = threading.Lock()  # engines serve several threads; the memo's LRU order is shared state
 
     def ids(self, text: str) -> tuple[int, ...]:
@@ -119,10 +122,15 @@ class SegmentTokenizer:
                 self._memo.move_to_end(text)
                 return hit
         ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(text) > self._max_chars // 16:
+            return ids  # too large to be worth a slot
         with self._lock:
-            self._memo[text] = ids
-            if len(self._memo) > self._max_entries:
-                self._memo.popitem(last=False)
+            if text not in self._memo:
+                self._memo[text] = ids
+                self._chars += len(text)
+            while self._memo and (len(self._memo) > self._max_entries or self._chars > self._max_chars):
+                old, _ = self._memo.popitem(last=False)
+                self._chars -= len(old)
         return ids
 
     def split(self, text: str, spans: Sequence) -> list[Text | Chunk]:

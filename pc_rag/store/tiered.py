@@ -126,18 +126,6 @@ class TieredStore:
             for health in self._retry_at:
                 health[READ] = health[WRITE] = None
 
-    # Before reads and writes were paused apart, one list held each tier's pause; tests/test_engine_store.py
-    # still resets it by assignment. Kept until that test calls retry_now().
-    @property
-    def _down_until(self) -> list[float | None]:
-        return [max((t for t in h.values() if t is not None), default=None) for h in self._retry_at]
-
-    @_down_until.setter
-    def _down_until(self, value: list[float | None]) -> None:
-        with self._lock:
-            for health, until in zip(self._retry_at, value, strict=True):
-                health[READ] = health[WRITE] = until
-
     def _usable(self, i: int, direction: str) -> bool:
         until = self._retry_at[i][direction]
         return until is None or time.monotonic() >= until
