@@ -404,3 +404,12 @@ def test_two_servers_share_one_redis(tiny_path, tmp_path):
         for s in servers:
             s.stop()
         redis.stop()
+
+
+def test_cli_refuses_bad_serve_options_before_loading_a_model(capsys):
+    from pc_rag.cli import main
+
+    assert main(["serve", "--max-running", "0"]) == 2
+    assert "--max-running must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--api-key", " "]) == 2
+    assert "--api-key is empty" in capsys.readouterr().err
