@@ -14,11 +14,12 @@ nothing, and `save_prefix` finds the reply's KV where the one-at-a-time loop lef
 Plain Python over a `step` function: the scheduler is tested with a fake step, no model needed.
 
 Fairness between prefill and decode. Forward passes take turns on the runner's `TurnLock` (first come,
-first served), and a long prefill runs as several forwards of at most `model.PREFILL_CHUNK_TOKENS` fresh
-tokens each, so a newcomer's prefill stalls the decoding requests for one chunk at a time, not for the
-whole prompt. The engine lets one request prefill at a time (`Engine._prefill_turn`, also a TurnLock):
-with every prefill advancing together, a burst of 16 requests would all get their first token only once
-the 16th prefill was done; one at a time, in arrival order, the first answers after one prefill.
+first served), and while requests decode a long prefill runs as several forwards of at most
+`model.PREFILL_CHUNK_TOKENS` fresh tokens each, so a newcomer's prefill stalls the decoding requests for one
+chunk at a time, not for the whole prompt. The engine lets one request prefill at a time
+(`Engine._prefill_turn`, also a TurnLock): with every prefill advancing together, a burst of 16 requests would
+all get their first token only once the 16th prefill was done; one at a time, in arrival order, the first
+answers after one prefill.
 """
 
 from __future__ import annotations
@@ -163,6 +164,10 @@ class BatchDecoder:
                 self._thread.start()
             self._wake.notify()
         return DecodeStream(self, row)
+
+    def busy(self) -> bool:
+        """Whether any request is decoding or waiting for a row (no lock: a momentary answer is enough)."""
+        return bool(self._active or self._waiting)
 
     def stats(self) -> dict:
         with self._lock:

@@ -430,6 +430,7 @@ class Engine:
         with self._decoder_lock:
             if self._decoder is None:
                 self._decoder = BatchDecoder(self.runner.decode_batch, self.eos_ids, self.max_batch)
+                self.runner.others_decoding = self._decoder.busy  # long prefills are chunked while requests decode
         return self._decoder.join(asm.cache, sampler, token, asm.last_position + 1, asm.prompt_tokens, steps)
 
     def _remember_reply(self, prompt, text: str, ids: list[int], asm: Assembled | None = None,

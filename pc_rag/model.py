@@ -19,6 +19,7 @@ import logging
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +51,12 @@ MASK_HONOURING_ATTENTION = (None, "eager", "sdpa")
 POOL_SIZE = 2
 POOL_MAX_BYTES = 1 << 30
 
-# A forward over more fresh tokens than this runs as several forwards of at most this many (a chunked
-# prefill), each taking its own turn on the runner lock, so requests decoding meanwhile wait for one chunk,
-# not for the whole prompt. 512 tokens of the 8-layer bench model take about 0.25 s on the 2-core CPU; a
-# chunk's matrix products are as efficient as the whole prompt's (measured: docs/serve.md, "Chunked prefill").
+# While other requests are decoding, a forward over more fresh tokens than this runs as several forwards of at
+# most this many (a chunked prefill), each taking its own turn on the runner lock, so the decoding requests wait
+# for one chunk, not for the whole prompt: 512 tokens of the 8-layer bench model take about 0.3 s on the 2-core
+# CPU. Only then: a chunk attends through an explicit mask rather than the causal kernel of one forward, which
+# made a 4K-token prefill ~20% slower (bench model, medians of 3: 2.97 s in chunks of 512, 3.21 s in chunks of
+# 256, 2.44 s whole), a cost a request alone should not pay.
 PREFILL_CHUNK_TOKENS = 512
 
 log = logging.getLogger("pc_rag.model")
@@ -200,6 +203,8 @@ class LlamaRunner:
         # batch.TurnLock): a decode step waits for at most one prefill chunk.
         self._lock = TurnLock()
         self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS
+        # Whether requests are decoding now (set by the engine's batch decoder): long forwards are chunked then.
+        self.others_decoding: Callable[[], bool] = lambda: False
         self._pool: list[SlotCache] = []
         self._pool_lock = threading.Lock()
         context_bytes = self.shape.max_positions * self.shape.kv_bytes_per_token(self.dtype)
@@ -287,10 +292,11 @@ class LlamaRunner:
         """Run `ids` (at `positions`, written to `slots`) over everything already in `cache`.
 
         Each token attends to every filled slot up to its own; returns the last token's logits [vocab] (fp32).
-        More than `prefill_chunk_tokens` tokens in increasing slot order run as a chunked prefill.
+        While other requests decode, more than `prefill_chunk_tokens` tokens in increasing slot order run as a
+        chunked prefill (equal to one forward within 1e-5, fp32).
         """
         n = self.prefill_chunk_tokens
-        if n and len(ids) > n and all(a < b for a, b in zip(slots, slots[1:], strict=False)):
+        if n and len(ids) > n and self.others_decoding() and all(a < b for a, b in zip(slots, slots[1:], strict=False)):
             return self._forward_chunked(cache, ids, positions, slots, n)
         return self._forward(cache, ids, positions, slots)
 

@@ -230,13 +230,44 @@ def test_chunked_prefill_matches_one_forward(engine, docs):
     whole, chunked = runner.new_cache(320), runner.new_cache(320)
     ref = runner.forward(whole, ids, list(range(len(ids))), list(range(len(ids))))
     runner.prefill_chunk_tokens = 64
+    runner.others_decoding = lambda: True  # chunks are cut only while requests decode
     try:
         got = runner.forward(chunked, ids, list(range(len(ids))), list(range(len(ids))))
     finally:
         runner.prefill_chunk_tokens = pc_rag.model.PREFILL_CHUNK_TOKENS
+        runner.others_decoding = lambda: False
     assert chunked.length == whole.length == len(ids)
     assert (got - ref).abs().max().item() <= 1e-5
     assert (chunked.keys[:, :, :, : len(ids)] - whole.keys[:, :, :, : len(ids)]).abs().max().item() <= 1e-5
+
+
+def test_a_long_prefill_takes_turns_with_decode_steps_only_while_others_decode(loaded):
+    """Reference: the order of forward calls. Alone, a 500-token prompt is one forward; while another request
+    decodes, it runs in chunks of `prefill_chunk_tokens` with decode steps between them."""
+    model, tok = loaded
+    engine = pc_rag.Engine(model, tok, store=MemoryStore())
+    runner = engine.runner
+    runner.prefill_chunk_tokens = 64
+    events: list[str] = []
+    forward, decode_batch = runner._forward, runner.decode_batch
+    runner._forward = lambda *a: (events.append("prefill"), forward(*a))[1]
+    runner.decode_batch = lambda *a: (events.append("decode"), decode_batch(*a))[1]
+    long_prompt = [Text("Q " + " word" * 300)]
+    engine.generate(long_prompt, mode="full", max_new_tokens=1)
+    assert events == ["prefill"]
+    events.clear()
+    background = threading.Thread(target=engine.generate, args=([Text("Tell a long story.")],),
+                                  kwargs={"max_new_tokens": 1500})
+    background.start()
+    while "decode" not in events:
+        time.sleep(0.001)
+    start = len(events)
+    engine.generate([Text("Another " + " word" * 300)], mode="full", max_new_tokens=1)
+    during = events[start:]
+    background.join(60)
+    chunks = [i for i, e in enumerate(during) if e == "prefill"]
+    assert len(chunks) >= 5  # ~480 fresh tokens in chunks of 64
+    assert "decode" in during[chunks[0]: chunks[-1]]  # decode steps ran between the chunks
 
 
 # ---- the engine: concurrent requests share steps, and answer as one at a time ---------------------------------
