@@ -156,19 +156,23 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         return await _respond(request, body, make, _CompletionFormat(settings.model_id))
 
     async def _respond(request: Request, body, make: Callable[[], Iterator], fmt):
+        disconnect = asyncio.create_task(_disconnected(request))
         try:
-            await admission.acquire(settings.queue_timeout_s)
+            await _admitted(admission, settings.queue_timeout_s, disconnect)
+        except _Disconnected:  # left the line (the wait was cancelled) before any work was done
+            return JSONResponse(error_body("client disconnected"), status_code=499)
         except QueueFull:
+            disconnect.cancel()
             raise APIError(429, f"the server is at capacity ({admission.max_running} running, "
                                 f"{admission.max_waiting} waiting); retry later", "rate_limit_error",
                            code="queue_full", headers={"Retry-After": str(admission.retry_after_s())}) from None
         except QueueTimeout:
+            disconnect.cancel()
             raise APIError(503, f"waited {settings.queue_timeout_s:g} s in line without starting; retry later",
                            "server_overloaded", code="queue_timeout",
                            headers={"Retry-After": str(admission.retry_after_s())}) from None
         worker = _Worker(make)
         worker.start(executor, admission)
-        disconnect = asyncio.create_task(_disconnected(request))
         streaming = False
         try:
             kind, value = await worker.next_or(disconnect)
@@ -233,6 +237,26 @@ def _as_api_error(error: BaseException) -> APIError:
         return APIError(400, f"{error} (use /v1/completions with a prompt string)")
     log.error("pc_rag serve: request failed", exc_info=(type(error), error, error.__traceback__))
     return APIError(500, f"internal error: {type(error).__name__}: {error}", "server_error")
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _admitted(admission: Admission, timeout_s: float, disconnect: asyncio.Task) -> None:
+    """A running place, or _Disconnected (out of the line, no place held) if the client goes away first."""
+    wait = asyncio.ensure_future(admission.acquire(timeout_s))
+    done, _ = await asyncio.wait({wait, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    if wait in done:
+        return wait.result()  # QueueFull / QueueTimeout raise here
+    wait.cancel()
+    try:
+        await wait
+    except (asyncio.CancelledError, QueueFull, QueueTimeout):
+        pass
+    else:
+        admission.release()  # it got a place just as the client left
+    raise _Disconnected
 
 
 async def _disconnected(request: Request) -> None:
