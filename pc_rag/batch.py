@@ -40,9 +40,9 @@ log = logging.getLogger("pc_rag")
 MAX_BATCH = 16
 
 # How long the decode thread waits for a newcomer once nothing decodes, before it exits (the next request
-# starts a new one). Starting a thread per burst was cheap in time, but every new thread that runs torch ops
-# allocates from whichever malloc arena it is given: a server whose batch emptied between requests grew its
-# resident memory by a few KiB per request that way; one long-lived thread keeps to one arena.
+# starts a new one). Starting a thread per burst was cheap in time, but a server whose batch emptied between
+# requests (a new decode thread every few requests) grew its resident memory by ~4 KiB per request more than
+# with one long-lived thread (measured over 3,000 requests; the allocator's doing, not traced further).
 IDLE_EXIT_S = 10.0
 
 
