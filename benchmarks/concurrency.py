@@ -195,14 +195,17 @@ def run_http(model_path, batch, chunks, max_new_tokens, dtype, device) -> dict:
     """The same requests through a `pc-rag serve` process, streamed with the openai client (chat-less:
     /v1/completions with the prompt string, chunks marked by the `chunks` extension field)."""
     from openai import OpenAI
+
     from pc_rag.serve.process import ServerProcess
 
     texts = ["".join(p.text for p in request) for request in batch]
     with ServerProcess(model_path, extra=["--dtype", dtype, "--device", device, "--store", "memory"]) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
-        # Warm the chunks and the kernels, untimed.
-        for text in texts[:2]:
-            client.completions.create(model="m", prompt=text, max_tokens=2, extra_body={"chunks": chunks})
+        # Untimed: the chunks' KV (as engine.warm does for the in-process rows: each chunk on its own, so no
+        # request's prompt prefix is cached), and the kernels.
+        for chunk in chunks:
+            client.completions.create(model="m", prompt=chunk, max_tokens=1, extra_body={"chunks": [chunk]})
+        client.completions.create(model="m", prompt="A warm-up request.", max_tokens=8)
         results: list[dict | None] = [None] * len(texts)
         barrier = threading.Barrier(len(texts) + 1)
         t0 = 0.0
