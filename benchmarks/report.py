@@ -38,7 +38,7 @@ def section(out: Path) -> str:
     if p_path.exists():
         p = json.loads(p_path.read_text())
         parts.append(
-            "### Automatic prefix reuse\n\n"
+            "### Automatic prefix reuse: TTFT of a repeated system prompt\n\n"
             "The everyday case of prompt caching, with nothing registered: a repeated system prompt and a new "
             "question per request, sent as one plain string (`benchmarks/prefix.py`). From memory the reuse is "
             "token-exact; a new process on the same disk folder finds whole blocks only, so it recomputes up to "
