@@ -421,3 +421,21 @@ def test_cli_refuses_bad_serve_options_before_loading_a_model(capsys):
     assert "--max-running must be >= 1" in capsys.readouterr().err
     assert main(["serve", "--api-key", " "]) == 2
     assert "--api-key is empty" in capsys.readouterr().err
+
+
+def test_a_model_without_chat_template_answers_chat_with_a_400(loaded, tiny_path):
+    """In-process (FastAPI's TestClient over the same app): a base model's tokenizer has no chat template."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from pc_rag.serve import ServerSettings, create_app
+
+    model, _ = loaded
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    tok.chat_template = None
+    engine = pc_rag.Engine(model, tok, store=MemoryStore())
+    with TestClient(create_app(engine, ServerSettings("base"))) as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

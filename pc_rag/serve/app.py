@@ -136,6 +136,9 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise APIError(400, f"{settings.model_id} has no chat template (its tokenizer defines none): send the "
+                                f"prompt as a string to /v1/completions")
         options = _options(body, settings)
         messages, marked = chat_messages(body)
         chunks = marked + body.chunks
@@ -233,8 +236,6 @@ def _kwargs(options: GenerationOptions) -> dict[str, Any]:
 def _as_api_error(error: BaseException) -> APIError:
     if isinstance(error, CLIENT_ERRORS):
         return APIError(400, str(error))
-    if isinstance(error, PCRagError) and "chat template" in str(error):
-        return APIError(400, f"{error} (use /v1/completions with a prompt string)")
     log.error("pc_rag serve: request failed", exc_info=(type(error), error, error.__traceback__))
     return APIError(500, f"internal error: {type(error).__name__}: {error}", "server_error")
 
