@@ -1,4 +1,4 @@
-"""The `pc-rag` command (also `python -m pc_rag`): demo, warm, stats, clear, bench.
+"""The `pc-rag` command (also `python -m pc_rag`): demo, warm, stats, clear, bench, serve.
 
 Cache folder (`--cache-dir`, default $PC_RAG_CACHE_DIR, else $XDG_CACHE_HOME/pc_rag, else ~/.cache/pc_rag):
 
@@ -88,6 +88,29 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("clear", parents=[common], help="remove the cached KV blocks")
     p.add_argument("--all", action="store_true", help="also remove cached embeddings and the built demo model")
     p.set_defaults(run=_clear)
+
+    p = sub.add_parser("serve", parents=[common, model], help="an OpenAI-compatible HTTP server (docs/serve.md)",
+                       description="Serve the model over HTTP with OpenAI's API (/v1/chat/completions, "
+                                   "/v1/completions, /v1/models, /health): concurrent requests are decoded "
+                                   "together and share the KV store. Needs the `serve` extra (fastapi, uvicorn).")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 for every interface, "
+                        "then set --api-key)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PC_RAG_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PC_RAG_API_KEY; none: no auth)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id /v1/models lists and responses carry (default: the --model folder's name)")
+    p.add_argument("--max-running", type=int, default=None, metavar="N",
+                   help="requests running at once (default: the engine's batch size, 16)")
+    p.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                   help="requests waiting for a place; beyond it: 429 with Retry-After (default 64)")
+    p.add_argument("--queue-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds a request may wait for a place; then 503 with Retry-After (default 60)")
+    p.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",
+                   help="max_tokens of a request that sets none (default 1024)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(run=_serve)
 
     p = sub.add_parser("bench", help="run benchmarks/ttft.py (arguments pass through; try `bench -h`)",
                        add_help=False)
@@ -208,6 +231,34 @@ def _clear(args, _extra) -> int:
             if (cache_dir / sub).is_dir():
                 shutil.rmtree(cache_dir / sub)
                 print(f"removed {cache_dir / sub}")
+    return 0
+
+
+def _serve(args, _extra) -> int:
+    try:
+        from .serve import ServerSettings, run
+    except ImportError as e:
+        raise ImportError(f"{e.name or e} is missing: pc-rag serve needs the serve extra (pip install "
+                          f"\"pc-rag[serve]\")") from e
+    for name in ("port", "max_waiting", "default_max_tokens"):
+        if getattr(args, name) < (0 if name == "max_waiting" else 1):
+            raise PCRagError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_waiting' else 1}")
+    if args.max_running is not None and args.max_running < 1:
+        raise PCRagError("--max-running must be >= 1")
+    if args.api_key is not None and not args.api_key.strip():
+        raise PCRagError("--api-key is empty; give a key, or leave it out for no auth")
+    cache_dir = _cache_dir(args)
+    engine, path, _ = _engine(args, cache_dir)
+    name = args.served_model_name or (Path(path).name if Path(path).exists() else path)
+    settings = ServerSettings(model_id=name, api_key=args.api_key,
+                              max_running=args.max_running or engine.max_batch, max_waiting=args.max_waiting,
+                              queue_timeout_s=args.queue_timeout, default_max_tokens=args.default_max_tokens)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        print(f"pc-rag serve: warning: listening on {args.host} with no --api-key: anyone who can reach this "
+              f"port can use the model", file=sys.stderr)
+    print(f"pc-rag serve: {name} on http://{args.host}:{args.port} (OpenAI API under /v1)", file=sys.stderr,
+          flush=True)
+    run(engine, settings, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

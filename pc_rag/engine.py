@@ -17,6 +17,7 @@ import torch
 
 from . import prefetch
 from .assemble import MODES, Assembled, Assembler, Recompute
+from .batch import MAX_BATCH, BatchDecoder, DecodeStream, TurnLock, decode_steps_needed
 from .blocks import KVBlock
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
@@ -83,6 +84,13 @@ class Engine:
     # Documents the framework hooks discover are prefetched from disk/Redis into memory (pc_rag.prefetch).
     prefetch_on_discover = True
 
+    # Requests that decode at the same time share one forward pass per step (batch.py: continuous batching;
+    # greedy tokens equal one-at-a-time runs, tests/test_batch.py). False: each request runs its own decode
+    # loop, concurrent requests taking turns at every step (the engine before batching; the benchmark's
+    # baseline). Set before the first request.
+    batch_decoding = True
+    max_batch = MAX_BATCH  # requests per decode step; more wait for a row to free up
+
     def __init__(self, model, tokenizer, store=None, auto_scaffold_after: int | None = None):
         """`store`: a store object or spec (see `pc_rag.store.open_store`): "memory", "disk:PATH",
         "redis://host:port/db", or a list of those as tiers. Default: memory over a disk tier in
@@ -121,6 +129,10 @@ class Engine:
         self._scaffold_lock = threading.Lock()
         self._scaffolds_failed = 0  # automatic scaffold builds that raised (logged on the "pc_rag" logger)
         prefetch.watch(self)
+        self._decoder: BatchDecoder | None = None  # built on the first batched request (max_batch read then)
+        self._decoder_lock = threading.Lock()
+        # One prefill at a time, in arrival order (batch.py: a burst's first request answers after one prefill).
+        self._prefill_turn = TurnLock()
 
     def _place_block(self, block):
         if block.keys.device == self.runner.device:
@@ -262,15 +274,20 @@ class Engine:
     def stats(self) -> dict:
         """Store tiers' counters; scaffolds: groups declared, bytes of their joint KV, automatic builds that
         failed (each logged on the "pc_rag" logger); prefix blocks this process's index knows; texts registered
-        as chunks with this engine and replies it remembers."""
+        as chunks with this engine and replies it remembers; decode: batched decode steps, the tokens they
+        produced, the largest batch seen, requests decoding and waiting for a row now."""
         with self._scaffold_lock:  # a snapshot: background builds may add groups meanwhile
             groups = list(self.assembler.scaffolds.values())
             failed = self._scaffolds_failed
+        decoder = self._decoder
+        decode = decoder.stats() if decoder is not None else {
+            "active": 0, "waiting": 0, "steps": 0, "tokens": 0, "max_batch": self.max_batch, "max_batch_seen": 0}
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
                 "scaffolds": {"groups": sum(len(g) for g in groups), "bytes": self.assembler.scaffold_bytes,
                               "failed": failed},
                 "prefix": {"blocks_indexed": len(self.assembler.prefixes), "block_tokens": self.assembler.block_tokens},
-                "registered": {"chunks": len(self.chunks), "replies": len(self.replies)}}
+                "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
+                "decode": decode}
 
     def wait_for_background(self, timeout: float | None = None) -> None:
         """Wait for background work (automatic scaffold encodes) to finish."""
@@ -359,7 +376,12 @@ class Engine:
         t0 = time.perf_counter()
         mode, max_new_tokens = options.mode, options.max_new_tokens
         sampler = Sampler(Sampling.from_options(options))
-        asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=options.recompute_ratio)
+        if self.batch_decoding:
+            with self._prefill_turn:
+                asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens,
+                                    recompute_ratio=options.recompute_ratio)
+        else:
+            asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=options.recompute_ratio)
         token = sampler(asm.logits)
         ttft = time.perf_counter() - t0
 
@@ -367,8 +389,10 @@ class Engine:
         ids: list[int] = []
         finish = "length"
         room = self.runner.shape.max_positions - 1 - asm.last_position  # positions left for new tokens
+        steps = None
         done = False  # the reply ran to its end (not an abandoned stream)
         try:
+            steps = self._decode_steps(asm, sampler, token, decode_steps_needed(max_new_tokens, room))
             for i in range(max_new_tokens):
                 ids.append(token)
                 if token in self.eos_ids:
@@ -382,12 +406,17 @@ class Engine:
                 if i + 1 == max_new_tokens or i + 1 > room:
                     yield text.finish()
                     break
-                pos, slot = asm.last_position + 1 + i, asm.prompt_tokens + i
-                token = sampler(self.runner.forward(asm.cache, [token], [pos], [slot]))
+                if steps is None:
+                    pos, slot = asm.last_position + 1 + i, asm.prompt_tokens + i
+                    token = sampler(self.runner.forward(asm.cache, [token], [pos], [slot]))
+                else:
+                    token = steps.next()
             done = True
         finally:  # also when a stream is abandoned: the generator is closed and the buffer returns to the pool
             total = time.perf_counter() - t0
             try:
+                if steps is not None:  # leave the batch first: the decode loop no longer writes the buffer
+                    steps.close()
                 # Stored once the reply is out, not between its tokens: writing a 4K-token prefix to disk or
                 # Redis would otherwise stall the stream right after the first token (the benchmark saw it as
                 # slower exact-mode decoding). Every token but the last was fed back, so its KV is in the
@@ -411,6 +440,17 @@ class Engine:
             sources=tuple(SegmentSource(p.kind, p.n, p.source, p.origin) for p in asm.pieces),
             prompt_ids=asm.plan.ids,
         )
+
+    def _decode_steps(self, asm: Assembled, sampler: Sampler, token: int, steps: int) -> DecodeStream | None:
+        """The request's place in the shared decode loop (None: it decodes on its own, `batch_decoding=False`).
+        The loop starts computing the next token now, while this thread hands out the first."""
+        if not self.batch_decoding:
+            return None
+        with self._decoder_lock:
+            if self._decoder is None:
+                self._decoder = BatchDecoder(self.runner.decode_batch, self.eos_ids, self.max_batch)
+                self.runner.others_decoding = self._decoder.busy  # long prefills are chunked while requests decode
+        return self._decoder.join(asm.cache, sampler, token, asm.last_position + 1, asm.prompt_tokens, steps)
 
     def _remember_reply(self, prompt, text: str, ids: list[int], asm: Assembled | None = None,
                         saved: frozenset[str] = frozenset()) -> None:

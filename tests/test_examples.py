@@ -45,7 +45,7 @@ def test_readme_test_line_installs_what_it_needs_and_ci_runs_it_verbatim():
     readme = (root / "README.md").read_text()
     section = readme[readme.index("\nRun the tests"):]
     line = next(t.strip() for t in section.splitlines() if t.startswith("    "))  # its indented code line
-    assert line.startswith('pip install -e ".[test,demo]" -e "integrations/langchain[test]" '
+    assert line.startswith('pip install -e ".[test,demo,serve]" -e "integrations/langchain[test]" '
                            '-e "integrations/llama_index[test]" && python -m pytest -q tests')
     ci = [t for t in (root / ".ci" / "run").read_text().splitlines() if t.strip() and not t.startswith("#")]
     assert ci[-1] == line

@@ -1,0 +1,401 @@
+"""The OpenAI-compatible HTTP app over one Engine (FastAPI): routes, the request path, errors.
+
+    POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not), GET /v1/models,
+    GET /health (no auth: for load balancers)
+
+One path per request, as in the drop-in classes (pc_rag/adapters.py):
+    request JSON -> pydantic schema (schema.py; refused fields -> 400) -> GenerationOptions (checked -> 400)
+    -> a place in the bounded line (admission.py; full -> 429, waited too long -> 503, both with Retry-After)
+    -> a worker thread: messages through the model's chat template (`chat_prompt`, `cache_control` parts as
+       chunks) or the prompt string (`completion_prompt`) -> `Engine.stream_generation` -> text pieces
+    -> the event loop: SSE chunks, or one JSON body once the Generation is in -> usage with cached_tokens.
+
+The engine call is blocking, so it runs in a worker thread per request; concurrent requests meet in the
+engine's batched decode loop (pc_rag/batch.py), one forward pass per step for all of them. The response
+starts once the first piece (or an error) is out: an unusable prompt (longer than the context, no chat
+template) is a 400 even when streaming was asked for. A client that disconnects (while waiting in line,
+during the prefill, or mid-stream) stops its request: the worker closes the engine's stream at its next
+token, the request leaves the batch and its buffer goes back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..adapters import chat_prompt, completion_prompt
+from ..errors import OptionError, PCRagError, PMLError, PromptError, UnsupportedModelError
+from ..options import GenerationOptions
+from .admission import Admission, QueueFull, QueueTimeout
+from .schema import ChatCompletionRequest, CompletionRequest, chat_messages, error_body, usage
+
+log = logging.getLogger("pc_rag.serve")
+
+# What an unusable request raises inside the engine: a 400 naming the problem. Anything else is a 500.
+CLIENT_ERRORS = (PromptError, OptionError, PMLError, UnsupportedModelError)
+
+# OpenAI's default when a request gives no temperature (clients such as ChatOpenAI send none unless set).
+DEFAULT_TEMPERATURE = 1.0
+
+
+class APIError(Exception):
+    """An answer in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
+
+
+class ServerSettings:
+    """What `pc-rag serve` was started with (beyond the engine)."""
+
+    def __init__(self, model_id: str, api_key: str | None = None, max_running: int = 16, max_waiting: int = 64,
+                 queue_timeout_s: float = 60.0, default_max_tokens: int = 1024):
+        self.model_id = model_id
+        self.api_key = api_key
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self.queue_timeout_s = queue_timeout_s
+        self.default_max_tokens = default_max_tokens
+
+
+def create_app(engine, settings: ServerSettings) -> FastAPI:
+    """The ASGI app serving `engine` (run it with uvicorn, as `pc-rag serve` does)."""
+    admission = Admission(settings.max_running, settings.max_waiting)
+    # One thread per running request (admission bounds them): the engine call blocks until its next token.
+    executor = ThreadPoolExecutor(max_workers=settings.max_running, thread_name_prefix="pc_rag-request")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="pc_rag", summary="OpenAI-compatible completions over a pc_rag Engine", lifespan=lifespan)
+    created = int(time.time())
+    app.state.engine, app.state.admission, app.state.settings = engine, admission, settings
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, e: APIError):
+        return JSONResponse(e.body, status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            why = first.get("ctx", {}).get("error", "")
+            return JSONResponse(error_body(f"the request body is not valid JSON ({why})"), status_code=400)
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first['msg']}" if where else first["msg"]
+        return JSONResponse(error_body(message, param=where or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, e: StarletteHTTPException):
+        type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), type_), status_code=e.status_code, headers=e.headers)
+
+    def authorized(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), settings.api_key):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the key given to "
+                                "pc-rag serve --api-key)", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": settings.model_id, "running": admission.running,
+                "waiting": admission.waiting, "served": admission.served, "rejected": admission.rejected,
+                "decode": engine.stats()["decode"]}
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return {"object": "list", "data": [_model_card(settings.model_id, created, engine)]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def model(model_id: str):
+        if model_id != settings.model_id:
+            raise APIError(404, f"model {model_id!r} is not served here; this server serves "
+                                f"{settings.model_id!r}", "not_found_error", "model", "model_not_found")
+        return _model_card(settings.model_id, created, engine)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise APIError(400, f"{settings.model_id} has no chat template (its tokenizer defines none): send the "
+                                f"prompt as a string to /v1/completions")
+        options = _options(body, settings)
+        messages, marked = chat_messages(body)
+        chunks = marked + body.chunks
+
+        def make():
+            return engine.stream_generation(chat_prompt(engine, messages, chunk_texts=chunks), **_kwargs(options))
+
+        return await _respond(request, body, make, _ChatFormat(settings.model_id))
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request):
+        options = _options(body, settings)
+        text, chunks = body.prompt_text, body.chunks
+
+        def make():
+            return engine.stream_generation(completion_prompt(engine, text, chunk_texts=chunks), **_kwargs(options))
+
+        return await _respond(request, body, make, _CompletionFormat(settings.model_id))
+
+    async def _respond(request: Request, body, make: Callable[[], Iterator], fmt):
+        disconnect = asyncio.create_task(_disconnected(request))
+        try:
+            await _admitted(admission, settings.queue_timeout_s, disconnect)
+        except _Disconnected:  # left the line (the wait was cancelled) before any work was done
+            return JSONResponse(error_body("client disconnected"), status_code=499)
+        except QueueFull:
+            disconnect.cancel()
+            raise APIError(429, f"the server is at capacity ({admission.max_running} running, "
+                                f"{admission.max_waiting} waiting); retry later", "rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(admission.retry_after_s())}) from None
+        except QueueTimeout:
+            disconnect.cancel()
+            raise APIError(503, f"waited {settings.queue_timeout_s:g} s in line without starting; retry later",
+                           "server_overloaded", code="queue_timeout",
+                           headers={"Retry-After": str(admission.retry_after_s())}) from None
+        worker = _Worker(make)
+        worker.start(executor, admission)
+        streaming = False
+        try:
+            kind, value = await worker.next_or(disconnect)
+            if kind == "piece" and body.stream:
+                streaming = True  # from here Starlette's StreamingResponse watches for the disconnect
+                return StreamingResponse(_sse(fmt, body, worker, (kind, value)), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            pieces = []
+            while kind == "piece":
+                pieces.append(value)
+                kind, value = await worker.next_or(disconnect)
+            if kind == "disconnected":  # nobody reads this answer; the worker is stopped
+                return JSONResponse(error_body("client disconnected"), status_code=499)
+            if kind == "error":
+                raise _as_api_error(value)
+            if body.stream:  # the whole reply held back (a stop string's prefix) or empty: one stream at once
+                streaming = True
+                return StreamingResponse(_sse(fmt, body, worker, (kind, value)), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return JSONResponse(fmt.whole(value, usage(value)))
+        finally:
+            disconnect.cancel()
+            if not streaming:
+                worker.stop.set()
+
+    return app
+
+
+def _model_card(model_id: str, created: int, engine) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "pc_rag",
+            "max_model_len": engine.runner.shape.max_positions}
+
+
+def _options(body, settings: ServerSettings) -> GenerationOptions:
+    refused = body.refused()
+    if refused:
+        raise APIError(400, "not supported by pc-rag serve: " + "; ".join(refused), param=refused[0].split(":")[0])
+    try:
+        return GenerationOptions(
+            mode=body.mode,
+            max_new_tokens=body.limit or settings.default_max_tokens,
+            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            stop=body.stop_list,
+            seed=body.seed,
+            recompute_ratio=body.recompute_ratio,
+        )
+    except PCRagError as e:
+        raise APIError(400, str(e)) from None
+
+
+def _kwargs(options: GenerationOptions) -> dict[str, Any]:
+    return {"mode": options.mode, "max_new_tokens": options.max_new_tokens, "temperature": options.temperature,
+            "top_p": options.top_p, "stop": list(options.stop) or None, "seed": options.seed,
+            "recompute_ratio": options.recompute_ratio}
+
+
+def _as_api_error(error: BaseException) -> APIError:
+    if isinstance(error, CLIENT_ERRORS):
+        return APIError(400, str(error))
+    log.error("pc_rag serve: request failed", exc_info=(type(error), error, error.__traceback__))
+    return APIError(500, f"internal error: {type(error).__name__}: {error}", "server_error")
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _admitted(admission: Admission, timeout_s: float, disconnect: asyncio.Task) -> None:
+    """A running place, or _Disconnected (out of the line, no place held) if the client goes away first."""
+    wait = asyncio.ensure_future(admission.acquire(timeout_s))
+    done, _ = await asyncio.wait({wait, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    if wait in done:
+        return wait.result()  # QueueFull / QueueTimeout raise here
+    wait.cancel()
+    try:
+        await wait
+    except (asyncio.CancelledError, QueueFull, QueueTimeout):
+        pass
+    else:
+        admission.release()  # it got a place just as the client left
+    raise _Disconnected
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the request body is already read, so the next ASGI message
+    is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _Worker:
+    """One request's engine stream, run in a worker thread; what it yields reaches the event loop in order:
+    ("piece", str)..., then ("done", Generation) or ("error", exception)."""
+
+    def __init__(self, make: Callable[[], Iterator]):
+        self._make = make
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self.stop = threading.Event()  # set by the event loop: the client is gone or the response is sent
+
+    def start(self, executor: ThreadPoolExecutor, admission: Admission) -> None:
+        t0 = time.perf_counter()
+        future = self._loop.run_in_executor(executor, self._produce)
+        # The place in line is given back once the thread is done, i.e. the engine's stream is closed.
+        future.add_done_callback(lambda _f: admission.release(time.perf_counter() - t0))
+
+    def _post(self, entry) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, entry)
+        except RuntimeError:  # the loop is closed (server shutting down): nobody reads the rest
+            self.stop.set()
+
+    def _produce(self) -> None:
+        try:
+            items = self._make()
+            try:
+                for item in items:
+                    self._post(("piece", item) if isinstance(item, str) else ("done", item))
+                    if self.stop.is_set():
+                        break
+            finally:
+                items.close()  # the engine leaves the batch, stores the prefix blocks, releases the buffer
+        except BaseException as error:  # handed to the event loop, answered there
+            self._post(("error", error))
+
+    async def next(self) -> tuple[str, Any]:
+        return await self._queue.get()
+
+    async def next_or(self, disconnect: asyncio.Task) -> tuple[str, Any]:
+        """The next entry, or ("disconnected", None) if the client goes away first (the worker is stopped)."""
+        get = asyncio.ensure_future(self._queue.get())
+        done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()
+        self.stop.set()
+        return "disconnected", None
+
+
+class _ChatFormat:
+    """chat.completion and chat.completion.chunk objects."""
+
+    def __init__(self, model_id: str):
+        self.model_id, self.id, self.created = model_id, f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def _chunk(self, delta: dict, finish: str | None) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+    def opening(self) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": ""}, None)]
+
+    def piece(self, text: str) -> dict:
+        return self._chunk({"content": text}, None)
+
+    def closing(self, generation) -> dict:
+        return self._chunk({}, generation.finish_reason)
+
+    def usage_chunk(self, counts: dict) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
+                "choices": [], "usage": counts}
+
+    def whole(self, generation, counts: dict) -> dict:
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_id,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": generation.text},
+                             "logprobs": None, "finish_reason": generation.finish_reason}],
+                "usage": counts}
+
+
+class _CompletionFormat:
+    """text_completion objects (streamed chunks have the same object name, as OpenAI's)."""
+
+    def __init__(self, model_id: str):
+        self.model_id, self.id, self.created = model_id, f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def _chunk(self, text: str, finish: str | None) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def piece(self, text: str) -> dict:
+        return self._chunk(text, None)
+
+    def closing(self, generation) -> dict:
+        return self._chunk("", generation.finish_reason)
+
+    def usage_chunk(self, counts: dict) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
+                "choices": [], "usage": counts}
+
+    def whole(self, generation, counts: dict) -> dict:
+        return {**self._chunk(generation.text, generation.finish_reason), "usage": counts}
+
+
+def _event(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
+
+
+async def _sse(fmt, body, worker: _Worker, first: tuple[str, Any]) -> AsyncIterator[bytes]:
+    """The stream's events; when the client disconnects Starlette cancels this generator and the worker stops."""
+    try:
+        for opening in fmt.opening():
+            yield _event(opening)
+        kind, value = first
+        while kind == "piece":
+            yield _event(fmt.piece(value))
+            kind, value = await worker.next()
+        if kind == "error":  # after the first piece the status line is sent: the error goes in the stream
+            error = _as_api_error(value)
+            yield _event(error.body)
+            return
+        yield _event(fmt.closing(value))
+        if body.include_usage:
+            yield _event(fmt.usage_chunk(usage(value)))
+        yield _event("[DONE]")
+    finally:
+        worker.stop.set()

@@ -1,0 +1,105 @@
+"""A `pc-rag serve` child process on a free loopback port: started, waited for until healthy, stopped.
+
+For tests and benchmarks that drive a real server with the clients users have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..errors import PCRagError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m pc_rag serve --model MODEL --port <free> *extra` in a child process.
+
+    `env`: the child's environment (default: this one). Its output goes to `log_path`; the error raised when it
+    does not come up quotes the end of it.
+    """
+
+    def __init__(self, model, extra=(), env: dict | None = None, startup_timeout_s: float = 180.0):
+        self.model = str(model)
+        self.extra = [str(x) for x in extra]
+        self.env = env
+        self.startup_timeout_s = startup_timeout_s
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="pc_rag_serve_", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (start several, then `wait_ready` each: they load at once)."""
+        cmd = [sys.executable, "-m", "pc_rag", "serve", "--model", self.model, "--port", str(self.port),
+               "--log-level", "warning", *self.extra]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+
+    def wait_ready(self) -> None:
+        """Wait until /health answers; raise (quoting the log) if the process exits or the time runs out."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise PCRagError(f"pc-rag serve exited with status {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                self.health()
+                return
+            except (OSError, urllib.error.URLError):
+                time.sleep(0.1)
+        self.stop()
+        raise PCRagError(f"pc-rag serve did not answer /health within {self.startup_timeout_s:g} s:\n"
+                         f"{self.log_tail()}")
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+            return json.loads(r.read())
+
+    def rss_bytes(self) -> int:
+        """The server's resident memory (Linux: VmRSS of /proc/<pid>/status)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise PCRagError("VmRSS not found")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+        if os.environ.get("PC_RAG_KEEP_SERVER_LOG") != "1":
+            self.log_path.unlink(missing_ok=True)

@@ -1,0 +1,197 @@
+"""The OpenAI request and response shapes `pc-rag serve` speaks (pydantic), and what it adds to them.
+
+Requests: the fields pc_rag implements are declared and checked here; fields that would change the output
+and that pc_rag cannot honour (tools, JSON mode, logprobs, n > 1, penalties) are refused with a 400 naming
+them, rather than ignored; any other field (`user`, `metadata`, `store`, ...) is accepted and ignored, as
+OpenAI clients add new ones every release.
+
+Extensions (the `openai` client sends them with `extra_body={...}`):
+- `mode`: "modular" (default), "exact", "blend" or "full" (see the README's "Modes").
+- `recompute_ratio`: blend's share of reused chunk tokens recomputed.
+- `chunks`: texts to treat as chunks wherever they appear in this request's prompt (the completions
+  counterpart of chat content parts marked with `cache_control`).
+Responses: `usage.prompt_tokens_details.cached_tokens` as OpenAI reports prompt caching (ChatOpenAI maps it to
+`cache_read`) and `cache_write_tokens` (ChatOpenAI: `cache_creation`), plus `usage.pc_rag` with the engine's
+own counts and the time to first token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..assemble import MODES
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(default=None, description="Echoed; the server answers with the one model it serves.")
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, description="0 = greedy (default 1, as OpenAI's).")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int | None = None
+    logprobs: bool | int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # pc_rag extensions
+    mode: str = "modular"
+    recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0)
+    chunks: list[str] = Field(default_factory=list)
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, mode: str) -> str:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        return mode
+
+    def refused(self) -> list[str]:
+        """Fields set to something pc_rag cannot do (each: what was asked and why it is refused)."""
+        out = []
+        if self.n not in (None, 1):
+            out.append(f"n={self.n}: one choice per request (send the request n times)")
+        if self.logprobs not in (None, False, 0):
+            out.append("logprobs: not reported")
+        if self.logit_bias:
+            out.append("logit_bias: not supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                out.append(f"{name}: not supported (use 0)")
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    @property
+    def stop_list(self) -> list[str] | None:
+        return [self.stop] if isinstance(self.stop, str) else self.stop
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # what newer clients send for max_tokens
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    def refused(self) -> list[str]:
+        out = super().refused()
+        if self.tools or self.functions:
+            out.append("tools/functions: no tool calling")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            out.append("tool_choice/function_call: no tool calling")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            out.append(f"response_format={self.response_format.get('type')!r}: free text only, no JSON mode")
+        if self.top_logprobs:
+            out.append("top_logprobs: not reported")
+        for i, m in enumerate(self.messages):
+            if m.role in ("tool", "function") or m.tool_calls:
+                out.append(f"messages[{i}]: tool messages and tool_calls (no tool calling)")
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.type != "text" or part.text is None:
+                    out.append(f"messages[{i}].content[{j}]: type {part.type!r} (text parts only)")
+        return out
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refused(self) -> list[str]:
+        out = super().refused()
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            out.append(f"prompt: one prompt string per request (got a list of {len(self.prompt)})")
+        if self.echo:
+            out.append("echo: not supported")
+        if self.suffix:
+            out.append("suffix: no fill-in-the-middle")
+        if self.best_of not in (None, 1):
+            out.append("best_of: one candidate per request")
+        return out
+
+    @property
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+def chat_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, str]], list[str]]:
+    """The messages as role/content dicts for the chat template, and the text parts marked with
+    `cache_control` (chunks, as in the drop-in classes). Text parts are joined with nothing between them,
+    as the LangChain and LlamaIndex classes join a message's text blocks."""
+    messages, marked = [], []
+    for m in request.messages:
+        role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for the system role
+        if isinstance(m.content, list):
+            texts = [p.text or "" for p in m.content]
+            marked += [p.text for p in m.content if p.cache_control and p.text]
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        messages.append({"role": role, "content": content})
+    return messages, marked
+
+
+def usage(generation) -> dict[str, Any]:
+    """OpenAI's usage object for a finished request, with pc_rag's counts under `pc_rag`."""
+    completion = len(generation.token_ids)
+    return {
+        "prompt_tokens": generation.prompt_tokens,  # cached ones included, as OpenAI counts them
+        "completion_tokens": completion,
+        "total_tokens": generation.prompt_tokens + completion,
+        # cached_tokens as OpenAI reports prompt caching (ChatOpenAI: cache_read); cache_write_tokens, OpenAI's
+        # newer field for tokens written to the cache (ChatOpenAI: cache_creation), the prompt tokens whose KV
+        # this request stored.
+        "prompt_tokens_details": {"cached_tokens": generation.cached_tokens,
+                                  "cache_write_tokens": generation.stored_tokens},
+        "pc_rag": {
+            "mode": generation.mode,
+            "cached_tokens": generation.cached_tokens,  # prompt tokens whose KV came from the store
+            "computed_tokens": generation.computed_tokens,
+            "cache_creation_tokens": generation.stored_tokens,  # prompt tokens whose KV this request stored
+            "recomputed_tokens": generation.recomputed_tokens,  # blend only
+            "ttft_s": round(generation.ttft_s, 6),
+        },
+    }
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: what the openai client turns into BadRequestError & co with this message."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
