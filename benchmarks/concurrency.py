@@ -94,33 +94,43 @@ def summarize(results: list[dict], wall_s: float) -> dict:
     }
 
 
-def run_engine(engine, batch: list, max_new_tokens: int) -> tuple[list[dict], float]:
-    """Every prompt of `batch` in its own thread, released together; per-request timings and token ids."""
-    results: list[dict | None] = [None] * len(batch)
+def together(n: int, request) -> tuple[list[dict], float]:
+    """`request(i)` for i < n, each in its own thread, released at once; returns its results (each a dict with
+    "start" from the release, "ttft_s", "total_s", "tokens") and the wall time from the release to the last."""
+    results: list[dict | None] = [None] * n
     errors: list[BaseException] = []
-    barrier = threading.Barrier(len(batch) + 1)
-    t0 = 0.0
+    barrier = threading.Barrier(n + 1)
+    released = [0.0]
 
     def one(i):
         barrier.wait()
-        start = time.perf_counter() - t0
+        start = time.perf_counter()
         try:
-            g = engine.generate(batch[i], mode="modular", max_new_tokens=max_new_tokens)
-            results[i] = {"start": start, "ttft_s": g.ttft_s, "total_s": g.total_s, "tokens": list(g.token_ids)}
+            results[i] = request(i) | {"start": start - released[0]}
         except BaseException as e:  # reported by the main thread
             errors.append(e)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(batch))]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    t0 = time.perf_counter()
+    released[0] = time.perf_counter()
     barrier.wait()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - released[0]
     if errors:
         raise errors[0]
     return results, wall
+
+
+def run_engine(engine, batch: list, max_new_tokens: int) -> tuple[list[dict], float]:
+    """Every prompt of `batch` in its own thread, released together; per-request timings and token ids."""
+
+    def request(i):
+        g = engine.generate(batch[i], mode="modular", max_new_tokens=max_new_tokens)
+        return {"ttft_s": g.ttft_s, "total_s": g.total_s, "tokens": list(g.token_ids)}
+
+    return together(len(batch), request)
 
 
 def fresh_engine(model, tokenizer, chunks: list[str], batched: bool):
@@ -206,12 +216,8 @@ def run_http(model_path, batch, chunks, max_new_tokens, dtype, device) -> dict:
         for chunk in chunks:
             client.completions.create(model="m", prompt=chunk, max_tokens=1, extra_body={"chunks": [chunk]})
         client.completions.create(model="m", prompt="A warm-up request.", max_tokens=8)
-        results: list[dict | None] = [None] * len(texts)
-        barrier = threading.Barrier(len(texts) + 1)
-        t0 = 0.0
 
-        def one(i):
-            barrier.wait()
+        def request(i):
             start = time.perf_counter()
             first = None
             n = 0
@@ -225,16 +231,9 @@ def run_http(model_path, batch, chunks, max_new_tokens, dtype, device) -> dict:
                     n = event.usage.completion_tokens
             end = time.perf_counter()
             first = first or end
-            results[i] = {"start": start - t0, "ttft_s": first - start, "total_s": end - start, "tokens": [0] * n}
+            return {"ttft_s": first - start, "total_s": end - start, "tokens": [0] * n}
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
-        for t in threads:
-            t.start()
-        t0 = time.perf_counter()
-        barrier.wait()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        results, wall = together(len(texts), request)
     return summarize(results, wall)
 
 

@@ -8,6 +8,7 @@ a fixed seed, and saves both with `save_pretrained`, so callers load it through 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,3 +131,21 @@ def build_tiny_llama(
     model.save_pretrained(out)
     (out / "pc_rag_test_model.json").write_text(json.dumps({"size": size, "seed": seed}))
     return out
+
+
+@functools.cache
+def loaded(path: str):
+    """(model, tokenizer) of a checkpoint, loaded once per process: test suites share one copy of the weights."""
+    from .engine import Engine
+
+    base = Engine.from_pretrained(path, store="memory")
+    return base.model, base.tokenizer
+
+
+def fresh_engine(path: str):
+    """An Engine over `path`'s (shared) weights with an empty memory-only store: nothing cached yet."""
+    from .engine import Engine
+    from .store import MemoryStore
+
+    model, tokenizer = loaded(str(path))
+    return Engine(model, tokenizer, store=MemoryStore())

@@ -4,6 +4,7 @@ import functools
 import os
 import tempfile
 
+from pc_rag import testing
 from pc_rag.testing import build_tiny_llama
 
 
@@ -15,18 +16,6 @@ def tiny_model_path() -> str:
     return str(build_tiny_llama(tempfile.mkdtemp(prefix="pc_rag_tiny_")))
 
 
-@functools.cache
-def _loaded():
-    import pc_rag
-
-    base = pc_rag.Engine.from_pretrained(tiny_model_path())
-    return base.model, base.tokenizer
-
-
 def fresh_engine():
     """An Engine on the session's tiny model with an empty memory-only store (nothing cached yet)."""
-    import pc_rag
-    from pc_rag.store import MemoryStore
-
-    model, tokenizer = _loaded()
-    return pc_rag.Engine(model, tokenizer, store=MemoryStore())
+    return testing.fresh_engine(tiny_model_path())
