@@ -272,15 +272,15 @@ class Assembler:
     def _fetch(self, keys: list[str]) -> list[tuple[KVBlock | None, str | None]]:
         if not keys:
             return []
-        return [(self._placed(b), o) for b, o in get_many_with_source(self.store, keys)]
+        return [(self.place(b), o) for b, o in get_many_with_source(self.store, keys)]
 
     def _get(self, key: str) -> tuple[KVBlock | None, str | None]:
         block, origin = get_with_source(self.store, key)
-        return self._placed(block), origin
+        return self.place(block), origin
 
-    def _placed(self, block: KVBlock | None) -> KVBlock | None:
-        """The block on the model's device. Blocks read from disk or Redis are CPU tensors; the engine asks a
-        TieredStore to place them once, before promotion, and this catches any other store."""
+    def place(self, block: KVBlock | None) -> KVBlock | None:
+        """The block on the model's device. Blocks read from disk or Redis are CPU tensors; the engine hands
+        this to a TieredStore to place them once, before promotion, and lookups catch any other store."""
         if block is None or block.keys.device == self.runner.device:
             return block
         keys, values = self.runner.place(block.keys, block.values)
@@ -318,7 +318,7 @@ class Assembler:
         if not groups:
             return None
         best = None
-        for group in tuple(groups):  # a copy: the background scaffold builder may add groups meanwhile
+        for group in groups:  # a frozenset, replaced (never changed) when a builder adds a group
             k, end = 0, j
             while end < len(segments) and k < len(group):
                 seg = segments[end]

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -18,7 +19,6 @@ import torch
 from . import prefetch
 from .assemble import MODES, Assembled, Assembler, Recompute
 from .batch import MAX_BATCH, BatchDecoder, DecodeStream, TurnLock, decode_steps_needed
-from .blocks import KVBlock
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
 from .find import DISCOVERED, ChunkIndex, ReplyIndex, discovery_enabled, marked, resolve
@@ -103,9 +103,6 @@ class Engine:
         self.tokenizer = tokenizer
         self.segmenter = SegmentTokenizer(tokenizer)
         self.store = open_store(store)
-        set_placement = getattr(self.store, "set_placement", None)
-        if set_placement is not None:  # blocks read from disk or Redis go to the model's device once, when promoted
-            set_placement(self._place_block)
         # PML schemas are laid out at registration; their modules are encoded lazily, on first use, like
         # any chunk (an eager encode of a thousands-module schema would be minutes of work up front).
         self.schemas = SchemaRegistry(self.segmenter, self.runner.shape.max_positions)
@@ -113,6 +110,9 @@ class Engine:
         # Chunks are encoded after BOS: the first token of a sequence becomes an attention sink, and
         # without a shared sink each chunk's first token would play that role wherever it is placed.
         self.assembler = Assembler(self.runner, self.store, (bos,) if bos is not None else ())
+        set_placement = getattr(self.store, "set_placement", None)
+        if set_placement is not None:  # blocks read from disk or Redis go to the model's device once, when promoted
+            set_placement(self.assembler.place)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:
@@ -133,12 +133,6 @@ class Engine:
         self._decoder_lock = threading.Lock()
         # One prefill at a time, in arrival order (batch.py: a burst's first request answers after one prefill).
         self._prefill_turn = TurnLock()
-
-    def _place_block(self, block):
-        if block.keys.device == self.runner.device:
-            return block
-        keys, values = self.runner.place(block.keys, block.values)
-        return KVBlock(keys, values, block.token_ids, block.start, block.meta)
 
     @classmethod
     def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu", store=None) -> Engine:
@@ -376,11 +370,7 @@ class Engine:
         t0 = time.perf_counter()
         mode, max_new_tokens = options.mode, options.max_new_tokens
         sampler = Sampler(Sampling.from_options(options))
-        if self.batch_decoding:
-            with self._prefill_turn:
-                asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens,
-                                    recompute_ratio=options.recompute_ratio)
-        else:
+        with self._prefill_turn if self.batch_decoding else contextlib.nullcontext():
             asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=options.recompute_ratio)
         token = sampler(asm.logits)
         ttft = time.perf_counter() - t0

@@ -40,7 +40,7 @@ import ahocorasick
 
 from . import prefetch
 from .errors import PCRagError
-from .segments import Chunk, Text
+from .segments import Chunk, Text, cut_at
 
 _RECENT_MIN = 256  # the recent automaton is folded into the main one past max(_RECENT_MIN, keys // 8)
 
@@ -187,16 +187,7 @@ class ChunkIndex:
         """
         if not isinstance(prompt_text, str):
             raise PCRagError(f"split takes the prompt as a str, got {type(prompt_text).__name__}")
-        segments: list[Text | Chunk] = []
-        cursor = 0
-        for start, end in self.spans(prompt_text):
-            if start > cursor:
-                segments.append(Text(prompt_text[cursor:start]))
-            segments.append(Chunk(prompt_text[start:end]))
-            cursor = end
-        if cursor < len(prompt_text) or not segments:
-            segments.append(Text(prompt_text[cursor:]))
-        return segments
+        return cut_at(prompt_text, self.spans(prompt_text))
 
     def clear(self) -> None:
         with self._lock:

@@ -102,6 +102,21 @@ class TokenSegment:
         return len(self.token_ids)
 
 
+def cut_at(text: str, spans: Sequence[tuple[int, int]]) -> list[Text | Chunk]:
+    """`text` cut at character spans (sorted, not overlapping): each span a `Chunk`, the rest `Text`, every
+    piece tokenized on its own. Joining the pieces' texts gives `text` back."""
+    out: list[Text | Chunk] = []
+    cursor = 0
+    for start, end in spans:
+        if start > cursor:
+            out.append(Text(text[cursor:start]))
+        out.append(Chunk(text[start:end]))
+        cursor = end
+    if cursor < len(text) or not out:
+        out.append(Text(text[cursor:]))
+    return out
+
+
 class SegmentTokenizer:
     """Tokenizes segments on their own, with a bounded memo (chunk texts recur across requests)."""
 
@@ -172,7 +187,7 @@ class SegmentTokenizer:
         except NotImplementedError:  # a slow tokenizer: no offsets
             enc = None
         if enc is None or "offset_mapping" not in enc:
-            return self._split_pieces(text, [(s.start - a, s.end - a) for s in chunks])
+            return cut_at(text, [(s.start - a, s.end - a) for s in chunks])
         ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
         starts, ends = [o[0] for o in offsets], [o[1] for o in offsets]
         out: list[Text | Chunk] = []
@@ -192,19 +207,6 @@ class SegmentTokenizer:
             cut = last
         if cut < len(ids):
             out.append(Text(text[char(cut):], token_ids=tuple(ids[cut:])))
-        return out
-
-    @staticmethod
-    def _split_pieces(text: str, spans: Sequence[tuple[int, int]]) -> list[Text | Chunk]:
-        out: list[Text | Chunk] = []
-        cursor = 0
-        for start, end in spans:
-            if start > cursor:
-                out.append(Text(text[cursor:start]))
-            out.append(Chunk(text[start:end]))
-            cursor = end
-        if cursor < len(text):
-            out.append(Text(text[cursor:]))
         return out
 
     def segments(self, prompt: Prompt) -> list[TokenSegment]:
