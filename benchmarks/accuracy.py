@@ -9,14 +9,17 @@ greedy first token is the right answer, in each mode:
 - full: no reuse, the reference (shows that the model learned the task);
 - exact: the same prompt reused from the prefix cache (must equal full);
 - modular: every chunk from its own cached encoding (it never saw the other chunks);
-- blend R S: modular, then a fraction R of the reused chunk tokens recomputed in context, chosen by S
-  (`chunk_start`: the first tokens of each chunk; `deviation`: where cached and fresh keys differ most);
+- blend R S: modular, then a share R of the reused chunk tokens recomputed in context (in the last layer),
+  chosen by S (`chunk_start`: the first tokens of each chunk; `deviation`: where cached and fresh keys of layer
+  1 differ most; `progressive`: the same, narrowed layer by layer; see pc_rag/assemble.py `tokens_per_layer`);
 - scaffold: modular with the prompt's chunks declared as a scaffold (encoded jointly, so each sees those
   before it);
 - modular int8 (with --codec int8): modular with every chunk block read back from a disk tier that stores
   compressed blocks (8-bit keys and values with scales), i.e. the fidelity cost of compression on top of
   modular.
-Also per mode: how often its answer equals full's. Writes accuracy.json and accuracy.md to --out.
+Also per mode: how often its answer equals full's, the share of modular's loss it recovers ((mode - modular) /
+(full - modular)), and for blends the compute: token-layers of the chunk tokens computed in context as a share
+of a full recompute (`recompute_work`). Writes accuracy.json and accuracy.md to --out.
 Held-out prompts come from a random stream (--seed) disjoint from the training and evaluation streams.
 """
 
@@ -33,12 +36,14 @@ from pathlib import Path
 import torch
 
 import pc_rag
+from pc_rag.assemble import SELECTIONS, recompute_work
 
 from .fidelity import kl
 from .retrieval_task import TASKS, make_example, names, token_ids, values
 
 BASE_MODES = ("full", "exact", "modular", "scaffold")
-DEFAULT_BLENDS = ("0.15:chunk_start", "0.3:chunk_start", "0.15:deviation", "0.3:deviation")
+DEFAULT_BLENDS = ("0.2:chunk_start", "0.2:deviation", "0.1:progressive", "0.15:progressive", "0.2:progressive",
+                  "0.3:progressive")
 
 
 def blend_name(spec: str) -> str:
@@ -48,8 +53,8 @@ def blend_name(spec: str) -> str:
 
 def parse_blend(spec: str) -> tuple[float, str]:
     ratio, _, selection = spec.partition(":")
-    if selection not in ("chunk_start", "deviation"):
-        raise SystemExit(f"--blend {spec!r}: expected RATIO:chunk_start or RATIO:deviation")
+    if selection not in SELECTIONS:
+        raise SystemExit(f"--blend {spec!r}: expected RATIO:SELECTION, SELECTION one of {', '.join(SELECTIONS)}")
     return float(ratio), selection
 
 
@@ -98,26 +103,32 @@ def answers(engine, example, blends: list[str]) -> dict[str, str]:
 
 
 def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: list[str],
-        codecs: list[str] = ()) -> dict:
+        codecs: list[str] = (), tasks: tuple[str, ...] = TASKS) -> dict:
     engine = pc_rag.Engine.from_pretrained(model, store="memory")
     # A disk tier alone: a block is written compressed and every later request reads it back from there.
     folder = Path(tempfile.mkdtemp(prefix="pc_rag_accuracy_"))
     coded = {c: pc_rag.Engine(engine.model, engine.tokenizer, store=f"disk:{folder / c}?compress={c}") for c in codecs}
     modes = [*BASE_MODES[:3], *(f"modular {c}" for c in codecs), *(blend_name(b) for b in blends), BASE_MODES[3]]
     name_list, value_list = names(), values()
+    layers = engine.runner.shape.num_layers
     rng = random.Random(seed)
     rows = []
-    for task in TASKS:
+    for task in tasks:
         for k in chunk_counts:
             right = dict.fromkeys(modes, 0)
             agree = dict.fromkeys(modes, 0)
             kls = dict.fromkeys(modes, 0.0)
+            work = {blend_name(b): 0.0 for b in blends}
             t0 = time.time()
             for _ in range(prompts):
                 ex = make_example(rng, task, k, name_list, value_list)
                 ids = [i for s in engine.segmenter.segments(ex.prompt()) for i in s.token_ids]
                 assert ids == token_ids(engine.tokenizer, ex), "engine tokenization differs from training"
                 logps = answer_logprobs(engine, ex, blends, coded)
+                chunk_tokens = sum(len(engine.segmenter.ids(c)) for c in ex.chunks)
+                for b in blends:
+                    ratio, select = parse_blend(b)
+                    work[blend_name(b)] += recompute_work(select, ratio, chunk_tokens, layers) / prompts
                 got = greedy(engine.tokenizer, logps)
                 for m in modes:
                     right[m] += got[m] == ex.answer
@@ -127,6 +138,7 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
                          "accuracy": {m: right[m] / prompts for m in modes},
                          "agreement_with_full": {m: agree[m] / prompts for m in modes},
                          "mean_kl_from_full": kls,
+                         "work": work,
                          "seconds": round(time.time() - t0, 1)})
             print(json.dumps(rows[-1]), flush=True)
     shutil.rmtree(folder, ignore_errors=True)
@@ -148,6 +160,21 @@ def markdown(result: dict) -> str:
             acc = f"{100 * r['accuracy'][m]:.1f}%"
             cells.append(acc if m == "full" else f"{acc} ({100 * r['agreement_with_full'][m]:.0f}%)")
         lines.append(f"| {TASK_TITLES[r['task']]} | {r['chunks']} | {r['prompts']} | " + " | ".join(cells) + " |")
+    blends = [m for m in modes if m.startswith("blend")]
+    lines += [
+        "",
+        "Share of modular's loss recovered, (mode - modular) / (full - modular), and for blends the compute: "
+        "token-layers of the chunk tokens computed in context, as a share of a full recompute:",
+        "",
+        "| task | chunks | " + " | ".join([*blends, "scaffold"]) + " |",
+        "|---|---|" + "---|" * (len(blends) + 1),
+    ]
+    for r in result["rows"]:
+        acc = r["accuracy"]
+        loss = acc["full"] - acc["modular"]
+        cells = [(f"{100 * (acc[m] - acc['modular']) / loss:.0f}%" if loss > 0 else "–")
+                 + (f" ({r['work'][m]:.2f})" if m in r.get("work", {}) else "") for m in [*blends, "scaffold"]]
+        lines.append(f"| {TASK_TITLES[r['task']]} | {r['chunks']} | " + " | ".join(cells) + " |")
     compared = [m for m in modes if m != "full"]
     lines += [
         "",
@@ -170,6 +197,7 @@ def main(argv=None):
     ap.add_argument("--blend", nargs="*", default=list(DEFAULT_BLENDS), help="RATIO:SELECTION settings to compare")
     ap.add_argument("--codec", nargs="*", default=[], choices=["int8"],
                     help="also modular with chunk blocks stored with this codec (read back from a disk tier)")
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--seed", type=int, default=777)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench_out")
@@ -177,7 +205,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     for spec in args.blend:
         parse_blend(spec)
-    result = run(args.model, args.prompts, args.chunks, args.seed, args.blend, args.codec)
+    result = run(args.model, args.prompts, args.chunks, args.seed, args.blend, args.codec, tuple(args.tasks))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps(result, indent=1))

@@ -28,7 +28,6 @@ import xxhash
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.models.llama.modeling_llama import (  # Mistral and Qwen2 copy the same functions
     apply_rotary_pos_emb,
-    rotate_half,
 )
 
 from .batch import TurnLock
@@ -385,33 +384,53 @@ class LlamaRunner:
         return logits.float()
 
     @torch.inference_mode()
-    def probe_keys(self, ids: list[int], positions: list[int], layer: int) -> torch.Tensor:
-        """Keys of layer `layer` for a plain causal prefill of `ids`: [H_kv, T, D].
+    def forward_layers(self, cache: SlotCache, ids: list[int], positions: list[int], slots: list[int],
+                       narrow: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
+                       ) -> torch.Tensor:
+        """`forward`, written layer by layer so that blend can change which tokens it computes per layer.
 
-        The selection probe of `blend`: layers before `layer` run in full over every token; of `layer` itself
-        only the key projection runs (its attention and MLP would not change its keys), so the probe costs
-        `layer` layers plus a projection, a fraction of a full prefill.
+        `narrow(layer, slots, keys)` is called in every layer once the rows' fresh keys ([H_kv, n, D], RoPE
+        applied) exist, before any KV is written: it returns the indices of the rows to go
+        on with (None: all). A dropped row keeps the KV already in its slot from this layer on (CacheBlend's
+        selection: a row is dropped once its fresh KV shows it needs no recompute). The last row must stay.
+        Same ops as HF's forward (projections, RoPE, sdpa with our mask, o_proj, MLP): with no narrowing the
+        logits equal `forward`'s within float rounding (tests/test_blend.py).
         """
         inner = self.model.model
         dev = self.device
-        pos = torch.tensor([positions], device=dev)
-        hidden = inner.embed_tokens(torch.tensor([ids], device=dev))
-        cos, sin = inner.rotary_emb(hidden, pos)
+        cache.prepare_write(slots)
+        length = cache.length
+        rows = torch.tensor(slots, device=dev)
+        key_slots = torch.arange(length, device=dev)
         with self._lock:
-            if layer:
-                mask = None  # sdpa applies its own causal mask when none is given; eager needs one spelled out
-                if self.model.config._attn_implementation != "sdpa":
-                    mask = torch.full((len(ids), len(ids)), torch.finfo(self.dtype).min, dtype=self.dtype,
-                                      device=dev).triu(1)[None, None]
-                cache = self.new_cache(len(ids))  # the layers' own attention path, as in a prefill
-                cache.prepare_write(list(range(len(ids))))
-                for block in inner.layers[:layer]:
-                    hidden = block(hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin),
-                                   use_cache=True, **{_CACHE_KW: cache})
-            block = inner.layers[layer]
-            attn = block.self_attn
-            k = attn.k_proj(block.input_layernorm(hidden)).view(len(ids), -1, attn.head_dim).transpose(0, 1)
-            return k * cos[0] + rotate_half(k) * sin[0]  # HF's apply_rotary_pos_emb, for the keys alone
+            hidden = inner.embed_tokens(torch.tensor([ids], device=dev))  # [1, n, hidden]
+            cos, sin = inner.rotary_emb(hidden, torch.tensor([positions], device=dev))  # [1, n, D]
+            for i, layer in enumerate(inner.layers[: self.shape.num_layers]):
+                attn = layer.self_attn
+                x = layer.input_layernorm(hidden)
+                shape = (1, x.shape[1], -1, attn.head_dim)
+                q = attn.q_proj(x).view(shape).transpose(1, 2)  # [1, H_q, n, D]
+                k = attn.k_proj(x).view(shape).transpose(1, 2)  # [1, H_kv, n, D]
+                v = attn.v_proj(x).view(shape).transpose(1, 2)
+                q, k = self._apply_rope(q, k, cos, sin)
+                keep = narrow(i, rows, k[0]) if narrow is not None else None
+                if keep is not None:
+                    hidden, q, k, v, cos, sin = (hidden[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep],
+                                                 cos[:, keep], sin[:, keep])
+                    rows = rows[keep]
+                layer_keys, layer_values = cache.keys[i], cache.values[i]  # [1, H_kv, capacity, D]
+                layer_keys.index_copy_(2, rows, k)
+                layer_values.index_copy_(2, rows, v)
+                seen_k, seen_v = layer_keys[:, :, :length], layer_values[:, :, :length]
+                mask = torch.zeros(len(rows), length, dtype=self.dtype, device=dev)
+                mask.masked_fill_(key_slots[None, :] > rows[:, None], torch.finfo(self.dtype).min)
+                gqa = {"enable_gqa": True} if attn.num_key_value_groups > 1 else {}
+                o = torch.nn.functional.scaled_dot_product_attention(q, seen_k, seen_v, attn_mask=mask[None, None],
+                                                                     scale=attn.scaling, **gqa)
+                hidden = hidden + attn.o_proj(o.transpose(1, 2).reshape(1, len(rows), -1))
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            logits = self.model.lm_head(inner.norm(hidden[:, -1:]))
+        return logits[0, -1].float()
 
     @torch.inference_mode()
     def reference_logits(self, ids: list[int], positions: list[int] | None = None) -> torch.Tensor:
