@@ -262,7 +262,7 @@ def decode_block(key: str, data: bytes | torch.Tensor, timings: dict[str, float]
     t1 = time.perf_counter()
     if codec == "int8z":
         n = keys.numel()
-        packed = bytes(tensors["packed"].numpy())
+        packed = tensors["packed"].numpy()  # a view: zstd reads any buffer
         try:
             if zstandard.frame_content_size(packed) != 2 * n:  # before any allocation of that size
                 raise zstandard.ZstdError(f"payload declares another size than the {2 * n} bytes of its shape")
@@ -271,7 +271,7 @@ def decode_block(key: str, data: bytes | torch.Tensor, timings: dict[str, float]
             raise CorruptBlockError(f"block for {key}: {e}") from e
         if len(raw) != 2 * n:
             raise CorruptBlockError(f"block for {key}: unpacked {len(raw)} bytes, expected {2 * n}")
-        q = torch.frombuffer(bytearray(raw), dtype=torch.int8)
+        q = torch.frombuffer(raw, dtype=torch.int8)  # read only, by the dequantization
         keys = _dequantize(q[:n].view(keys.shape), tensors["key_scales"], dtype)
         values = _dequantize(q[n:].view(keys.shape), tensors["value_scales"], dtype)
     if timings is not None:
