@@ -62,6 +62,31 @@ def test_other_llama_family_architectures(tmp_path, tiny_path, docs, arch):
     assert gen.cached_tokens >= len(engine.segmenter.ids(docs[0])) + len(engine.segmenter.ids(docs[1]))
 
 
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_progressive_blend_at_ratio_one_equals_full_on_other_architectures(tmp_path, tiny_path, docs, arch):
+    # blend's own layer-by-layer forward (`LlamaRunner.forward_layers`) against HF's forward of each family
+    # (Qwen2 has biased q/k/v projections): every chunk token recomputed equals full (<= 1e-4, fp32).
+    torch.manual_seed(0)
+    engine = pc_rag.Engine.from_pretrained(_save_variant(tmp_path, tiny_path, arch))
+    engine.blend_selection = "progressive"
+    engine.warm(docs[:2], progress=False)
+    prompt = [Text("Sys. "), Chunk(docs[1]), Text("\n"), Chunk(docs[0]), Text("\nQ?")]
+    full = engine.next_token_logits(prompt, "full")
+    assert (engine.next_token_logits(prompt, "blend", recompute_ratio=1.0) - full).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_progressive_blend_runs_in_half_precision(tiny_path, docs, dtype):
+    engine = pc_rag.Engine.from_pretrained(tiny_path, dtype=dtype)
+    engine.blend_selection = "progressive"
+    engine.warm(docs[:2], progress=False)
+    prompt = [Text("Sys. "), Chunk(docs[1]), Text("\n"), Chunk(docs[0]), Text("\nQ?")]
+    full = engine.next_token_logits(prompt, "full")
+    blend = engine.next_token_logits(prompt, "blend", recompute_ratio=1.0)
+    assert torch.isfinite(blend).all()
+    assert (blend - full).abs().max().item() <= 0.05 * full.abs().max().item()  # half-precision rounding only
+
+
 # ---- attention kernels that would ignore pc_rag's explicit mask ------------------------------------------------
 @pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
 def test_flash_or_flex_attention_model_is_switched_to_sdpa(tiny_path, loaded, docs, caplog, impl):
