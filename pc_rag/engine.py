@@ -23,7 +23,7 @@ from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
 from .find import DISCOVERED, ChunkIndex, ReplyIndex, discovery_enabled, marked, resolve
 from .model import LlamaRunner
-from .options import GenerationOptions, check_device
+from .options import DEFAULT_RECOMPUTE_RATIO, GenerationOptions, check_device
 from .pml import PML, Schema, SchemaRegistry
 from .scaffolds import CoRetrievalCounter
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment
@@ -147,7 +147,7 @@ class Engine:
     # ---- public API ------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
-                 recompute_ratio: float = 0.15) -> Generation:
+                 recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO) -> Generation:
         """Generate a reply; the arguments are those of `GenerationOptions` (checked before any work)."""
         options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio)
         *_, generation = self._stream_generation(prompt, options)
@@ -155,7 +155,7 @@ class Engine:
 
     def stream(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
-               recompute_ratio: float = 0.15) -> Iterator[str]:
+               recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO) -> Iterator[str]:
         """Text pieces as they are decoded; never splits a multi-byte character or emits part of a stop string.
 
         Not a generator function: the options are checked here, at the call, so a bad argument raises before
@@ -165,7 +165,8 @@ class Engine:
 
     def stream_generation(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32,
                           temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] | None = None,
-                          seed: int | None = None, recompute_ratio: float = 0.15) -> Iterator[str | Generation]:
+                          seed: int | None = None, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
+                          ) -> Iterator[str | Generation]:
         """Like `stream`, then the final `Generation` (token counts, TTFT) as the last item; options are
         checked at the call, as in `stream`."""
         options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio)
@@ -234,7 +235,8 @@ class Engine:
                 self.add_scaffold(texts)
         return schema
 
-    def next_token_logits(self, prompt: Prompt, mode: str = "modular", recompute_ratio: float = 0.15) -> torch.Tensor:
+    def next_token_logits(self, prompt: Prompt, mode: str = "modular",
+                          recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO) -> torch.Tensor:
         """Next-token logits after the prompt, [vocab] float32. Like `generate`, it leaves the prompt's prefix
         blocks behind (stored after the logits are computed), so scoring many continuations of one long
         context computes the context once."""

@@ -19,6 +19,10 @@ from .errors import OptionError, OptionTypeError, PromptError
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
+# blend's default share of reused chunk tokens recomputed (with Engine.blend_selection): README, "Blend".
+DEFAULT_RECOMPUTE_RATIO = 0.15
+
+
 @dataclass(frozen=True)
 class GenerationOptions:
     """How to generate: the engine's keyword arguments as one checked, normalised value.
@@ -39,7 +43,7 @@ class GenerationOptions:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    recompute_ratio: float = 0.15
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
 
     def __post_init__(self):
         check_mode(self.mode)

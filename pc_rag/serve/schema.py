@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..assemble import MODES
+from ..options import DEFAULT_RECOMPUTE_RATIO
 
 
 class _Request(BaseModel):
@@ -42,7 +43,7 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     # pc_rag extensions
     mode: str = "modular"
-    recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0)
+    recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0.0, le=1.0)
     chunks: list[str] = Field(default_factory=list)
 
     @field_validator("mode")
