@@ -209,18 +209,19 @@ def run(model_path, lengths, reps, dtype="float32", device="cpu", seed=0, redis=
 
 class StepTimer:
     """Times the phases of an engine's requests: planning (store lookups, encoding misses), assembling (copy
-    and relocation into the request buffer, then the forward), and the forward alone."""
+    and relocation into the request buffer, then the forward), within it the disk blocks read straight into the
+    request buffer (`direct`) and the forward alone, and storing blocks after the reply (`save`)."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.times = {"plan_s": 0.0, "assemble_s": 0.0, "forward_s": 0.0, "save_s": 0.0}
+        self.times = {"plan_s": 0.0, "assemble_s": 0.0, "direct_s": 0.0, "forward_s": 0.0, "save_s": 0.0}
         for obj, name, slot in self._steps():
             setattr(obj, name, self._timed(getattr(obj, name), slot))
 
     def _steps(self):
         asm = self.engine.assembler
-        return ((asm, "plan", "plan_s"), (asm, "assemble", "assemble_s"), (self.engine.runner, "forward", "forward_s"),
-                (asm, "save_prefix", "save_s"))
+        return ((asm, "plan", "plan_s"), (asm, "assemble", "assemble_s"), (asm, "_read_pending", "direct_s"),
+                (self.engine.runner, "forward", "forward_s"), (asm, "save_prefix", "save_s"))
 
     def _timed(self, fn, slot):
         def wrapper(*args, **kwargs):
@@ -238,10 +239,13 @@ class StepTimer:
 
 def load_steps(engine, tier, fn, reps, clear):
     """Median per-request milliseconds of each step of `fn` (one request, memory emptied before each) served
-    by the persistent tier `tier`: ttft, plan (lookups and encodes) and within it the tier's wall time
-    (`load`) and the per-block sums of open/read/verify/decode (parallel: they may exceed `load`), copy
-    (relocating keys and copying values into the request buffer), forward; and the bytes read."""
-    fields = ("load_s", "open_s", "read_s", "verify_s", "decode_s", "bytes_read")
+    by the persistent tier `tier`: ttft, plan (lookups and encodes), `direct` (disk blocks read straight into
+    the request buffer), the tier's wall time (`load`: in plan, or in direct) and the per-block sums of
+    open/read/verify/decode and `tier_copy` (direct reads: copying into the request buffer; parallel: they may
+    exceed `load`), copy (relocating keys and copying values of blocks in memory into the request buffer),
+    forward, save (after the logits: storing blocks, promoting direct reads to memory); and the bytes read."""
+    fields = ("load_s", "open_s", "read_s", "verify_s", "decode_s", "copy_s", "bytes_read")
+    names = {"copy_s": "tier_copy_ms"}
     samples = []
     fn()
     for _ in range(reps):
@@ -259,18 +263,22 @@ def load_steps(engine, tier, fn, reps, clear):
         # TTFT: the call without what follows the logits (storing the request's prefix blocks; promoting blocks
         # read from disk to memory, where the reads went straight into the request buffer), shown as save_ms.
         sample = {"ttft_ms": (total - t["save_s"]) * 1000, "save_ms": t["save_s"] * 1000,
-                  "plan_ms": t["plan_s"] * 1000,
-                  "copy_ms": (t["assemble_s"] - t["forward_s"]) * 1000, "forward_ms": t["forward_s"] * 1000}
+                  "plan_ms": t["plan_s"] * 1000, "direct_ms": t["direct_s"] * 1000,
+                  "copy_ms": (t["assemble_s"] - t["direct_s"] - t["forward_s"]) * 1000,
+                  "forward_ms": t["forward_s"] * 1000}
         for f in fields:
-            delta = getattr(after, f) - getattr(before, f)
-            sample[f.replace("_s", "_ms") if f.endswith("_s") else f] = delta * 1000 if f.endswith("_s") else delta
+            delta = getattr(after, f, 0) - getattr(before, f, 0)
+            name = names.get(f, f.replace("_s", "_ms") if f.endswith("_s") else f)
+            sample[name] = delta * 1000 if f.endswith("_s") else delta
         samples.append(sample)
     return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
 
 
 def run_exact_disk(model_path, lengths, reps, dtype="float32", device="cpu", seed=0):
     """Issue #12's goal alone (`--exact-disk`): exact mode warm from disk (memory tier emptied before each
-    request) against the ideal and exact warm from memory, measured in turn, then the disk request's steps.
+    request) against the ideal and exact warm from memory, measured in turn, then the disk request's steps; disk
+    blocks read straight into the request buffer (the default) and, for comparison, each into memory of its own
+    (`Assembler.direct_loads = False`, the path before direct loads).
     TTFT is the engine's `ttft_s` of a one-token generate; in the steps, `save_ms` is what follows the logits
     (storing and promoting blocks), not in TTFT. Same prompts as `run` for the same seed."""
     disk_dir = Path(tempfile.mkdtemp(prefix="pc_rag_bench_disk_"))
@@ -292,14 +300,26 @@ def run_exact_disk(model_path, lengths, reps, dtype="float32", device="cpu", see
             def exact(prompt=w.prompt):
                 return engine.generate(prompt, mode="exact", max_new_tokens=1)
 
+            def reading(direct):  # setup: empty memory; disk blocks read into the request buffer, or into their own
+                def setup():
+                    memory_tier.clear()
+                    engine.assembler.direct_loads = direct
+                return setup
+
             row = {"prompt_tokens": len(w.ids)}
             row |= interleaved({"ideal": w.ideal_case(), "pc_exact_warm_memory": (exact, exact),
-                                "pc_exact_warm_disk": (exact, memory_tier.clear)}, reps)
-            row["exact_disk_over_ideal"] = row["pc_exact_warm_disk"]["median_s"] / row["ideal"]["median_s"]
-            row["exact_over_ideal"] = row["pc_exact_warm_memory"]["median_s"] / row["ideal"]["median_s"]
-            steps = load_steps(engine, disk_tier, lambda p=w.prompt: engine.next_token_logits(p, mode="exact"), reps,
-                               memory_tier.clear)
-            row["load_steps"] = {"exact_disk": steps}
+                                "pc_exact_warm_disk": (exact, reading(True)),
+                                "pc_exact_warm_disk_own_memory": (exact, reading(False))}, reps)
+            engine.assembler.direct_loads = True
+            for key in ("pc_exact_warm_disk", "pc_exact_warm_disk_own_memory", "pc_exact_warm_memory"):
+                row[key.removeprefix("pc_").replace("_warm", "") + "_over_ideal"] = (
+                    row[key]["median_s"] / row["ideal"]["median_s"])
+            row["load_steps"] = {}
+            for name, direct in (("exact_disk", True), ("exact_disk_own_memory", False)):
+                steps = load_steps(engine, disk_tier, lambda p=w.prompt: engine.next_token_logits(p, mode="exact"),
+                                   reps, reading(direct))
+                row["load_steps"][name] = steps
+            engine.assembler.direct_loads = True
             rows.append(row)
             print(_row_line(row), flush=True)
         return {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads", "rows": rows}
@@ -476,14 +496,15 @@ def markdown(result):
                      + " |")
     lines += ["", "Where a request from a persistent tier spends its time (median ms per request; open, read, verify "
               "and decode are sums over blocks read in parallel, so they can exceed the tier's wall time `load`; "
-              "copy = relocating keys and copying values into the request buffer):", "",
-              "| prompt tokens | path | TTFT | plan (lookups) | tier wall | open | read | verify | decode | copy "
-              "| forward | MB read | GB/s (read / tier wall) |", "|---" * 13 + "|"]
+              "direct = exact-prefix blocks read from disk straight into the request buffer (their tier wall time); "
+              "copy = relocating keys and copying values of the other blocks into the request buffer):", "",
+              "| prompt tokens | path | TTFT | plan (lookups) | direct | tier wall | open | read | verify | decode "
+              "| copy | forward | MB read | GB/s (read / tier wall) |", "|---" * 14 + "|"]
     for r in result["rows"]:
         for path, st in r.get("load_steps", {}).items():
             gbps = st["bytes_read"] / (st["load_ms"] / 1000) / 1e9 if st["load_ms"] else float("nan")
-            cells = [st[k] for k in ("ttft_ms", "plan_ms", "load_ms", "open_ms", "read_ms", "verify_ms", "decode_ms",
-                                     "copy_ms", "forward_ms")]
+            cells = [st[k] for k in ("ttft_ms", "plan_ms", "direct_ms", "load_ms", "open_ms", "read_ms", "verify_ms",
+                                     "decode_ms", "copy_ms", "forward_ms")]
             lines.append(f"| {r['prompt_tokens']} | {path.replace('_', ' ')} | "
                          + " | ".join(f"{c:.1f}" for c in cells) + f" | {st['bytes_read'] / 1e6:.1f} | {gbps:.2f} |")
     if any("pc_decode_long" in r for r in result["rows"]):

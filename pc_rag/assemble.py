@@ -125,6 +125,7 @@ class Assembler:
         self.scaffolds: dict[tuple[int, ...], frozenset[tuple[tuple[int, ...], ...]]] = {}
         self.scaffold_bytes = 0  # what joint encodings cost on top of the chunks' own blocks
         self.reuse_separators = True  # whitespace-only text after a chunk is reused like a chunk (see plan)
+        self.direct_loads = True  # prefix blocks on disk are read straight into the request buffer (_read_pending)
 
     def add_scaffold(self, chunks: Sequence[tuple[int, ...]]) -> None:
         if len(chunks) < 2:
@@ -280,8 +281,8 @@ class Assembler:
 
     def _find(self, keys: list[str]) -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
         """As `_fetch`, but blocks on disk come back unread (PendingBlocks), for `_read_pending`."""
-        if not keys:
-            return []
+        if not keys or not self.direct_loads:
+            return self._fetch(keys)
         found = find_many_with_source(self.store, keys)
         return [(b if isinstance(b, PendingBlock) else self.place(b), o) for b, o in found]
 
