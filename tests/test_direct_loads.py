@@ -380,3 +380,23 @@ def test_a_store_of_ones_own_keeps_working(loaded):
     got = engine.generate(prompt, mode="exact", max_new_tokens=4)
     assert {s.origin for s in got.sources if s.source == "prefix"} == {"plain"}
     assert got.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocks_land_in_the_buffer_bit_for_bit(tiny_path, tmp_path, dtype):
+    """Reference: the blocks as the disk tier's `get` returns them. What the request buffer held is what memory
+    gets after the reply (cloned from the buffer), so the promoted blocks must equal them exactly."""
+    prompt = system_text() + PROMPT_QUESTION
+    first = pc_rag.Engine.from_pretrained(tiny_path, dtype=dtype, store=TieredStore([MemoryStore(),
+                                                                                      DiskStore(tmp_path)]))
+    first.generate(prompt, mode="exact", max_new_tokens=1)
+    memory, disk = MemoryStore(), DiskStore(tmp_path)
+    engine = pc_rag.Engine(first.model, first.tokenizer, store=TieredStore([memory, disk]))
+    plan = engine.assembler.plan(engine._segments(prompt), "exact")
+    keys = [p.key for p in plan.pieces if p.pending is not None]
+    assert keys
+    engine.next_token_logits(prompt, "exact")
+    for key in keys[:-1]:  # the last block may end with the prompt's last token, recomputed for its logits
+        got, ref = memory.get(key), disk.get(key)
+        assert got.keys.dtype == getattr(torch, dtype)
+        assert torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)
