@@ -274,11 +274,25 @@ def load_steps(engine, tier, fn, reps, clear):
     return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
 
 
+def release_freed_memory() -> None:
+    """Hands the memory of freed blocks back to the OS (glibc's malloc_trim), so that what the next request
+    allocates is fresh memory to fault in, as in a new process; otherwise malloc reuses the pages of the blocks
+    the memory tier just dropped, which a restarted process does not have. No-op without glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def run_exact_disk(model_path, lengths, reps, dtype="float32", device="cpu", seed=0):
     """Issue #12's goal alone (`--exact-disk`): exact mode warm from disk (memory tier emptied before each
-    request) against the ideal and exact warm from memory, measured in turn, then the disk request's steps; disk
-    blocks read straight into the request buffer (the default) and, for comparison, each into memory of its own
-    (`Assembler.direct_loads = False`, the path before direct loads).
+    request, its memory handed back to the OS) against the ideal and exact warm from memory, measured in turn,
+    then the disk request's steps; disk blocks read straight into the request buffer (the default) and, for
+    comparison, each into memory of its own (`Assembler.direct_loads = False`, the path before direct loads).
     TTFT is the engine's `ttft_s` of a one-token generate; in the steps, `save_ms` is what follows the logits
     (storing and promoting blocks), not in TTFT. Same prompts as `run` for the same seed."""
     disk_dir = Path(tempfile.mkdtemp(prefix="pc_rag_bench_disk_"))
@@ -303,6 +317,7 @@ def run_exact_disk(model_path, lengths, reps, dtype="float32", device="cpu", see
             def reading(direct):  # setup: empty memory; disk blocks read into the request buffer, or into their own
                 def setup():
                     memory_tier.clear()
+                    release_freed_memory()  # as in a new process: blocks read next get fresh pages
                     engine.assembler.direct_loads = direct
                 return setup
 

@@ -19,6 +19,12 @@ reader sees either no file or a whole one; a crash mid-write leaves at most a `.
 next start. There is no fsync: after a power loss a file can be short or zeroed, which the size and
 checksum checks catch (counted as corrupt, removed, a miss).
 
+`get_many` returns blocks of their own (each file read into a fresh buffer that the block's tensors view).
+`locate` and `read_into` serve the engine's exact-prefix blocks instead: `locate` only says which entries
+exist, and `read_into` later reads each file into a staging buffer reused by its reader thread, checks it
+there exactly as `get_many` does, and hands the block to the caller's sink, which copies it into the request's
+KV buffer; so a request from disk faults in no fresh memory (which cost more than the reads themselves).
+
 The byte bound is LRU over an in-memory index (key -> file size) rebuilt from the folder on start and
 ordered by file mtime; a hit touches the file's mtime so the order survives restarts. Several processes
 may share a folder: a get always looks at the file itself, so entries written by another process are

@@ -124,7 +124,8 @@ class TieredStore:
                 taken[j] = ok
         return taken
 
-    def _lookup(self, missing: list[str], first: int, pending: bool = False) -> dict[str, tuple[KVBlock, str]]:
+    def _lookup(self, missing: list[str], first: int,
+                pending: bool = False) -> dict[str, tuple[KVBlock | PendingBlock, str]]:
         """Asks the tiers from `first` down, each once, for the keys no tier above had; places and promotes
         the hits. Returns {key: (block, tier name)} for the keys found. `pending`: a tier that can read into the
         caller's memory is only asked which keys it holds; those come back as PendingBlocks."""
