@@ -400,3 +400,21 @@ def test_blocks_land_in_the_buffer_bit_for_bit(tiny_path, tmp_path, dtype):
         got, ref = memory.get(key), disk.get(key)
         assert got.keys.dtype == getattr(torch, dtype)
         assert torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)
+
+
+def test_the_sink_falls_back_to_relocate_off_the_numpy_path(engine):
+    """Buffers on an accelerator (no machine with one here) take `runner.relocate`, as does a block of another
+    dtype: exercised on the CPU with a float64 block. Reference: the block cast to the buffer's dtype."""
+    from pc_rag.assemble import Piece
+
+    shape = engine.runner.shape
+    cache = engine.runner.new_cache(64)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(shape.num_layers, shape.kv_heads, 32, shape.head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(k.shape, generator=g, dtype=torch.float64)
+    ids = tuple(range(64))
+    take = engine.assembler._sink(Piece(32, 32, "prefix", "prefix", 32), ids, cache)
+    assert take(KVBlock(k, v, ids[32:], 32)) is True
+    dk, dv = cache.block_views(32, 64)
+    assert torch.equal(dk, k.float()) and torch.equal(dv, v.float())
+    assert take(KVBlock(k, v, ids[:32], 32)) is False  # other tokens: refused

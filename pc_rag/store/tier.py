@@ -69,7 +69,9 @@ class Store(Protocol):
 
     Optional, used when present: `get_many(keys)` (one call for a request's blocks), `get_with_source`,
     `get_many_with_source`, a `persist` argument to `put`, and a `persistent` class attribute (True for
-    tiers that outlive the process: disk, Redis).
+    tiers that outlive the process: disk, Redis). Reads into the caller's memory: a store with
+    `find_many_with_source` and `read_pending` (TieredStore), over tiers with `locate(keys) -> [bool]` and
+    `read_into(keys, sinks) -> [bool]` (DiskStore).
     """
 
     name: str
