@@ -112,6 +112,18 @@ class Assembled:
         return self.plan.pieces
 
 
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy_in_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src, bit for bit (CPU tensors of one dtype), by numpy: one thread, GIL released. In the disk
+    tier's reader threads torch's copy_ starts an OpenMP team per thread, oversubscribing the cores: measured
+    3x slower in all than this (86 against 25 ms for the 250 blocks of an 8K-token prefix, 2 reader threads).
+    The integer view makes any float dtype (bfloat16 too, which numpy lacks) a plain copy."""
+    as_int = _SAME_SIZE_INT[src.element_size()]
+    np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy())
+
+
 class Assembler:
     """Plans and builds the cache for one prompt, in one of MODES."""
 
@@ -529,14 +541,3 @@ class Assembler:
                 written.add(ref.key)
         return frozenset(written)
 
-
-_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _copy_in_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src, bit for bit (CPU tensors of one dtype), by numpy: one thread, GIL released. In the disk
-    tier's reader threads torch's copy_ starts an OpenMP team per thread, oversubscribing the cores: measured
-    3x slower in all than this (86 against 25 ms for the 250 blocks of an 8K-token prefix, 2 reader threads).
-    The integer view makes any float dtype (bfloat16 too, which numpy lacks) a plain copy."""
-    as_int = _SAME_SIZE_INT[src.element_size()]
-    np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy())
