@@ -540,4 +540,3 @@ class Assembler:
                 self.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
                 written.add(ref.key)
         return frozenset(written)
-
