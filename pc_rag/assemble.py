@@ -17,8 +17,9 @@ the reply is out, the prefix blocks this request computed, so the next request f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from .blocks import KVBlock, chunk_key, scaffold_key
@@ -26,7 +27,7 @@ from .errors import PCRagError, PromptError, UnsupportedModelError
 from .model import LlamaRunner, SlotCache
 from .prefix import BLOCK_TOKENS, Link, PrefixIndex, Run, after_link, run_blocks
 from .segments import TokenSegment
-from .store import get_many_with_source, get_with_source, put_block
+from .store import PendingBlock, find_many_with_source, get_many_with_source, get_with_source, put_block
 
 MODES = ("full", "exact", "modular", "blend")
 REUSING_CHUNKS = ("modular", "blend")
@@ -43,6 +44,7 @@ class Piece:
     key: str | None = None  # store key it came from
     block: KVBlock | None = None  # for a "prefix" piece, its first n tokens are used
     origin: str | None = None  # store tier (or "computed" for a block encoded by this request)
+    pending: PendingBlock | None = None  # a "prefix" block found on disk, not read yet: assemble reads it in place
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,18 @@ class Assembled:
         return self.plan.pieces
 
 
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy_in_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src, bit for bit (CPU tensors of one dtype), by numpy: one thread, GIL released. In the disk
+    tier's reader threads torch's copy_ starts an OpenMP team per thread, oversubscribing the cores: measured
+    3x slower in all than this (86 against 25 ms for the 250 blocks of an 8K-token prefix, 2 reader threads).
+    The integer view makes any float dtype (bfloat16 too, which numpy lacks) a plain copy."""
+    as_int = _SAME_SIZE_INT[src.element_size()]
+    np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy())
+
+
 class Assembler:
     """Plans and builds the cache for one prompt, in one of MODES."""
 
@@ -123,6 +137,7 @@ class Assembler:
         self.scaffolds: dict[tuple[int, ...], frozenset[tuple[tuple[int, ...], ...]]] = {}
         self.scaffold_bytes = 0  # what joint encodings cost on top of the chunks' own blocks
         self.reuse_separators = True  # whitespace-only text after a chunk is reused like a chunk (see plan)
+        self.direct_loads = True  # prefix blocks on disk are read straight into the request buffer (_read_pending)
 
     def add_scaffold(self, chunks: Sequence[tuple[int, ...]]) -> None:
         if len(chunks) < 2:
@@ -164,7 +179,7 @@ class Assembler:
                 found = self._lookup_run(parent, ids, positions, run)
                 for p in found:
                     pieces.append(p)
-                    if p.n == len(p.block.token_ids):
+                    if p.pending is not None or p.n == len(p.block.token_ids):
                         hits.add(p.key)
                         parent = p.key
                 covered = found[-1].slot + found[-1].n if found else run.start
@@ -251,12 +266,15 @@ class Assembler:
         refs = run_blocks(self.runner.fingerprint, parent, ids, positions, run.start, run.end, run.closed,
                           self.block_tokens)
         found: list[Piece] = []
-        for ref, (block, origin) in zip(refs, self._fetch([r.key for r in refs]), strict=True):
-            if block is None or block.token_ids != ids[ref.start: ref.end]:
+        for ref, (block, origin) in zip(refs, self._find([r.key for r in refs]), strict=True):
+            pending = block if isinstance(block, PendingBlock) else None
+            if pending is not None:
+                block = None  # its tokens are checked when it is read (`_read_pending`)
+            elif block is None or block.token_ids != ids[ref.start: ref.end]:
                 break  # a miss (or a foreign entry under a colliding key: never use KV of other tokens)
-            self.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
+            self.prefixes.add(ref.parent, ref.key, ids[ref.start: ref.end], positions[ref.start: ref.end])
             found.append(Piece(ref.start, ref.end - ref.start, "prefix", "prefix", positions[ref.start], ref.key,
-                               block, origin))
+                               block, origin, pending))
             parent = ref.key
         a = found[-1].slot + found[-1].n if found else run.start
         if a < run.end:
@@ -272,6 +290,13 @@ class Assembler:
         if not keys:
             return []
         return [(self.place(b), o) for b, o in get_many_with_source(self.store, keys)]
+
+    def _find(self, keys: list[str]) -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
+        """As `_fetch`, but blocks on disk come back unread (PendingBlocks), for `_read_pending`."""
+        if not keys or not self.direct_loads:
+            return self._fetch(keys)
+        found = find_many_with_source(self.store, keys)
+        return [(b if isinstance(b, PendingBlock) else self.place(b), o) for b, o in found]
 
     def _get(self, key: str) -> tuple[KVBlock | None, str | None]:
         block, origin = get_with_source(self.store, key)
@@ -356,14 +381,19 @@ class Assembler:
 
     # ---- building -------------------------------------------------------------------------------------
     def assemble(self, plan: Plan, extra_capacity: int, recompute: Recompute | None = None) -> Assembled:
-        pieces, ids, positions = plan.pieces, plan.ids, plan.positions
+        ids, positions = plan.ids, plan.positions
         total = len(ids)
         cache = self.runner.acquire_cache(total + extra_capacity)
+        plan = self._read_pending(plan, cache)
+        pieces = plan.pieces
         fresh: set[int] = set()
         cached = 0
         for p in pieces:
             if p.source == "fresh":
                 fresh.update(range(p.slot, p.slot + p.n))
+                continue
+            if p.pending is not None:  # already in its slots
+                cached += p.n
                 continue
             keys, values = p.block.keys, p.block.values
             if p.n != keys.shape[2]:  # a prefix block shared up to its n-th token
@@ -398,6 +428,50 @@ class Assembler:
             recomputed_tokens=reused_recomputed,
             last_position=positions[-1],
         )
+
+    def _read_pending(self, plan: Plan, cache: SlotCache) -> Plan:
+        """Reads the plan's pending prefix blocks (found on disk at planning) straight into their slots of
+        `cache`, in the disk tier's reader threads: each file goes through a reused staging buffer, is checked
+        there as any disk read is, and its keys and values are copied into the slots; no block gets memory of
+        its own, so a request from disk faults in no fresh pages (they cost more than the reads). The memory
+        tier gets these blocks after the reply (`save_prefix`). A block that cannot be used (gone, corrupt,
+        unreadable since planning, or holding other tokens) leaves its slots to this request's forward: the
+        returned plan has fresh pieces there and no longer counts them as hits. The blocks after it stay valid:
+        exact prefix KV depends on the tokens before it, never on how their KV was obtained."""
+        pending = [p for p in plan.pieces if p.pending is not None]
+        if not pending:
+            return plan
+        taken = self.store.read_pending([p.pending for p in pending], [self._sink(p, plan.ids, cache) for p in pending])
+        failed = {p.slot for p, ok in zip(pending, taken, strict=True) if not ok}
+        if not failed:
+            return plan
+        pieces = tuple(Piece(p.slot, p.n, "fresh", p.kind, p.position) if p.pending is not None and p.slot in failed
+                       else p for p in plan.pieces)
+        lost = [p for p in pending if p.slot in failed]
+        return replace(plan, pieces=pieces, hits=plan.hits - {p.key for p in lost},
+                       stored_tokens=plan.stored_tokens + sum(p.n for p in lost))
+
+    def _sink(self, p: Piece, ids: tuple[int, ...], cache: SlotCache):
+        """What takes piece p's block once read and checked (in a reader thread; the block's tensors view a
+        staging buffer, valid only during the call): its keys and values, copied into p's slots."""
+        want = ids[p.slot: p.slot + p.n]
+        dk, dv = cache.block_views(p.slot, p.slot + p.n)
+        relocate = self.runner.relocate
+
+        def take(block: KVBlock) -> bool:
+            if block.token_ids != want or block.keys.shape != dk.shape:
+                return False  # a foreign entry under a colliding key: never use KV of other tokens
+            delta = p.position - block.start  # 0 for exact prefix blocks: a plain copy
+            if delta == 0 and dk.device.type == "cpu" and block.keys.dtype == dk.dtype:
+                _copy_in_thread(dk, block.keys)
+                _copy_in_thread(dv, block.values)
+                return True
+            with torch.inference_mode():
+                relocate(dk, block.keys, delta)
+                dv.copy_(block.values)
+            return True
+
+        return take
 
     @staticmethod
     def _reused(pieces: Sequence[Piece], slot: int) -> bool:
@@ -455,12 +529,15 @@ class Assembler:
         """Store the prefix blocks this request computed, once the reply is out: every block of the plan's
         layout that was not reused whole, the forwarded reply tokens (`generated`, whose KV follows the
         prompt's in the cache) included. Whole blocks and blocks of closed runs go to every tier; the short
-        tail of the last run only to memory, since only this process's index can find it. Returns the keys
-        written; `skip`: keys an earlier call for this request already wrote."""
+        tail of the last run only to memory, since only this process's index can find it. Blocks read from
+        disk straight into the request buffer (`_read_pending`) are put into memory only, here rather than on
+        the request path (their copy is fresh memory to fault in), so the next request finds them there.
+        Returns the keys written; `skip`: keys an earlier call for this request already wrote."""
         plan = assembled.plan
         written: set[str] = set()
         if not plan.layout:
             return frozenset()
+        direct = {p.key for p in plan.pieces if p.pending is not None}
         total = assembled.prompt_tokens
         ids = plan.ids + tuple(generated)
         positions = plan.positions + tuple(range(assembled.last_position + 1, assembled.last_position + 1
@@ -476,13 +553,13 @@ class Assembler:
             for ref in run_blocks(self.runner.fingerprint, parent, ids, positions, item.start, end, True,
                                   self.block_tokens):
                 parent = ref.key
-                if ref.key in plan.hits or ref.key in skip:
+                if (ref.key in plan.hits and ref.key not in direct) or ref.key in skip:
                     continue
                 k, v = assembled.cache.block_views(ref.start, ref.end)
                 block = KVBlock(k.clone(), v.clone(), ids[ref.start: ref.end], positions[ref.start],
                                 {"kind": "prefix"})
                 whole = ref.end - ref.start == self.block_tokens or item.closed
-                put_block(self.store, ref.key, block, persist=whole)
+                put_block(self.store, ref.key, block, persist=whole and ref.key not in direct)
                 self.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
                 written.add(ref.key)
         return frozenset(written)

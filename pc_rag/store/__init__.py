@@ -2,7 +2,9 @@
 
 The engine calls `get(key) -> KVBlock | None`, `put(key, block)`, `tier_stats()` and `clear()`, and
 `get_with_source(store, key)` to learn which tier served a block; `get_many_with_source(store, keys)`
-looks up a request's blocks at once (one Redis round trip), `put_block(store, key, block, persist=False)`
+looks up a request's blocks at once (one Redis round trip), `find_many_with_source(store, keys)` does the same
+but leaves disk blocks unread (PendingBlocks, read later by `TieredStore.read_pending` straight into a request's
+buffer), `put_block(store, key, block, persist=False)`
 keeps a block out of persistent tiers, `TieredStore.set_placement(fn)` places blocks read from lower
 tiers (e.g. on the engine's device) before they are promoted, and `TieredStore.prefetch(keys)` loads blocks
 from the persistent tiers into memory ahead of a request (pc_rag.prefetch). Build stores with
@@ -25,11 +27,13 @@ from .memory import MemoryStore
 from .redis_tier import RedisStore
 from .spec import default_cache_dir, open_store, parse_bytes
 from .tier import (
+    PendingBlock,
     Store,
     StoreUsageError,
     TierStats,
     TierUnavailableError,
     check_key,
+    find_many_with_source,
     get_many_with_source,
     get_with_source,
     put_block,
@@ -41,6 +45,7 @@ __all__ = [
     "CorruptBlockError",
     "DiskStore",
     "MemoryStore",
+    "PendingBlock",
     "RedisStore",
     "Store",
     "StoreUsageError",
@@ -50,6 +55,7 @@ __all__ = [
     "block_files",
     "check_key",
     "default_cache_dir",
+    "find_many_with_source",
     "get_many_with_source",
     "get_with_source",
     "open_store",

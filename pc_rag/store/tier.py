@@ -49,7 +49,18 @@ class TierStats:
     read_s: float = 0.0
     verify_s: float = 0.0
     decode_s: float = 0.0
+    copy_s: float = 0.0  # reads straight into a caller's buffer (`read_into`): copying verified blocks there
     bytes_read: int = 0  # stored bytes of the blocks served
+
+
+@dataclass(frozen=True)
+class PendingBlock:
+    """A block a tier holds but has not read yet (`TieredStore.find_many_with_source`): `read_pending` reads it
+    straight into the caller's memory, e.g. a request buffer, instead of into fresh memory of its own."""
+
+    key: str
+    tier: str  # the name of the tier holding it ("disk")
+    tier_index: int  # its place in the TieredStore
 
 
 @runtime_checkable
@@ -58,7 +69,9 @@ class Store(Protocol):
 
     Optional, used when present: `get_many(keys)` (one call for a request's blocks), `get_with_source`,
     `get_many_with_source`, a `persist` argument to `put`, and a `persistent` class attribute (True for
-    tiers that outlive the process: disk, Redis).
+    tiers that outlive the process: disk, Redis). Reads into the caller's memory: a store with
+    `find_many_with_source` and `read_pending` (TieredStore), over tiers with `locate(keys) -> [bool]` and
+    `read_into(keys, sinks) -> [bool]` (DiskStore).
     """
 
     name: str
@@ -92,6 +105,15 @@ def get_many_with_source(store: Store, keys: Sequence[str]) -> list[tuple[KVBloc
         blocks = get_many(store, keys)
         return [(b, store.name if b is not None else None) for b in blocks]
     return [get_with_source(store, key) for key in keys]
+
+
+def find_many_with_source(store: Store, keys: Sequence[str]) -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
+    """`get_many_with_source`, except that a store able to read blocks straight into the caller's memory (a
+    TieredStore over a disk tier) answers PendingBlocks for the blocks it would read from such a tier, for its
+    `read_pending`. Any other store answers as `get_many_with_source`."""
+    if hasattr(store, "find_many_with_source"):
+        return store.find_many_with_source(list(keys))
+    return get_many_with_source(store, keys)
 
 
 def get_many(store: Store, keys: list[str]) -> list[KVBlock | None]:

@@ -14,6 +14,12 @@ the "pc_rag.store" logger, recovery logs one info line. No request fails because
 device) is applied once to each block that did not come from a non-persistent top tier, before it is
 promoted and returned, so the memory tier holds placed blocks and the next hit needs no move.
 
+`find_many_with_source(keys)` and `read_pending(pending, sinks)`: as `get_many_with_source`, except that a
+tier able to read a block straight into the caller's memory (disk: `locate`, `read_into`) is only asked whether
+it holds each key; its blocks come back as PendingBlocks, which `read_pending` later reads into the caller's
+buffer (the engine: the request's KV buffer), so a request's disk blocks need no memory of their own. Nothing is
+promoted: the caller decides what to keep (the engine puts such blocks in memory after the reply).
+
 `prefetch(keys)`: loads blocks from the persistent tiers into the non-persistent ones above them (memory)
 without returning them, for a background thread that knows a request is coming (pc_rag.prefetch: documents a
 retriever just returned). A request that asks for a key a prefetch is loading waits for that load (at most
@@ -28,7 +34,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..blocks import KVBlock
+from ..errors import StoreError
 from .tier import (
+    PendingBlock,
     Store,
     StoreUsageError,
     TierStats,
@@ -84,27 +92,64 @@ class TieredStore:
         found = self._lookup(list(dict.fromkeys(keys)), 0)
         return [found.get(key, (None, None)) for key in keys]
 
-    def _lookup(self, missing: list[str], first: int) -> dict[str, tuple[KVBlock, str]]:
+    def find_many_with_source(self, keys: Sequence[str]) -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
+        """As `get_many_with_source`, but a key held by a tier that can read into the caller's memory (disk) comes
+        back as a PendingBlock (not read, not promoted), for `read_pending`."""
+        keys = [check_key(k) for k in keys]
+        self._wait_for_prefetch(keys)
+        found = self._lookup(list(dict.fromkeys(keys)), 0, pending=True)
+        return [found.get(key, (None, None)) for key in keys]
+
+    def read_pending(self, pending: Sequence[PendingBlock], sinks: Sequence) -> list[bool]:
+        """Reads each pending block and hands it to its sink, `sink(block) -> bool` (True: taken), in the tier's
+        reader threads; the block's tensors are valid only during that call (see DiskStore.read_into). Returns,
+        per block, whether its sink took it. A block gone or damaged since it was found is False, counted by
+        its tier as a miss (and corrupt); a failing tier is False for the blocks it could not read, counted
+        and paused as in `get`. What a sink raises propagates."""
+        taken = [False] * len(pending)
+        by_tier: dict[int, list[int]] = {}
+        for j, p in enumerate(pending):
+            by_tier.setdefault(p.tier_index, []).append(j)
+        for i, js in by_tier.items():
+            if not self._usable(i, READ):
+                continue
+            try:
+                got = self.tiers[i].read_into([pending[j].key for j in js], [sinks[j] for j in js])
+            except StoreError as e:  # the tier failed (a sink's own error is not a StoreError: it propagates)
+                self._failed(i, "get", e)
+                got = getattr(e, "loaded", None) or [False] * len(js)
+            else:
+                self._succeeded(i, READ)
+            for j, ok in zip(js, got, strict=True):
+                taken[j] = ok
+        return taken
+
+    def _lookup(self, missing: list[str], first: int,
+                pending: bool = False) -> dict[str, tuple[KVBlock | PendingBlock, str]]:
         """Asks the tiers from `first` down, each once, for the keys no tier above had; places and promotes
-        the hits. Returns {key: (block, tier name)} for the keys found."""
-        found: dict[str, tuple[KVBlock, str]] = {}
+        the hits. Returns {key: (block, tier name)} for the keys found. `pending`: a tier that can read into the
+        caller's memory is only asked which keys it holds; those come back as PendingBlocks."""
+        found: dict[str, tuple[KVBlock | PendingBlock, str]] = {}
         for i, tier in enumerate(self.tiers[first:], start=first):
             if not missing:
                 break
             if not self._usable(i, READ):
                 continue
+            direct = pending and _reads_into(tier)
             try:
-                blocks = get_many(tier, missing)
+                blocks = tier.locate(missing) if direct else get_many(tier, missing)
             except Exception as e:  # any tier failure is a miss; the caller recomputes the KV
                 self._failed(i, "get", e)
                 continue
             self._succeeded(i, READ)
             still = []
-            for key, block in zip(missing, blocks, strict=True):
-                if block is None:
-                    still.append(key)
-                else:
+            for key, block in zip(missing, blocks, strict=True):  # `locate` answers True/False, not blocks
+                if direct and block:
+                    found[key] = (PendingBlock(key, tier.name, i), tier.name)
+                elif not direct and block is not None:
                     found[key] = (self._place_and_promote(i, key, block), tier.name)
+                else:
+                    still.append(key)
             missing = still
         return found
 
@@ -225,6 +270,10 @@ class TieredStore:
 
 def _persistent(tier: Store) -> bool:
     return bool(getattr(tier, "persistent", False))
+
+
+def _reads_into(tier: Store) -> bool:
+    return hasattr(tier, "locate") and hasattr(tier, "read_into")
 
 
 def _holds(tier: Store, key: str) -> bool:

@@ -1,0 +1,420 @@
+"""Prefix blocks read from disk straight into the request buffer (DiskStore.read_into, TieredStore.read_pending,
+Assembler._read_pending).
+
+References: `full` mode on the same prompt (exact reuse must give the same greedy tokens and next-token logits
+within 1e-4, fp32: the reused blocks were computed in other forward passes, so only float rounding may
+differ), and, for the store calls, the blocks as `get` returns them (bit-identical)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+import pc_rag
+from pc_rag.blocks import KVBlock
+from pc_rag.prefix import BLOCK_TOKENS
+from pc_rag.store import (
+    DiskStore,
+    MemoryStore,
+    PendingBlock,
+    TieredStore,
+    find_many_with_source,
+)
+from pc_rag.store import disk as disk_module
+from pc_rag.store.codec import encode_block
+
+TOL = 1e-4
+
+
+def block(seed: int, tokens: int = 4) -> KVBlock:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(2, 2, tokens, 8, generator=g)
+    return KVBlock(k, torch.randn(2, 2, tokens, 8, generator=g), tuple(range(seed, seed + tokens)), 3,
+                   {"kind": "prefix"})
+
+
+def copier(out: dict, key: str):
+    """A sink that keeps a copy of the block it is handed (the block itself views a staging buffer)."""
+    def take(b: KVBlock) -> bool:
+        out[key] = KVBlock(b.keys.clone(), b.values.clone(), b.token_ids, b.start, b.meta)
+        return True
+    return take
+
+
+# ---- the store calls, without a model ---------------------------------------------------------------------
+def test_read_into_hands_over_the_blocks_get_returns(tmp_path):
+    disk = DiskStore(tmp_path)
+    blocks = {f"prefix-{i}": block(i) for i in range(5)}
+    for key, b in blocks.items():
+        disk.put(key, b)
+    keys = [*blocks, "prefix-absent"]
+    assert disk.locate(keys) == [True] * 5 + [False]
+    got: dict[str, KVBlock] = {}
+    taken = disk.read_into(keys, [copier(got, k) for k in keys])
+    assert taken == [True] * 5 + [False]
+    for key, b in blocks.items():
+        ref = disk.get(key)
+        assert torch.equal(got[key].keys, ref.keys) and torch.equal(got[key].values, ref.values)
+        assert got[key].token_ids == b.token_ids and got[key].start == b.start
+    s = disk.tier_stats()[0]
+    assert s.copy_s > 0 and s.read_s > 0 and s.verify_s > 0
+    assert s.misses == 2  # the absent key: once when located, once when read
+
+
+def test_read_into_reuses_one_staging_buffer_per_thread(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_module, "_READER_THREADS", 1)  # every read in the calling thread
+    disk = DiskStore(tmp_path)
+    for i in range(3):
+        disk.put(f"prefix-{i}", block(i))
+    addresses = []
+
+    def note(b: KVBlock) -> bool:
+        addresses.append(b.keys.untyped_storage().data_ptr())
+        return True
+
+    disk.read_into([f"prefix-{i}" for i in range(3)], [note] * 3)
+    disk.read_into(["prefix-0"], [note])
+    assert len(set(addresses)) == 1  # no fresh memory per block
+    fresh = [disk.get(f"prefix-{i}").keys.untyped_storage().data_ptr() for i in range(2)]
+    assert addresses[0] not in fresh  # get() still returns blocks of their own, never the staging buffer
+
+
+def test_read_into_refuses_damaged_files_and_counts_them(tmp_path):
+    disk = DiskStore(tmp_path)
+    keys = [f"prefix-{i}" for i in range(4)]
+    for i, key in enumerate(keys):
+        disk.put(key, block(i))
+    path = disk.file_for(keys[1])
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.unlink(disk.file_for(keys[2]))
+    os.unlink(disk.file_for(keys[3]))
+    os.mkfifo(disk.file_for(keys[3]))
+    got: dict[str, KVBlock] = {}
+    assert disk.read_into(keys, [copier(got, k) for k in keys]) == [True, False, False, False]
+    s = disk.tier_stats()[0]
+    assert (s.corrupt, s.misses, s.hits) == (2, 3, 1)
+    assert not disk.file_for(keys[1]).exists() and not disk.file_for(keys[3]).exists()  # removed, as get does
+
+
+def test_a_sink_refusing_or_raising(tmp_path):
+    disk = DiskStore(tmp_path)
+    disk.put("prefix-a", block(1))
+    disk.put("prefix-b", block(2))
+    assert disk.read_into(["prefix-a", "prefix-b"], [lambda b: False, lambda b: True]) == [False, True]
+
+    def boom(b):
+        raise RuntimeError("the caller's bug")
+
+    store = TieredStore([MemoryStore(), disk])
+    pending = [b for b, _ in store.find_many_with_source(["prefix-a"])]
+    with pytest.raises(RuntimeError, match="the caller's bug"):
+        store.read_pending(pending, [boom])
+    assert store._usable(1, "reads")  # a sink's error is not the tier's: no pause
+
+
+def test_tiered_find_leaves_disk_blocks_unread_and_unpromoted(tmp_path):
+    disk, memory = DiskStore(tmp_path), MemoryStore()
+    disk.put("prefix-disk", block(1))
+    memory.put("prefix-mem", block(2))
+    store = TieredStore([memory, disk])
+    found = store.find_many_with_source(["prefix-mem", "prefix-disk", "prefix-none"])
+    assert isinstance(found[0][0], KVBlock) and found[0][1] == "memory"
+    assert found[1] == (PendingBlock("prefix-disk", "disk", 1), "disk")
+    assert found[2] == (None, None)
+    assert disk.tier_stats()[0].bytes_read == 0 and not memory.contains("prefix-disk")
+    got: dict[str, KVBlock] = {}
+    assert store.read_pending([found[1][0]], [copier(got, "prefix-disk")]) == [True]
+    assert torch.equal(got["prefix-disk"].keys, block(1).keys)
+    assert not memory.contains("prefix-disk")  # the caller decides what memory keeps
+
+
+def test_a_failing_read_is_a_miss_and_pauses_the_tier(tmp_path, monkeypatch):
+    disk = DiskStore(tmp_path)
+    keys = [f"prefix-{i}" for i in range(3)]
+    for i, key in enumerate(keys):
+        disk.put(key, block(i))
+    store = TieredStore([MemoryStore(), disk])
+    pending = [b for b, _ in store.find_many_with_source(keys)]
+    real = disk_module.read_block_file
+    bad = disk.file_for(keys[1])
+
+    def flaky(path, *args, **kwargs):
+        if path == bad:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_module, "read_block_file", flaky)
+    got: dict[str, KVBlock] = {}
+    assert store.read_pending(pending, [copier(got, k) for k in keys]) == [True, False, True]
+    assert disk.tier_stats()[0].errors == 1 and not store._usable(1, "reads")
+    assert store.find_many_with_source(keys) == [(None, None)] * 3  # paused: not even located
+
+
+def test_other_stores_answer_as_get_many_with_source(tmp_path):
+    class Plain:  # a user store: get and put only
+        name = "plain"
+
+        def __init__(self):
+            self.blocks = {}
+
+        def get(self, key):
+            return self.blocks.get(key)
+
+        def put(self, key, b):
+            self.blocks[key] = b
+
+    plain = Plain()
+    plain.put("prefix-a", block(1))
+    assert find_many_with_source(plain, ["prefix-a", "prefix-b"]) == [(plain.blocks["prefix-a"], "plain"),
+                                                                       (None, None)]
+    disk = DiskStore(tmp_path)  # a disk tier used on its own (not in a TieredStore) is read as before
+    disk.put("prefix-a", block(1))
+    b, origin = find_many_with_source(disk, ["prefix-a"])[0]
+    assert isinstance(b, KVBlock) and origin == "disk"
+
+
+def test_staging_is_not_kept_for_files_larger_than_its_bound(monkeypatch):
+    monkeypatch.setattr(disk_module, "STAGING_MAX_BYTES", 1000)
+    monkeypatch.setattr(disk_module, "_staging", disk_module.threading.local())
+    small = disk_module._staging_buffer(100)
+    assert disk_module._staging_buffer(50).data_ptr() == small.data_ptr()
+    big = disk_module._staging_buffer(5000)
+    assert big.numel() == 5000 and disk_module._staging_buffer(10).data_ptr() == small.data_ptr()
+
+
+# ---- the engine: exact mode from disk in a new engine -------------------------------------------------------
+def system_text():
+    from pydoc_data.topics import topics
+
+    return topics["for"][:1500]
+
+
+PROMPT_QUESTION = "\n\nQuestion: what does the loop do?"
+
+
+@pytest.fixture
+def on_disk(loaded, tmp_path):
+    """A disk folder holding the prefix blocks of one exact request, and that request's prompt."""
+    model, tok = loaded
+    prompt = system_text() + PROMPT_QUESTION
+    first = pc_rag.Engine(model, tok, store=TieredStore([MemoryStore(), DiskStore(tmp_path)]))
+    first.generate(prompt, mode="exact", max_new_tokens=4)
+    return tmp_path, prompt
+
+
+def new_engine(loaded, folder):
+    """A new process's engine, as far as the cache goes: empty memory tier, empty prefix index."""
+    model, tok = loaded
+    memory, disk = MemoryStore(), DiskStore(folder)
+    return pc_rag.Engine(model, tok, store=TieredStore([memory, disk])), memory, disk
+
+
+def full_reference(loaded, prompt, max_new_tokens=4):
+    model, tok = loaded
+    ref = pc_rag.Engine(model, tok, store=MemoryStore())
+    return ref.generate(prompt, mode="full", max_new_tokens=max_new_tokens), ref.next_token_logits(prompt, "full")
+
+
+def prefix_files(folder) -> list:
+    return sorted(p for p in (folder / "pc_rag-kv-v1").iterdir() if p.name.startswith("kv-prefix-"))
+
+
+def test_exact_from_disk_in_a_new_engine_equals_full_and_lands_in_memory(loaded, on_disk):
+    folder, prompt = on_disk
+    ref, ref_logits = full_reference(loaded, prompt)
+    engine, memory, disk = new_engine(loaded, folder)
+    files = {p.name: p.stat().st_mtime_ns for p in prefix_files(folder)}
+    logits = engine.next_token_logits(prompt, "exact")
+    assert (logits - ref_logits).abs().max().item() <= TOL
+    s = disk.tier_stats()[0]
+    assert s.hits == len(files) and s.copy_s > 0 and s.corrupt == 0
+    assert memory.tier_stats()[0].entries >= len(files)  # promoted after the reply
+    assert {p.name for p in prefix_files(folder)} == set(files)  # and not written back to disk
+    again = engine.generate(prompt, mode="exact", max_new_tokens=4)
+    assert {s.origin for s in again.sources if s.source == "prefix"} == {"memory"}
+    assert again.token_ids == ref.token_ids
+    assert disk.tier_stats()[0].hits == len(files)  # the second request read nothing from disk
+
+
+def test_generate_from_disk_reports_the_disk_blocks(loaded, on_disk):
+    folder, prompt = on_disk
+    ref, _ = full_reference(loaded, prompt)
+    engine, _, _ = new_engine(loaded, folder)
+    got = engine.generate(prompt, mode="exact", max_new_tokens=4)
+    assert got.token_ids == ref.token_ids
+    assert {s.origin for s in got.sources if s.source == "prefix"} == {"disk"}
+    assert got.cached_tokens == (got.prompt_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "foreign tokens"])
+def test_a_damaged_block_is_recomputed_and_still_equals_full(loaded, on_disk, damage):
+    folder, prompt = on_disk
+    ref, ref_logits = full_reference(loaded, prompt)
+    engine, _, disk = new_engine(loaded, folder)
+    files = prefix_files(folder)
+    victim = files[len(files) // 2]
+    if damage == "corrupt":
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        victim.write_bytes(bytes(data))
+    else:  # intact and checksummed, under the right key, but the KV of other tokens
+        key = victim.name.removeprefix("kv-").removesuffix(".safetensors")
+        b = disk.get(key)
+        victim.write_bytes(encode_block(key, KVBlock(b.keys, b.values, tuple(t + 1 for t in b.token_ids), b.start,
+                                                     b.meta)))
+    got = engine.generate(prompt, mode="exact", max_new_tokens=4)
+    assert got.token_ids == ref.token_ids
+    fresh = [s for s in got.sources if s.source == "fresh" and s.kind == "prefix"]
+    assert [s.tokens for s in fresh] == [BLOCK_TOKENS]  # only the damaged block's slots were recomputed
+    assert got.cached_tokens == (got.prompt_tokens // BLOCK_TOKENS - 1) * BLOCK_TOKENS
+    s = disk.tier_stats()[0]
+    assert s.corrupt == (damage == "corrupt")
+    assert s.misses == (damage == "corrupt")
+    assert victim.exists()  # the recomputed block is stored again, on disk too
+    logits = new_engine(loaded, folder)[0].next_token_logits(prompt, "exact")
+    assert (logits - ref_logits).abs().max().item() <= TOL
+
+
+def test_a_file_removed_before_the_request_ends_the_chain_there(loaded, on_disk):
+    """Planning sees that the file is gone (no entry under its name): the blocks after it are not used, as
+    before direct loads, since the chain is only walked as far as its blocks are found."""
+    folder, prompt = on_disk
+    ref, ref_logits = full_reference(loaded, prompt)
+    engine, _, disk = new_engine(loaded, folder)
+    files = prefix_files(folder)
+    keys = [p.name.removeprefix("kv-").removesuffix(".safetensors") for p in files]
+    plan = engine.assembler.plan(engine._segments(prompt), "exact")
+    order = [p.key for p in plan.pieces if p.pending is not None]
+    assert sorted(order) == sorted(keys)
+    disk.file_for(order[2]).unlink()
+    got = engine.generate(prompt, mode="exact", max_new_tokens=4)
+    assert got.token_ids == ref.token_ids
+    assert got.cached_tokens == 2 * BLOCK_TOKENS
+    assert disk.tier_stats()[0].misses >= 1  # (and once more for the index's entry, registered by the plan above)
+    assert (engine.next_token_logits(prompt, "exact") - ref_logits).abs().max().item() <= TOL
+
+
+def test_a_file_removed_between_planning_and_loading(loaded, on_disk):
+    folder, prompt = on_disk
+    _, ref_logits = full_reference(loaded, prompt)
+    engine, _, disk = new_engine(loaded, folder)
+    plan = engine.assembler.plan(engine._segments(prompt), "exact")
+    pending = [p for p in plan.pieces if p.pending is not None]
+    assert len(pending) == len(prefix_files(folder))
+    for p in pending[:2]:
+        disk.file_for(p.key).unlink()
+    asm = engine.assembler.assemble(plan, extra_capacity=0)
+    try:
+        assert (asm.logits - ref_logits).abs().max().item() <= TOL
+        assert asm.cached_tokens == (len(pending) - 2) * BLOCK_TOKENS
+        assert not {p.key for p in pending[:2]} & asm.plan.hits
+        assert sum(p.n for p in asm.pieces if p.source == "fresh" and p.kind == "prefix") == 2 * BLOCK_TOKENS
+    finally:
+        engine.runner.release_cache(asm.cache)
+    assert disk.tier_stats()[0].misses == 2
+
+
+def test_an_unreadable_block_is_recomputed(loaded, on_disk, monkeypatch):
+    folder, prompt = on_disk
+    ref, ref_logits = full_reference(loaded, prompt)
+    engine, _, disk = new_engine(loaded, folder)
+    bad = prefix_files(folder)[0]
+    real = disk_module.read_block_file
+
+    def flaky(path, *args, **kwargs):
+        if path == bad:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_module, "read_block_file", flaky)
+    got = engine.generate(prompt, mode="exact", max_new_tokens=4)
+    assert got.token_ids == ref.token_ids
+    assert got.cached_tokens == (got.prompt_tokens // BLOCK_TOKENS - 1) * BLOCK_TOKENS
+    assert disk.tier_stats()[0].errors == 1
+    assert (engine.next_token_logits(prompt, "exact") - ref_logits).abs().max().item() <= TOL
+
+
+def test_modular_from_disk_equals_modular_from_memory(loaded, tmp_path, docs):
+    """The prefix before the first chunk comes from disk directly; relocated chunks take the usual path."""
+    model, tok = loaded
+    prompt = [pc_rag.Text(system_text()), pc_rag.Chunk(docs[0]), pc_rag.Text("\n\n"), pc_rag.Chunk(docs[1]),
+              pc_rag.Text(PROMPT_QUESTION)]
+    first = pc_rag.Engine(model, tok, store=TieredStore([MemoryStore(), DiskStore(tmp_path)]))
+    first.generate(prompt, mode="modular", max_new_tokens=2)
+    ref = first.next_token_logits(prompt, "modular")
+    engine, _, _ = new_engine(loaded, tmp_path)
+    got = engine.generate(prompt, mode="modular", max_new_tokens=2)
+    assert "disk" in {s.origin for s in got.sources if s.source == "prefix"}
+    assert (engine.next_token_logits(prompt, "modular") - ref).abs().max().item() <= 1e-5
+
+
+def test_a_store_of_ones_own_keeps_working(loaded):
+    class Plain:
+        name = "plain"
+
+        def __init__(self):
+            self.blocks = {}
+
+        def get(self, key):
+            return self.blocks.get(key)
+
+        def put(self, key, b):
+            self.blocks[key] = b
+
+        def clear(self):
+            self.blocks.clear()
+
+        def tier_stats(self):
+            return []
+
+    model, tok = loaded
+    prompt = system_text() + PROMPT_QUESTION
+    ref, _ = full_reference(loaded, prompt)
+    engine = pc_rag.Engine(model, tok, store=Plain())
+    engine.generate(prompt, mode="exact", max_new_tokens=4)
+    got = engine.generate(prompt, mode="exact", max_new_tokens=4)
+    assert {s.origin for s in got.sources if s.source == "prefix"} == {"plain"}
+    assert got.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocks_land_in_the_buffer_bit_for_bit(tiny_path, tmp_path, dtype):
+    """Reference: the blocks as the disk tier's `get` returns them. What the request buffer held is what memory
+    gets after the reply (cloned from the buffer), so the promoted blocks must equal them exactly."""
+    prompt = system_text() + PROMPT_QUESTION
+    first = pc_rag.Engine.from_pretrained(tiny_path, dtype=dtype, store=TieredStore([MemoryStore(),
+                                                                                      DiskStore(tmp_path)]))
+    first.generate(prompt, mode="exact", max_new_tokens=1)
+    memory, disk = MemoryStore(), DiskStore(tmp_path)
+    engine = pc_rag.Engine(first.model, first.tokenizer, store=TieredStore([memory, disk]))
+    plan = engine.assembler.plan(engine._segments(prompt), "exact")
+    keys = [p.key for p in plan.pieces if p.pending is not None]
+    assert keys
+    engine.next_token_logits(prompt, "exact")
+    for key in keys[:-1]:  # the last block may end with the prompt's last token, recomputed for its logits
+        got, ref = memory.get(key), disk.get(key)
+        assert got.keys.dtype == getattr(torch, dtype)
+        assert torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)
+
+
+def test_the_sink_falls_back_to_relocate_off_the_numpy_path(engine):
+    """Buffers on an accelerator (no machine with one here) take `runner.relocate`, as does a block of another
+    dtype: exercised on the CPU with a float64 block. Reference: the block cast to the buffer's dtype."""
+    from pc_rag.assemble import Piece
+
+    shape = engine.runner.shape
+    cache = engine.runner.new_cache(64)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(shape.num_layers, shape.kv_heads, 32, shape.head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(k.shape, generator=g, dtype=torch.float64)
+    ids = tuple(range(64))
+    take = engine.assembler._sink(Piece(32, 32, "prefix", "prefix", 32), ids, cache)
+    assert take(KVBlock(k, v, ids[32:], 32)) is True
+    dk, dv = cache.block_views(32, 64)
+    assert torch.equal(dk, k.float()) and torch.equal(dv, v.float())
+    assert take(KVBlock(k, v, ids[:32], 32)) is False  # other tokens: refused
