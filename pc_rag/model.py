@@ -401,7 +401,8 @@ class LlamaRunner:
         cache.prepare_write(slots)
         length = cache.length
         rows = torch.tensor(slots, device=dev)
-        key_slots = torch.arange(length, device=dev)
+        mask = torch.zeros(len(rows), length, dtype=self.dtype, device=dev)  # key slot <= query slot; rows drop out
+        mask.masked_fill_(torch.arange(length, device=dev)[None, :] > rows[:, None], torch.finfo(self.dtype).min)
         with self._lock:
             hidden = inner.embed_tokens(torch.tensor([ids], device=dev))  # [1, n, hidden]
             cos, sin = inner.rotary_emb(hidden, torch.tensor([positions], device=dev))  # [1, n, D]
@@ -417,13 +418,11 @@ class LlamaRunner:
                 if keep is not None:
                     hidden, q, k, v, cos, sin = (hidden[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep],
                                                  cos[:, keep], sin[:, keep])
-                    rows = rows[keep]
+                    rows, mask = rows[keep], mask[keep]
                 layer_keys, layer_values = cache.keys[i], cache.values[i]  # [1, H_kv, capacity, D]
                 layer_keys.index_copy_(2, rows, k)
                 layer_values.index_copy_(2, rows, v)
                 seen_k, seen_v = layer_keys[:, :, :length], layer_values[:, :, :length]
-                mask = torch.zeros(len(rows), length, dtype=self.dtype, device=dev)
-                mask.masked_fill_(key_slots[None, :] > rows[:, None], torch.finfo(self.dtype).min)
                 gqa = {"enable_gqa": True} if attn.num_key_value_groups > 1 else {}
                 o = torch.nn.functional.scaled_dot_product_attention(q, seen_k, seen_v, attn_mask=mask[None, None],
                                                                      scale=attn.scaling, **gqa)
