@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 from pathlib import Path
 
 import torch
@@ -22,13 +21,12 @@ import pc_rag
 from pc_rag.assemble import recompute_work
 
 from .accuracy import DEFAULT_BLENDS, blend_name, parse_blend
-from .ttft import Workload, corpus_chunks, interleaved, model_or_bench
+from .ttft import interleaved, model_or_bench, workloads
 
 
 def run(model_path, target_tokens: int, blends: list[str], reps: int, seed: int = 0) -> dict:
     engine = pc_rag.Engine.from_pretrained(model_path, store="memory:16GiB")
-    pool = corpus_chunks(engine)
-    w = Workload(engine, random.Random(seed).sample(pool, max(1, (target_tokens - 60) // 260)))
+    w = next(workloads(engine, [target_tokens], seed))
     engine.warm(w.chunks, progress=False)
     chunk_tokens = sum(len(engine.segmenter.ids(c)) for c in w.chunks)
     layers = engine.runner.shape.num_layers

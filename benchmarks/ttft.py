@@ -59,6 +59,17 @@ def corpus_chunks(engine, tokens_per_chunk=256):
     return chunks
 
 
+def workloads(engine, lengths, seed):
+    """A Workload per target length (of ~256-token chunks of real text), the same ones for the same seed."""
+    pool = corpus_chunks(engine)
+    rng = random.Random(seed)
+    for target in lengths:
+        k = max(1, (target - 60) // 260)
+        if k > len(pool):
+            return
+        yield Workload(engine, rng.sample(pool, k))
+
+
 def build_prompt(chunks):
     parts = [Text(SYSTEM)]
     for c in chunks:
@@ -300,14 +311,8 @@ def run_exact_disk(model_path, lengths, reps, dtype="float32", device="cpu", see
         engine = pc_rag.Engine.from_pretrained(model_path, dtype=dtype, device=device,
                                                store=["memory:16GiB", f"disk:{disk_dir}?max_bytes=64GiB"])
         memory_tier, disk_tier = engine.store.tiers
-        pool = corpus_chunks(engine)
-        rng = random.Random(seed)
         rows = []
-        for target in lengths:
-            k = max(1, (target - 60) // 260)
-            if k > len(pool):
-                break
-            w = Workload(engine, rng.sample(pool, k))
+        for w in workloads(engine, lengths, seed):
             engine.store.clear()
             engine.generate(w.prompt, mode="exact", max_new_tokens=1)
 
@@ -361,14 +366,8 @@ def _run(model_path, lengths, reps, dtype, device, seed, disk_dir, redis_url=Non
     if redis_url is not None:
         redis_engine = pc_rag.Engine(engine.model, engine.tokenizer, store=["memory:16GiB", redis_url])
         redis_memory, redis_tier = redis_engine.store.tiers
-    pool = corpus_chunks(engine)
-    rng = random.Random(seed)
     rows = []
-    for target in lengths:
-        k = max(1, (target - 60) // 260)
-        if k > len(pool):
-            break
-        w = Workload(engine, rng.sample(pool, k))
+    for w in workloads(engine, lengths, seed):
 
         def pc(mode, prompt=w.prompt, ratio=0.15):
             return lambda: engine.next_token_logits(prompt, mode=mode, recompute_ratio=ratio)
@@ -379,7 +378,7 @@ def _run(model_path, lengths, reps, dtype, device, seed, disk_dir, redis_url=Non
         warm_s = time.perf_counter() - t0
         chunk_tokens = sum(len(engine.segmenter.ids(c)) for c in w.chunks)
         engine.generate(build_prompt(w.chunks[::-1]), mode="modular", max_new_tokens=1)  # system text node
-        row = {"prompt_tokens": len(w.ids), "chunks": k, "question_tokens": w.q}
+        row = {"prompt_tokens": len(w.ids), "chunks": len(w.chunks), "question_tokens": w.q}
         row["hf_full"] = timeit(w.hf_full, reps)
         row["hf_prefix"] = timeit(w.hf_prefix, reps)
         row["pc_full"] = timeit(pc("full"), reps)

@@ -155,19 +155,28 @@ def test_a_failing_read_is_a_miss_and_pauses_the_tier(tmp_path, monkeypatch):
     assert store.find_many_with_source(keys) == [(None, None)] * 3  # paused: not even located
 
 
+class Plain:
+    """A store of a user's own: get, put, clear and tier_stats only."""
+
+    name = "plain"
+
+    def __init__(self):
+        self.blocks = {}
+
+    def get(self, key):
+        return self.blocks.get(key)
+
+    def put(self, key, b):
+        self.blocks[key] = b
+
+    def clear(self):
+        self.blocks.clear()
+
+    def tier_stats(self):
+        return []
+
+
 def test_other_stores_answer_as_get_many_with_source(tmp_path):
-    class Plain:  # a user store: get and put only
-        name = "plain"
-
-        def __init__(self):
-            self.blocks = {}
-
-        def get(self, key):
-            return self.blocks.get(key)
-
-        def put(self, key, b):
-            self.blocks[key] = b
-
     plain = Plain()
     plain.put("prefix-a", block(1))
     assert find_many_with_source(plain, ["prefix-a", "prefix-b"]) == [(plain.blocks["prefix-a"], "plain"),
@@ -354,24 +363,6 @@ def test_modular_from_disk_equals_modular_from_memory(loaded, tmp_path, docs):
 
 
 def test_a_store_of_ones_own_keeps_working(loaded):
-    class Plain:
-        name = "plain"
-
-        def __init__(self):
-            self.blocks = {}
-
-        def get(self, key):
-            return self.blocks.get(key)
-
-        def put(self, key, b):
-            self.blocks[key] = b
-
-        def clear(self):
-            self.blocks.clear()
-
-        def tier_stats(self):
-            return []
-
     model, tok = loaded
     prompt = system_text() + PROMPT_QUESTION
     ref, _ = full_reference(loaded, prompt)

@@ -297,19 +297,7 @@ class DiskStore:
         paths = [self.file_for(key) for key in keys]  # checks every key before any file is touched
         t0 = time.perf_counter()
         loads = _read_all(self._load, list(zip(keys, paths, strict=True)))
-        blocks: list[KVBlock | None] = []
-        failed = None
-        with self._lock:
-            for key, path, load in zip(keys, paths, loads, strict=True):
-                blocks.append(self._settle(key, path, load))
-                if load.error is not None and failed is None:
-                    failed = (path, load.error)
-                for step, seconds in load.timings.items():
-                    setattr(self.stats, step, getattr(self.stats, step) + seconds)
-                if load.found:
-                    self.stats.bytes_read += load.size
-            if any(b is not None for b in blocks):
-                self.stats.load_s += time.perf_counter() - t0
+        blocks, failed = self._settle_all(keys, paths, loads, t0)
         if failed is not None:
             path, e = failed
             raise self._error(f"cannot read {path}", e) from e
@@ -348,18 +336,7 @@ class DiskStore:
         paths = [self.file_for(key) for key in keys]
         t0 = time.perf_counter()
         loads = _read_all(self._load, list(zip(keys, paths, sinks, strict=True)))
-        failed = None
-        with self._lock:
-            for key, path, load in zip(keys, paths, loads, strict=True):
-                self._settle(key, path, load)
-                if load.error is not None and failed is None:
-                    failed = (path, load.error)
-                for step, seconds in load.timings.items():
-                    setattr(self.stats, step, getattr(self.stats, step) + seconds)
-                if load.found:
-                    self.stats.bytes_read += load.size
-            if any(load.found for load in loads):
-                self.stats.load_s += time.perf_counter() - t0
+        _, failed = self._settle_all(keys, paths, loads, t0)
         for load in loads:
             if load.sink_error is not None:
                 raise load.sink_error
@@ -370,6 +347,24 @@ class DiskStore:
             error.loaded = loaded
             raise error from e
         return loaded
+
+    def _settle_all(self, keys: list[str], paths: list[Path], loads: list[_Load], t0: float):
+        """Index, counters and timings for a batch read since `t0`: the blocks (None for a miss) and the first
+        I/O error as (path, error), or None."""
+        blocks: list[KVBlock | None] = []
+        failed = None
+        with self._lock:
+            for key, path, load in zip(keys, paths, loads, strict=True):
+                blocks.append(self._settle(key, path, load))
+                if load.error is not None and failed is None:
+                    failed = (path, load.error)
+                for step, seconds in load.timings.items():
+                    setattr(self.stats, step, getattr(self.stats, step) + seconds)
+                if load.found:
+                    self.stats.bytes_read += load.size
+            if any(load.found for load in loads):
+                self.stats.load_s += time.perf_counter() - t0
+        return blocks, failed
 
     def _load(self, key: str, path: Path, sink=None) -> _Load:
         """Reads and checks one block file, and hands it to `sink` if given (read_into); no shared state is
