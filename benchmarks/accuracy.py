@@ -19,7 +19,8 @@ greedy first token is the right answer, in each mode:
   modular.
 Also per mode: how often its answer equals full's, the share of modular's loss it recovers ((mode - modular) /
 (full - modular)), and for blends the compute: token-layers of the chunk tokens computed in context as a share
-of a full recompute (`recompute_work`). Writes accuracy.json and accuracy.md to --out.
+of a full recompute (`recompute_work`). Writes accuracy-seed<SEED>.json and .md to --out; `pool` merges
+runs on several seeds (benchmarks/report.py shows them pooled).
 Held-out prompts come from a random stream (--seed) disjoint from the training and evaluation streams.
 """
 
@@ -145,6 +146,27 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
     return {"model": str(model), "seed": seed, "modes": modes, "rows": rows}
 
 
+def pool(results: list[dict]) -> dict:
+    """Runs of the same modes on several seeds as one: per (task, chunks), rates and means weighted by prompts."""
+    first = results[0]
+    rows = []
+    for r0 in first["rows"]:
+        same = [r for res in results for r in res["rows"] if (r["task"], r["chunks"]) == (r0["task"], r0["chunks"])]
+        n = sum(r["prompts"] for r in same)
+        row = {"task": r0["task"], "chunks": r0["chunks"], "prompts": n}
+        for field in ("accuracy", "agreement_with_full", "mean_kl_from_full", "work"):
+            row[field] = {m: sum(r[field][m] * r["prompts"] for r in same) / n for m in r0.get(field, {})}
+        rows.append(row)
+    return {"model": first["model"], "seed": [res["seed"] for res in results], "modes": first["modes"], "rows": rows}
+
+
+def recovered(row: dict, mode: str) -> float | None:
+    """The share of modular's loss that `mode` recovers in `row`: (mode - modular) / (full - modular)."""
+    acc = row["accuracy"]
+    loss = acc["full"] - acc["modular"]
+    return (acc[mode] - acc["modular"]) / loss if loss > 0 else None
+
+
 def markdown(result: dict) -> str:
     modes = result["modes"]
     lines = [
@@ -170,9 +192,7 @@ def markdown(result: dict) -> str:
         "|---|---|" + "---|" * (len(blends) + 1),
     ]
     for r in result["rows"]:
-        acc = r["accuracy"]
-        loss = acc["full"] - acc["modular"]
-        cells = [(f"{100 * (acc[m] - acc['modular']) / loss:.0f}%" if loss > 0 else "–")
+        cells = [(f"{100 * recovered(r, m):.0f}%" if recovered(r, m) is not None else "–")
                  + (f" ({r['work'][m]:.2f})" if m in r.get("work", {}) else "") for m in [*blends, "scaffold"]]
         lines.append(f"| {TASK_TITLES[r['task']]} | {r['chunks']} | " + " | ".join(cells) + " |")
     compared = [m for m in modes if m != "full"]
@@ -208,9 +228,9 @@ def main(argv=None):
     result = run(args.model, args.prompts, args.chunks, args.seed, args.blend, args.codec, tuple(args.tasks))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "accuracy.json").write_text(json.dumps(result, indent=1))
+    (out / f"accuracy-seed{args.seed}.json").write_text(json.dumps(result, indent=1))
     md = markdown(result)
-    (out / "accuracy.md").write_text(md)
+    (out / f"accuracy-seed{args.seed}.md").write_text(md)
     print(md)
 
 

@@ -20,7 +20,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 # blend's default share of reused chunk tokens recomputed (with Engine.blend_selection): README, "Blend".
-DEFAULT_RECOMPUTE_RATIO = 0.15
+DEFAULT_RECOMPUTE_RATIO = 0.2
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,9 @@ def test_tokens_per_layer():
     assert tokens_per_layer("chunk_start", 20, 100, 4) == [20, 20, 20, 20]
     assert tokens_per_layer("deviation", 20, 100, 4) == [100, 20, 20, 20]
     assert tokens_per_layer("progressive", 20, 100, 4) == [100, 60, 40, 20]  # 3x at layer 1, down to 1x
-    assert tokens_per_layer("progressive", 50, 100, 4) == [100, 100, 75, 50]
+    assert tokens_per_layer("progressive", 20, 100, 8) == [100, 60, 40, 20, 20, 20, 20, 20]
+    assert tokens_per_layer("progressive", 20, 100, 2) == [100, 20]  # the last layer keeps the budget
+    assert tokens_per_layer("progressive", 50, 100, 4) == [100, 100, 100, 50]
     assert tokens_per_layer("progressive", 0, 100, 4) == [0, 0, 0, 0]
     assert recompute_work("progressive", 0.2, 100, 4) == pytest.approx(0.55)
     assert recompute_work("chunk_start", 0.2, 100, 8) == pytest.approx(0.2)
