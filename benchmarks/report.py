@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from . import accuracy, fidelity, loads, prefix, ttft
+from . import accuracy, blend_cost, fidelity, loads, prefix, ttft
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -69,6 +69,11 @@ def section(out: Path) -> str:
             "`exact` must show zero. Unrelated chunks are random corpus chunks; consecutive chunks are one "
             "document cut in pieces.\n\n" + fidelity.markdown(f)
         )
+    bc_path = out / "blend_cost.json"
+    if bc_path.exists():
+        parts.append("### Blend: cost\n\n`benchmarks/blend_cost.py`: what each blend setting costs at about 4K "
+                     "tokens on the bench model, next to full and modular (what each recovers: the trained "
+                     "model's table below).\n\n" + blend_cost.markdown(json.loads(bc_path.read_text())))
     runs = sorted((ROOT / "benchmarks" / "retrieval-results").glob("accuracy-seed*.json"))
     if runs:
         parts.append(accuracy_section([json.loads(r.read_text()) for r in runs]))
@@ -78,6 +83,7 @@ def section(out: Path) -> str:
         "python -m benchmarks.prefix --reps 7 --out bench_out && "
         "python benchmarks/flows.py --out bench_out/flows.json && "
         "python -m benchmarks.fidelity --prompts 12 --out bench_out && python -m benchmarks.loads --out bench_out && "
+        "python -m benchmarks.blend_cost --out bench_out && "
         "python -m benchmarks.report --out bench_out` "
         "(`pc-rag bench` runs the first)."
     )
