@@ -79,7 +79,8 @@ class Variant:
 # exact last: its prefix nodes (the whole prompt but the question) would otherwise serve the others too.
 VARIANTS = [Variant("modular", "modular"), Variant("modular_nosink", "modular", nosink=True),
             Variant("modular_fresh_separators", "modular", fresh_separators=True)]
-VARIANTS += [Variant(f"blend_{r}_{sel}", "blend", r, sel) for sel in ("deviation", "chunk_start") for r in RATIOS]
+VARIANTS += [Variant(f"blend_{r}_{sel}", "blend", r, sel) for sel in ("deviation", "chunk_start", "progressive")
+             for r in RATIOS]
 VARIANTS += [Variant("scaffold", "modular", scaffold=True), Variant("exact", "exact")]
 
 
