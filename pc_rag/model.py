@@ -336,6 +336,24 @@ class LlamaRunner:
             )
         return out.logits[0, -1].float()
 
+    def _qkv(self, layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """A layer's queries, keys and values for `hidden` [B, T, hidden], RoPE applied, [B, H, T, D] each: the
+        ops of the model's own attention, for the hand-written layer loops (decode_batch, forward_layers)."""
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        shape = (*x.shape[:2], -1, attn.head_dim)
+        q = attn.q_proj(x).view(shape).transpose(1, 2)
+        k = attn.k_proj(x).view(shape).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        return (*self._apply_rope(q, k, cos, sin), v)
+
+    @staticmethod
+    def _after_attention(layer, hidden: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The rest of a layer: the attention output `o` [B, H_q, T, D] through o_proj into the residual, then
+        the MLP."""
+        hidden = hidden + layer.self_attn.o_proj(o.transpose(1, 2).reshape(*hidden.shape[:2], -1))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
     @torch.inference_mode()
     def decode_batch(self, caches: list[SlotCache], ids: list[int], positions: list[int],
                      slots: list[int]) -> torch.Tensor:
@@ -361,23 +379,15 @@ class LlamaRunner:
             new = [(k[:, 0, :, -1], v[:, 0, :, -1]) for k, v in seen]  # [L, H_kv, D] each
             for i, layer in enumerate(inner.layers[: self.shape.num_layers]):
                 attn = layer.self_attn
-                x = layer.input_layernorm(hidden)
-                shape = (n, 1, -1, attn.head_dim)
-                q = attn.q_proj(x).view(shape).transpose(1, 2)  # [B, H_q, 1, D]
-                k = attn.k_proj(x).view(shape).transpose(1, 2)  # [B, H_kv, 1, D]
-                v = attn.v_proj(x).view(shape).transpose(1, 2)
-                q, k = self._apply_rope(q, k, cos, sin)
-                gqa = {"enable_gqa": True} if attn.num_key_value_groups > 1 else {}
+                q, k, v = self._qkv(layer, hidden, cos, sin)  # [B, H, 1, D]
                 k_new, v_new = k[:, :, 0], v[:, :, 0]  # [B, H_kv, D]
                 out = []
                 for b in range(n):
                     new[b][0][i] = k_new[b]
                     new[b][1][i] = v_new[b]
                     out.append(torch.nn.functional.scaled_dot_product_attention(
-                        q[b: b + 1], seen[b][0][i], seen[b][1][i], scale=attn.scaling, **gqa))  # [1, H_q, 1, D]
-                o = (torch.cat(out) if n > 1 else out[0]).transpose(1, 2).reshape(n, 1, -1)  # [B, 1, H_q * D]
-                hidden = hidden + attn.o_proj(o)
-                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                        q[b: b + 1], seen[b][0][i], seen[b][1][i], scale=attn.scaling, **_gqa(attn)))
+                hidden = self._after_attention(layer, hidden, torch.cat(out) if n > 1 else out[0])
             logits = self.model.lm_head(inner.norm(hidden))[:, 0]  # [B, vocab]
         for cache, s in zip(caches, slots, strict=True):
             cache.length = max(cache.length, s + 1)
@@ -408,12 +418,7 @@ class LlamaRunner:
             cos, sin = inner.rotary_emb(hidden, torch.tensor([positions], device=dev))  # [1, n, D]
             for i, layer in enumerate(inner.layers[: self.shape.num_layers]):
                 attn = layer.self_attn
-                x = layer.input_layernorm(hidden)
-                shape = (1, x.shape[1], -1, attn.head_dim)
-                q = attn.q_proj(x).view(shape).transpose(1, 2)  # [1, H_q, n, D]
-                k = attn.k_proj(x).view(shape).transpose(1, 2)  # [1, H_kv, n, D]
-                v = attn.v_proj(x).view(shape).transpose(1, 2)
-                q, k = self._apply_rope(q, k, cos, sin)
+                q, k, v = self._qkv(layer, hidden, cos, sin)  # [1, H, n, D]
                 keep = narrow(i, rows, k[0]) if narrow is not None else None
                 if keep is not None:
                     hidden, q, k, v, cos, sin = (hidden[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep],
@@ -423,11 +428,9 @@ class LlamaRunner:
                 layer_keys.index_copy_(2, rows, k)
                 layer_values.index_copy_(2, rows, v)
                 seen_k, seen_v = layer_keys[:, :, :length], layer_values[:, :, :length]
-                gqa = {"enable_gqa": True} if attn.num_key_value_groups > 1 else {}
                 o = torch.nn.functional.scaled_dot_product_attention(q, seen_k, seen_v, attn_mask=mask[None, None],
-                                                                     scale=attn.scaling, **gqa)
-                hidden = hidden + attn.o_proj(o.transpose(1, 2).reshape(1, len(rows), -1))
-                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                                                                     scale=attn.scaling, **_gqa(attn))
+                hidden = self._after_attention(layer, hidden, o)
             logits = self.model.lm_head(inner.norm(hidden[:, -1:]))
         return logits[0, -1].float()
 
@@ -469,6 +472,10 @@ class LlamaRunner:
             cos, sin = angle.cos(), angle.sin()
             dst[..., :h] = k1 * cos - k2 * sin
             dst[..., h:] = k2 * cos + k1 * sin
+
+
+def _gqa(attn) -> dict:
+    return {"enable_gqa": True} if attn.num_key_value_groups > 1 else {}  # sdpa repeats the kv heads itself
 
 
 def _may_copy_async(src: torch.device, dst: torch.device) -> bool:
