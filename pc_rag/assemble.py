@@ -75,7 +75,7 @@ class Recompute:
     """
 
     ratio: float
-    select: str = "chunk_start"
+    select: str  # the engine's `blend_selection`: one default, there
 
     def __post_init__(self):
         if not 0.0 <= self.ratio <= 1.0:
