@@ -36,6 +36,7 @@ import zstandard
 
 from ..blocks import KVBlock
 from ..errors import StoreError
+from .tier import StoreUsageError
 
 # v2: xxh3-64 checksum over the data section, int32 token ids, canonical tensor order, optional int8 codec.
 # Entries of another format are misses (never misread): the tiers drop them and the block is recomputed.
@@ -57,6 +58,14 @@ _ZSTD_LEVEL = 1  # levels 3-9 saved under 1% more on KV and compress several tim
 _F16_MIN, _F16_MAX = 2.0**-14, 65504.0  # float16's normal range, for scales
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
                         module=__name__)
+
+
+def tier_codec(compress: str | None) -> str:
+    """The codec a disk or Redis tier stores with, from its `compress` option (None or "none": exact)."""
+    codec = "none" if compress in (None, "none") else compress
+    if codec not in CODECS:
+        raise StoreUsageError(f"unknown compress={compress!r}; choose one of {', '.join(CODECS)} (or None)")
+    return codec
 
 
 class CorruptBlockError(StoreError):

@@ -53,13 +53,13 @@ import torch
 from ..blocks import KVBlock
 from ..errors import StoreError
 from .codec import (
-    CODECS,
     CorruptBlockError,
     StaleBlockError,
     declared_size,
     decode_block,
     encode_block,
     header_length,
+    tier_codec,
 )
 from .tier import KEY_PATTERN, StoreUsageError, TierStats, TierUnavailableError, check_key
 
@@ -77,13 +77,6 @@ _READ_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBL
 # O_EXCL: never write through anything already at the temp name (a symlink or FIFO left there).
 _WRITE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
                 | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
-
-
-def _codec(compress: str | None) -> str:
-    codec = "none" if compress in (None, "none") else compress
-    if codec not in CODECS:
-        raise StoreUsageError(f"unknown compress={compress!r}; choose one of {', '.join(CODECS)} (or None)")
-    return codec
 
 
 def block_file_name(key: str) -> str:
@@ -252,7 +245,7 @@ class DiskStore:
         quarter of float32's bytes; lossy: see docs/store.md for its measured fidelity cost)."""
         if max_bytes < 0:
             raise StoreUsageError(f"DiskStore needs max_bytes >= 0, got {max_bytes}")
-        self.codec = _codec(compress)
+        self.codec = tier_codec(compress)
         self.path = Path(path).expanduser()  # the folder given; blocks live in its subfolder blocks_dir
         self.blocks_dir = self.path / BLOCKS_DIR
         self.max_bytes = max_bytes

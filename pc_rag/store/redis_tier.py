@@ -26,7 +26,7 @@ from typing import Any
 
 from ..blocks import KVBlock
 from ..errors import StoreError
-from .codec import CODECS, CorruptBlockError, StaleBlockError, decode_block, encode_block
+from .codec import CorruptBlockError, StaleBlockError, decode_block, encode_block, tier_codec
 from .tier import StoreUsageError, TierStats, TierUnavailableError, check_key
 
 log = logging.getLogger("pc_rag.store")
@@ -72,9 +72,7 @@ class RedisStore:
     ):
         if ttl_s is not None and ttl_s <= 0:
             raise StoreUsageError(f"RedisStore ttl_s must be > 0 or None, got {ttl_s}")
-        self.codec = "none" if compress in (None, "none") else compress
-        if self.codec not in CODECS:
-            raise StoreUsageError(f"unknown compress={compress!r}; choose one of {', '.join(CODECS)} (or None)")
+        self.codec = tier_codec(compress)
         self.url = url
         self.ttl_s = ttl_s
         self.prefix = prefix

@@ -87,17 +87,17 @@ class TieredStore:
     def get_many_with_source(self, keys: Sequence[str]) -> list[tuple[KVBlock | None, str | None]]:
         """(block, tier name) or (None, None) for each key, in order. Each tier is asked once, for the keys
         no tier above it had (one Redis round trip per request); a key repeated in `keys` is looked up once."""
-        keys = [check_key(k) for k in keys]
-        self._wait_for_prefetch(keys)
-        found = self._lookup(list(dict.fromkeys(keys)), 0)
-        return [found.get(key, (None, None)) for key in keys]
+        return self._answer(keys, pending=False)
 
     def find_many_with_source(self, keys: Sequence[str]) -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
         """As `get_many_with_source`, but a key held by a tier that can read into the caller's memory (disk) comes
         back as a PendingBlock (not read, not promoted), for `read_pending`."""
+        return self._answer(keys, pending=True)
+
+    def _answer(self, keys: Sequence[str], pending: bool) -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
         keys = [check_key(k) for k in keys]
         self._wait_for_prefetch(keys)
-        found = self._lookup(list(dict.fromkeys(keys)), 0, pending=True)
+        found = self._lookup(list(dict.fromkeys(keys)), 0, pending=pending)
         return [found.get(key, (None, None)) for key in keys]
 
     def read_pending(self, pending: Sequence[PendingBlock], sinks: Sequence) -> list[bool]:
@@ -171,9 +171,9 @@ class TieredStore:
         """Loads the blocks of `keys` found in the persistent tiers into the tiers above them (memory); keys
         already held there, or being loaded by another prefetch, are skipped. Returns how many blocks were
         brought up. Meant for a background thread; counted in the lower tiers' hits and misses like any read."""
-        top = self._volatile_top()
-        if not 0 < top < len(self.tiers):
+        if not self.can_prefetch:
             return 0
+        top = self._volatile_top()
         keys = [check_key(k) for k in dict.fromkeys(keys)]
         keys = [k for k in keys if not any(_holds(tier, k) for tier in self.tiers[:top])]
         with self._lock:
