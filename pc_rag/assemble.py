@@ -27,7 +27,7 @@ from .errors import PCRagError, PromptError, UnsupportedModelError
 from .model import LlamaRunner, SlotCache
 from .prefix import BLOCK_TOKENS, Link, PrefixIndex, Run, after_link, run_blocks
 from .segments import TokenSegment
-from .store import PendingBlock, find_many_with_source, get_many_with_source, get_with_source, put_block
+from .store import PendingBlock, Sink, find_many_with_source, get_many_with_source, get_with_source, put_block
 
 MODES = ("full", "exact", "modular", "blend")
 REUSING_CHUNKS = ("modular", "blend")
@@ -44,7 +44,8 @@ class Piece:
     key: str | None = None  # store key it came from
     block: KVBlock | None = None  # for a "prefix" piece, its first n tokens are used
     origin: str | None = None  # store tier (or "computed" for a block encoded by this request)
-    pending: PendingBlock | None = None  # a "prefix" block found on disk, not read yet: assemble reads it in place
+    pending: PendingBlock | None = None  # a block found on disk, not read yet: assemble reads it into its slots
+    want: Wanted | None = None  # a pending relocated block: what to encode should reading it fail
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,7 @@ class Assembler:
             j += 1
         close_run(slot, closed=False)
         keys = list(dict.fromkeys(w.key for w in items if isinstance(w, Wanted)))
-        found = dict(zip(keys, self._fetch(keys), strict=True))
+        found = dict(zip(keys, self._find(keys), strict=True))
         out = []
         for item in items:
             if isinstance(item, Wanted):
@@ -310,8 +311,12 @@ class Assembler:
         keys, values = self.runner.place(block.keys, block.values)
         return KVBlock(keys, values, block.token_ids, block.start, block.meta)
 
-    def _piece(self, want: Wanted, block: KVBlock | None, origin: str | None) -> Piece:
-        """The Piece for a wanted block, given what the store answered; a miss is encoded now and stored."""
+    def _piece(self, want: Wanted, block: KVBlock | PendingBlock | None, origin: str | None) -> Piece:
+        """The Piece for a wanted block, given what the store answered; a miss is encoded now and stored. A block
+        on disk is read into the request buffer by `assemble` (its tokens are checked then)."""
+        if isinstance(block, PendingBlock):
+            return Piece(want.slot, len(want.token_ids), want.source, want.kind, want.position, want.key, None, origin,
+                         block, want)
         if block is not None and block.token_ids != want.token_ids:
             block = None  # a key collision or a foreign entry: never use KV for other tokens
         if block is None:
@@ -430,30 +435,43 @@ class Assembler:
         )
 
     def _read_pending(self, plan: Plan, cache: SlotCache) -> Plan:
-        """Reads the plan's pending prefix blocks (found on disk at planning) straight into their slots of
-        `cache`, in the disk tier's reader threads: each file goes through a reused staging buffer, is checked
-        there as any disk read is, and its keys and values are copied into the slots; no block gets memory of
-        its own, so a request from disk faults in no fresh pages (they cost more than the reads). The memory
-        tier gets these blocks after the reply (`save_prefix`). A block that cannot be used (gone, corrupt,
-        unreadable since planning, or holding other tokens) leaves its slots to this request's forward: the
-        returned plan has fresh pieces there and no longer counts them as hits. The blocks after it stay valid:
-        exact prefix KV depends on the tokens before it, never on how their KV was obtained."""
+        """Reads the plan's pending blocks (found on disk at planning) straight into their slots of `cache`, in the
+        disk tier's reader threads: a bit-exact block is read from its file into the slots and checked there, any
+        other through a reused staging buffer and copied in; no block gets memory of its own, so a request from
+        disk faults in no fresh pages (they cost more than the reads). Relocated blocks' keys are then rotated in
+        place to their positions here. The memory tier gets these blocks after the reply (`save_prefix`).
+        A block that cannot be used (gone, corrupt, unreadable since planning, or holding other tokens): a prefix
+        block leaves its slots to this request's forward (the returned plan has fresh pieces there and no longer
+        counts them as hits; the blocks after it stay valid: exact prefix KV depends on the tokens before it,
+        never on how their KV was obtained); a relocated block is encoded now and stored, as a miss would be."""
         pending = [p for p in plan.pieces if p.pending is not None]
         if not pending:
             return plan
-        taken = self.store.read_pending([p.pending for p in pending], [self._sink(p, plan.ids, cache) for p in pending])
+        rotations: list[tuple[torch.Tensor, int]] = []
+        taken = self.store.read_pending([p.pending for p in pending],
+                                        [self._sink(p, plan.ids, cache, rotations) for p in pending])
+        for keys, delta in rotations:  # here, not in the reader threads: torch ops there oversubscribe the cores
+            self.runner.relocate(keys, keys.clone(), delta)
         failed = {p.slot for p, ok in zip(pending, taken, strict=True) if not ok}
         if not failed:
             return plan
-        pieces = tuple(Piece(p.slot, p.n, "fresh", p.kind, p.position) if p.pending is not None and p.slot in failed
-                       else p for p in plan.pieces)
+        pieces = tuple(self._recover(p) if p.pending is not None and p.slot in failed else p
+                       for p in plan.pieces)
         lost = [p for p in pending if p.slot in failed]
         return replace(plan, pieces=pieces, hits=plan.hits - {p.key for p in lost},
                        stored_tokens=plan.stored_tokens + sum(p.n for p in lost))
 
-    def _sink(self, p: Piece, ids: tuple[int, ...], cache: SlotCache):
-        """What takes piece p's block once read and checked (in a reader thread; the block's tensors view a
-        staging buffer, valid only during the call): its keys and values, copied into p's slots."""
+    def _recover(self, p: Piece) -> Piece:
+        """The piece for a pending block that could not be read: fresh slots for a prefix block; for a relocated
+        block, the block encoded now (and stored), which `assemble` copies in."""
+        return Piece(p.slot, p.n, "fresh", p.kind, p.position) if p.want is None else self._piece(p.want, None, None)
+
+    def _sink(self, p: Piece, ids: tuple[int, ...], cache: SlotCache,
+              rotations: list[tuple[torch.Tensor, int]]) -> Sink:
+        """What takes piece p's block once read and checked (in a reader thread): p's slots, which the disk tier
+        reads a bit-exact block straight into (then its tokens are left to check, and a relocated block's keys to
+        rotate: noted in `rotations` for the caller), and the copy of any other block (its tensors view a staging
+        buffer, valid only during the call) into them."""
         want = ids[p.slot: p.slot + p.n]
         dk, dv = cache.block_views(p.slot, p.slot + p.n)
         relocate = self.runner.relocate
@@ -462,6 +480,10 @@ class Assembler:
             if block.token_ids != want or block.keys.shape != dk.shape:
                 return False  # a foreign entry under a colliding key: never use KV of other tokens
             delta = p.position - block.start  # 0 for exact prefix blocks: a plain copy
+            if block.keys is dk:  # read in place
+                if delta:
+                    rotations.append((dk, delta))
+                return True
             if delta == 0 and dk.device.type == "cpu" and block.keys.dtype == dk.dtype:
                 _copy_in_thread(dk, block.keys)
                 _copy_in_thread(dv, block.values)
@@ -471,7 +493,7 @@ class Assembler:
                 dv.copy_(block.values)
             return True
 
-        return take
+        return Sink(take, dk, dv)
 
     @staticmethod
     def _reused(pieces: Sequence[Piece], slot: int) -> bool:
@@ -530,14 +552,19 @@ class Assembler:
         layout that was not reused whole, the forwarded reply tokens (`generated`, whose KV follows the
         prompt's in the cache) included. Whole blocks and blocks of closed runs go to every tier; the short
         tail of the last run only to memory, since only this process's index can find it. Blocks read from
-        disk straight into the request buffer (`_read_pending`) are put into memory only, here rather than on
-        the request path (their copy is fresh memory to fault in), so the next request finds them there.
-        Returns the keys written; `skip`: keys an earlier call for this request already wrote."""
+        disk straight into the request buffer (`_read_pending`) are put into memory here rather than on the
+        request path (their copy is fresh memory to fault in), so the next request finds them there: prefix
+        blocks copied from the buffer, relocated blocks (whose keys the buffer holds rotated) read again, from
+        the page cache by then. Returns the keys written; `skip`: keys an earlier call for this request already
+        wrote."""
         plan = assembled.plan
-        written: set[str] = set()
+        relocated = [p.key for p in plan.pieces if p.pending is not None and p.want is not None and p.key not in skip]
+        if relocated:
+            get_many_with_source(self.store, list(dict.fromkeys(relocated)))  # read through: promoted to memory
+        written: set[str] = set(relocated)
         if not plan.layout:
-            return frozenset()
-        direct = {p.key for p in plan.pieces if p.pending is not None}
+            return frozenset(written)
+        direct = {p.key for p in plan.pieces if p.pending is not None and p.want is None}
         total = assembled.prompt_tokens
         ids = plan.ids + tuple(generated)
         positions = plan.positions + tuple(range(assembled.last_position + 1, assembled.last_position + 1

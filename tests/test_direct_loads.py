@@ -333,14 +333,14 @@ def test_an_unreadable_block_is_recomputed(loaded, on_disk, monkeypatch):
     ref, ref_logits = full_reference(loaded, prompt)
     engine, _, disk = new_engine(loaded, folder)
     bad = prefix_files(folder)[0]
-    real = disk_module.read_block_file
+    real = disk_module._open_block  # both reads (in place and staged) open the file through it
 
     def flaky(path, *args, **kwargs):
         if path == bad:
             raise OSError(errno.EIO, "Input/output error")
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(disk_module, "read_block_file", flaky)
+    monkeypatch.setattr(disk_module, "_open_block", flaky)
     got = engine.generate(prompt, mode="exact", max_new_tokens=4)
     assert got.token_ids == ref.token_ids
     assert got.cached_tokens == (got.prompt_tokens // BLOCK_TOKENS - 1) * BLOCK_TOKENS
@@ -404,7 +404,7 @@ def test_the_sink_falls_back_to_relocate_off_the_numpy_path(engine):
     k = torch.randn(shape.num_layers, shape.kv_heads, 32, shape.head_dim, generator=g, dtype=torch.float64)
     v = torch.randn(k.shape, generator=g, dtype=torch.float64)
     ids = tuple(range(64))
-    take = engine.assembler._sink(Piece(32, 32, "prefix", "prefix", 32), ids, cache)
+    take = engine.assembler._sink(Piece(32, 32, "prefix", "prefix", 32), ids, cache, []).take
     assert take(KVBlock(k, v, ids[32:], 32)) is True
     dk, dv = cache.block_views(32, 64)
     assert torch.equal(dk, k.float()) and torch.equal(dv, v.float())

@@ -99,7 +99,7 @@ def test_a_packed_payload_of_another_size_is_corrupt():
         section += tensors[name]
     header["packed"]["shape"] = [len(tensors["packed"])]
     meta.pop("checksum")
-    meta["checksum"] = codec._checksum(meta, memoryview(section))
+    meta["checksum"] = codec.checksum(meta, memoryview(section))
     raw = json.dumps({"__metadata__": meta, **header}).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
     with pytest.raises(CorruptBlockError, match="another size"):

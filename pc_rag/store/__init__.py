@@ -28,6 +28,7 @@ from .redis_tier import RedisStore
 from .spec import default_cache_dir, open_store, parse_bytes
 from .tier import (
     PendingBlock,
+    Sink,
     Store,
     StoreUsageError,
     TierStats,
@@ -47,6 +48,7 @@ __all__ = [
     "MemoryStore",
     "PendingBlock",
     "RedisStore",
+    "Sink",
     "Store",
     "StoreUsageError",
     "TierStats",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 import xxhash
@@ -80,9 +81,12 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # zero-copy view of a contiguous tensor
 
 
-def _checksum(meta: dict[str, str], data: memoryview) -> str:
-    h = xxhash.xxh3_64(json.dumps(meta, sort_keys=True).encode())
-    h.update(data)
+def checksum(meta: dict[str, str], *section) -> str:
+    """xxh3-64 over the metadata (canonical JSON, without the checksum) and then the data section, given whole or
+    as its parts in order."""
+    h = xxhash.xxh3_64(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
+    for part in section:
+        h.update(part)
     return h.hexdigest()
 
 
@@ -146,7 +150,7 @@ def encode_block(key: str, block: KVBlock, codec: str = "none") -> bytes:
         "codec": codec,
         "meta": json.dumps(block.meta, sort_keys=True),
     }
-    meta["checksum"] = _checksum(meta, memoryview(data))
+    meta["checksum"] = checksum(meta, memoryview(data))
     header = json.dumps({"__metadata__": meta, **specs}).encode()
     header += b" " * (-(8 + len(header)) % 8)  # the data section starts 8-byte aligned, as safetensors pads it
     return len(header).to_bytes(8, "little") + header + data
@@ -181,41 +185,118 @@ def _data_end(entries) -> int:
     return max(ends, default=0)
 
 
-def _parse(buf: torch.Tensor) -> tuple[dict[str, str], dict[str, torch.Tensor], memoryview]:
-    """The safetensors layout read in place from a uint8 tensor: (metadata, tensors as views of `buf` (no
-    copy), the data section), after checking that the tensors are exactly the codec's, in canonical order,
-    tiling the data section with no gap, each byte range fitting its shape."""
-    raw = memoryview(buf.numpy())  # header slices through a memoryview: cheaper than tensor slicing per block
-    header_len = header_length(raw[:8].tobytes())
-    base = 8 + header_len
-    if base > len(buf):
-        raise ValueError(f"header of {header_len} bytes in a blob of {len(buf)}")
-    header = json.loads(raw[8:base].tobytes())
-    end = base + _data_end(header)
-    if end != len(buf):
-        raise ValueError(f"tensors end at byte {end} of a blob of {len(buf)}")
-    meta = header.pop("__metadata__")
+@dataclass(frozen=True)
+class Layout:
+    """A blob's safetensors header, checked against the codec's layout: its metadata, where the data section
+    starts (`base`), and each tensor in data-section order as (name, dtype, shape, first byte, end byte), the
+    bytes counted from `base`."""
+
+    meta: dict[str, str]
+    base: int
+    tensors: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...]
+
+    def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        for n, dtype, shape, _, _ in self.tensors:
+            if n == name:
+                return dtype, shape
+        raise KeyError(name)
+
+
+def read_layout(key: str, header: bytes, total: int) -> Layout:
+    """`_layout`, its errors as the block's: StaleBlockError for another format, CorruptBlockError for the rest."""
+    try:
+        return _layout(header, total)
+    except StaleBlockError as e:
+        raise StaleBlockError(f"block for {key} has {e}") from e
+    except Exception as e:  # truncated, not safetensors, missing fields: all mean "not a block"
+        raise CorruptBlockError(f"unreadable block for {key}: {type(e).__name__}: {e}") from e
+
+
+def _layout(header: bytes, total: int) -> Layout:
+    """The layout of a blob of `total` bytes whose JSON header (without its 8-byte length prefix) is `header`,
+    after checking that the tensors are exactly the codec's, in canonical order, tiling the data section with no
+    gap up to the blob's end, each byte range fitting its shape. Raises StaleBlockError for an intact entry of
+    another format, ValueError (or any parsing error) for bytes that are not a block."""
+    entries = json.loads(header)
+    base = 8 + len(header)
+    end = base + _data_end(entries)
+    if end != total:
+        raise ValueError(f"tensors end at byte {end} of a blob of {total}")
+    meta = entries.pop("__metadata__")
     if meta.get("format") != FORMAT:
         raise StaleBlockError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
     codec = meta.get("codec")
     if codec == "int8":
         raise StaleBlockError("the uncompressed int8 layout of an earlier build")
-    if codec not in _TENSORS or set(header) != set(_TENSORS[codec]):
-        raise ValueError(f"codec {codec!r} with tensors {sorted(header)}")
-    order = _canonical([(n, _DTYPES[spec["dtype"]]) for n, spec in header.items()], codec)
-    tensors, offset = {}, 0
+    if codec not in _TENSORS or set(entries) != set(_TENSORS[codec]):
+        raise ValueError(f"codec {codec!r} with tensors {sorted(entries)}")
+    order = _canonical([(n, _DTYPES[spec["dtype"]]) for n, spec in entries.items()], codec)
+    tensors, offset = [], 0
     for name in order:
-        spec = header[name]
+        spec = entries[name]
         dtype = _DTYPES[spec["dtype"]]
         a, b = spec["data_offsets"]
+        shape = tuple(int(n) for n in spec["shape"])
         count = 1
-        for n in spec["shape"]:
+        for n in shape:
             count *= n
         if a != offset or b - a != count * dtype.itemsize or count == 0:
-            raise ValueError(f"tensor {name!r}: byte range {a}..{b} is not where the layout puts shape {spec['shape']}")
-        tensors[name] = buf[base + a: base + b].view(dtype).view(spec["shape"])
+            raise ValueError(f"tensor {name!r}: byte range {a}..{b} is not where the layout puts shape {list(shape)}")
+        tensors.append((name, dtype, shape, a, b))
         offset = b
-    return meta, tensors, raw[base:]
+    return Layout(meta, base, tuple(tensors))
+
+
+def _parse(buf: torch.Tensor) -> tuple[Layout, dict[str, torch.Tensor], memoryview]:
+    """The layout read in place from a uint8 tensor: (layout, tensors as views of `buf` (no copy), the data
+    section)."""
+    raw = memoryview(buf.numpy())  # header slices through a memoryview: cheaper than tensor slicing per block
+    header_len = header_length(raw[:8].tobytes())
+    if 8 + header_len > len(buf):
+        raise ValueError(f"header of {header_len} bytes in a blob of {len(buf)}")
+    layout = _layout(raw[8: 8 + header_len].tobytes(), len(buf))
+    base = layout.base
+    tensors = {name: buf[base + a: base + b].view(dtype).view(shape) for name, dtype, shape, a, b in layout.tensors}
+    return layout, tensors, raw[base:]
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a checked layout says about the block it holds (`check_layout`)."""
+
+    codec: str
+    dtype: torch.dtype  # the block's (keys and values once decoded)
+    shape: tuple[int, int, int, int]  # [L, H_kv, T, D]
+    start: int
+    meta: dict
+    checksum: str | None
+
+
+def check_layout(key: str, layout: Layout) -> Header:
+    """Raises CorruptBlockError unless `layout`'s metadata and tensors agree with each other and name `key`."""
+    meta = layout.meta
+    try:
+        if meta.get("key") != key:
+            raise CorruptBlockError(f"block requested as {key} was stored under key {meta.get('key')!r}")
+        codec, dtype = meta["codec"], _BLOCK_DTYPES.get(meta.get("dtype"))
+        shape = tuple(int(n) for n in meta["shape"].split(","))
+        stored = dtype if codec == "none" else torch.int8
+        if codec == "none":
+            (kd, ks), (vd, vs) = layout.spec("keys"), layout.spec("values")
+        else:  # the payload's size is checked against the shape when it is unpacked
+            (kd, ks), (vd, vs) = (stored, shape), (stored, shape)
+        id_dtype, id_shape = layout.spec("token_ids")
+        if (
+            dtype is None or len(shape) != 4 or ks != shape or vs != shape or kd != stored or vd != stored
+            or id_dtype != torch.int32 or id_shape != (shape[2],)
+            or (codec == "int8z" and not _scales_fit(layout, shape))
+        ):
+            raise CorruptBlockError(f"block for {key}: tensor shapes/dtypes disagree with its metadata")
+        return Header(codec, dtype, shape, int(meta["start"]), json.loads(meta["meta"]), meta.get("checksum"))
+    except CorruptBlockError:
+        raise
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise CorruptBlockError(f"block for {key}: bad metadata: {type(e).__name__}: {e}") from e
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -238,39 +319,19 @@ def decode_block(key: str, data: bytes | torch.Tensor, timings: dict[str, float]
         # buffer is read-only; blocks are never written (Store contract), so that warning is filtered above.
         data = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     try:
-        meta, tensors, section = _parse(data)
-        ids = tensors["token_ids"]
-        if meta["codec"] == "int8z":  # shapes from the metadata; the payload is unpacked once it is verified
-            shape4 = torch.Size(int(n) for n in meta["shape"].split(","))
-            keys = values = torch.empty(shape4, dtype=torch.int8, device="meta")
-        else:
-            keys, values = tensors["keys"], tensors["values"]
+        layout, tensors, section = _parse(data)
     except StaleBlockError as e:
         raise StaleBlockError(f"block for {key} has {e}") from e
     except Exception as e:  # truncated, not safetensors, missing fields: all mean "not a block"
         raise CorruptBlockError(f"unreadable block for {key}: {type(e).__name__}: {e}") from e
-    if meta.get("key") != key:
-        raise CorruptBlockError(f"block requested as {key} was stored under key {meta.get('key')!r}")
-    codec, dtype = meta["codec"], _BLOCK_DTYPES.get(meta.get("dtype"))
-    shape = ",".join(str(n) for n in keys.shape)
-    stored = dtype if codec == "none" else torch.int8
-    if (
-        dtype is None or keys.dim() != 4 or values.shape != keys.shape or meta.get("shape") != shape
-        or keys.dtype != stored or values.dtype != stored or ids.dtype != torch.int32
-        or ids.dim() != 1 or ids.numel() != keys.shape[2]
-        or (codec == "int8z" and not _scales_fit(tensors, keys.shape))
-    ):
-        raise CorruptBlockError(f"block for {key}: tensor shapes/dtypes disagree with its metadata")
-    expected = meta.pop("checksum", None)
-    if _checksum(meta, section) != expected:
+    header = check_layout(key, layout)
+    if checksum(layout.meta, section) != header.checksum:
         raise CorruptBlockError(f"block for {key}: checksum mismatch")
-    try:
-        start, block_meta = int(meta["start"]), json.loads(meta["meta"])
-    except (KeyError, ValueError) as e:
-        raise CorruptBlockError(f"block for {key}: bad metadata: {e}") from e
+    codec, dtype, ids = header.codec, header.dtype, tensors["token_ids"]
     t1 = time.perf_counter()
     if codec == "int8z":
-        n = keys.numel()
+        shape = torch.Size(header.shape)
+        n = shape.numel()
         packed = tensors["packed"].numpy()  # a view: zstd reads any buffer
         try:
             if zstandard.frame_content_size(packed) != 2 * n:  # before any allocation of that size
@@ -281,19 +342,21 @@ def decode_block(key: str, data: bytes | torch.Tensor, timings: dict[str, float]
         if len(raw) != 2 * n:
             raise CorruptBlockError(f"block for {key}: unpacked {len(raw)} bytes, expected {2 * n}")
         q = torch.frombuffer(raw, dtype=torch.int8)  # read only, by the dequantization
-        keys = _dequantize(q[:n].view(keys.shape), tensors["key_scales"], dtype)
-        values = _dequantize(q[n:].view(keys.shape), tensors["value_scales"], dtype)
+        keys = _dequantize(q[:n].view(shape), tensors["key_scales"], dtype)
+        values = _dequantize(q[n:].view(shape), tensors["value_scales"], dtype)
+    else:
+        keys, values = tensors["keys"], tensors["values"]
     if timings is not None:
         timings["verify_s"] = timings.get("verify_s", 0.0) + t1 - t0
         timings["decode_s"] = timings.get("decode_s", 0.0) + time.perf_counter() - t1
-    return KVBlock(keys, values, tuple(ids.tolist()), start, block_meta)
+    return KVBlock(keys, values, tuple(ids.tolist()), header.start, header.meta)
 
 
-def _scales_fit(tensors: dict[str, torch.Tensor], shape: torch.Size) -> bool:
+def _scales_fit(layout: Layout, shape: tuple[int, int, int, int]) -> bool:
     L, H, T, D = shape
-    ks, vs = tensors["key_scales"], tensors["value_scales"]
-    return (ks.shape == (L, H, 1, D) and vs.shape == (L, H, T, 1)
-            and ks.dtype in (torch.float16, torch.float32) and vs.dtype in (torch.float16, torch.float32))
+    (kd, ks), (vd, vs) = layout.spec("key_scales"), layout.spec("value_scales")
+    return ks == (L, H, 1, D) and vs == (L, H, T, 1) and kd in (torch.float16, torch.float32) and vd in (
+        torch.float16, torch.float32)
 
 
 def stored_bytes_per_token(block: KVBlock, codec: str = "none") -> float:

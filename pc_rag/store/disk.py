@@ -43,7 +43,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -55,13 +55,16 @@ from ..errors import StoreError
 from .codec import (
     CorruptBlockError,
     StaleBlockError,
+    check_layout,
+    checksum,
     declared_size,
     decode_block,
     encode_block,
     header_length,
+    read_layout,
     tier_codec,
 )
-from .tier import KEY_PATTERN, StoreUsageError, TierStats, TierUnavailableError, check_key
+from .tier import KEY_PATTERN, Sink, StoreUsageError, TierStats, TierUnavailableError, check_key
 
 log = logging.getLogger("pc_rag.store")
 
@@ -145,14 +148,10 @@ def _staging_buffer(size: int) -> torch.Tensor:
     return buf[:size]
 
 
-def read_block_file(path: Path, timings: dict[str, float] | None = None, staging: bool = False) -> torch.Tensor:
-    """The bytes of a block file, as a uint8 tensor, read once the entry is known to be a regular file whose
-    size is what its safetensors header declares. Raises CorruptBlockError for any other entry (FIFO,
-    directory, symlink, device; a header that is implausible or disagrees with the file size),
-    FileNotFoundError when there is none, OSError when reading fails. `timings`, when given, gets the seconds
-    spent opening and checking the entry (`open_s`) and reading its bytes (`read_s`) added. `staging`: read
-    into this thread's reused staging buffer (the result is then only valid until the thread's next read)."""
-    t0 = time.perf_counter()
+def _open_block(path: Path) -> tuple[int, int]:
+    """(fd, size) of a block file, opened once it is known to be a regular file. Raises CorruptBlockError for any
+    other entry (FIFO, directory, symlink, device), FileNotFoundError when there is none, OSError when opening
+    fails. The caller closes the fd."""
     st = os.lstat(path)  # before open(): a FIFO or a device is never opened at all
     if not stat.S_ISREG(st.st_mode):
         raise CorruptBlockError(f"{path.name} is a {_kind(st.st_mode)}, not a regular file")
@@ -162,16 +161,33 @@ def read_block_file(path: Path, timings: dict[str, float] | None = None, staging
         if e.errno == errno.ELOOP:  # replaced by a symlink since the lstat
             raise CorruptBlockError(f"{path.name} is a symlink, not a regular file") from e
         raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # replaced between the lstat and the open
+        os.close(fd)
+        raise CorruptBlockError(f"{path.name} is a {_kind(st.st_mode)}, not a regular file")
+    return fd, st.st_size
+
+
+def _add(timings: dict[str, float] | None, step: str, seconds: float) -> None:
+    if timings is not None:
+        timings[step] = timings.get(step, 0.0) + seconds
+
+
+def read_block_file(path: Path, timings: dict[str, float] | None = None, staging: bool = False) -> torch.Tensor:
+    """The bytes of a block file, as a uint8 tensor, read once the entry is known to be a regular file whose
+    size is what its safetensors header declares. Raises CorruptBlockError for any other entry (FIFO,
+    directory, symlink, device; a header that is implausible or disagrees with the file size),
+    FileNotFoundError when there is none, OSError when reading fails. `timings`, when given, gets the seconds
+    spent opening and checking the entry (`open_s`) and reading its bytes (`read_s`) added. `staging`: read
+    into this thread's reused staging buffer (the result is then only valid until the thread's next read)."""
+    t0 = time.perf_counter()
+    fd, size = _open_block(path)
     # One readinto() an uninitialised uint8 tensor that the block's tensors then view (decode_block; a
     # bytearray would be zero-filled first: one more pass over the data). Not an mmap (safetensors'
     # load_file): it pins the file, would change under the tensor if the file were rewritten in place, and
     # (measured) faulting the pages in was slower than one read. Nor a buffer with transparent huge pages:
     # measured slower too (4.5 against 8 GB/s), since malloc reuses the pages of freed blocks anyway.
     with open(fd, "rb", buffering=0) as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # replaced between the lstat and the open
-            raise CorruptBlockError(f"{path.name} is a {_kind(st.st_mode)}, not a regular file")
-        size = st.st_size
         n = header_length(f.read(8))
         if 8 + n > size:
             raise CorruptBlockError(f"header of {n} bytes in a file of {size}")
@@ -187,10 +203,88 @@ def read_block_file(path: Path, timings: dict[str, float] | None = None, staging
             if not chunk:
                 break
             got += chunk
-    if timings is not None:
-        timings["open_s"] = timings.get("open_s", 0.0) + t1 - t0
-        timings["read_s"] = timings.get("read_s", 0.0) + time.perf_counter() - t1
+    _add(timings, "open_s", t1 - t0)
+    _add(timings, "read_s", time.perf_counter() - t1)
     return data[:got]  # short: the file shrank while read, caught by decode_block's checks
+
+
+# In-place reads (`read_into` with a Sink that names its slots) scatter a file's data section over the slots'
+# [T, D] planes with preadv: one copy from the page cache and one checksum pass over the slots, where the staged
+# path adds a copy from the staging buffer into the slots. Where preadv is missing (Windows, older macOS) every
+# read is staged.
+_IOV_MAX = 1024  # POSIX's IOV_MAX on Linux; a block of more planes is read in several calls
+_IN_PLACE = hasattr(os, "preadv")
+_HEAD_BYTES = 4096  # our headers are under 1 KB: one pread gets the length prefix and the header
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of `t`'s whole storage, writable."""
+    storage = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    return memoryview(storage.numpy())
+
+
+def _planes(t: torch.Tensor, raw: memoryview) -> list[memoryview] | None:
+    """The [T, D] planes of a [L, H, T, D] tensor as slices of `raw` (its storage's bytes), in (l, h) order; None
+    when they are not each contiguous."""
+    L, H, T, D = t.shape
+    if t.stride(3) != 1 or (T > 1 and t.stride(2) != D):
+        return None
+    item = t.element_size()
+    n, s0, s1 = T * D * item, t.stride(0) * item, t.stride(1) * item
+    base = t.storage_offset() * item
+    return [raw[a: a + n] for a in (base + i * s0 + j * s1 for i in range(L) for j in range(H))]
+
+
+def read_block_in_place(path: Path, key: str, sink: Sink, raws: dict[int, memoryview],
+                        timings: dict[str, float] | None = None) -> tuple[KVBlock, int] | None:
+    """Reads the block file at `path` straight into `sink.keys` / `sink.values` and checks it there as
+    `decode_block` would: (the block, which views them; the file's size). None, the caller then reading it
+    staged: when the block is not stored bit-exact in their shape and dtype (no data read), when the file was cut
+    short while read, or when the sink names no slots or slots outside `raws` (the bytes of the CPU storages it
+    may read into, by storage address). Raises as `read_block_file`, and CorruptBlockError / StaleBlockError as
+    `decode_block`."""
+    keys, values = sink.keys, sink.values
+    if keys is None or values is None:
+        return None
+    key_raw, value_raw = raws.get(keys.untyped_storage().data_ptr()), raws.get(values.untyped_storage().data_ptr())
+    if key_raw is None or value_raw is None:
+        return None
+    t0 = time.perf_counter()
+    fd, size = _open_block(path)
+    try:
+        head = os.pread(fd, min(size, _HEAD_BYTES), 0)
+        n = header_length(head)
+        if 8 + n > size:
+            raise CorruptBlockError(f"header of {n} bytes in a file of {size}")
+        if 8 + n > len(head):
+            head += os.pread(fd, 8 + n - len(head), len(head))
+        layout = read_layout(key, head[8: 8 + n], size)
+        header = check_layout(key, layout)
+        if header.codec != "none" or header.dtype != keys.dtype or header.shape != tuple(keys.shape) \
+                or header.dtype != values.dtype or header.shape != tuple(values.shape):
+            return None
+        ids = torch.empty(header.shape[2], dtype=torch.int32)
+        parts = {"keys": _planes(keys, key_raw), "values": _planes(values, value_raw),
+                 "token_ids": [memoryview(ids.numpy()).cast("B")]}
+        if parts["keys"] is None or parts["values"] is None:
+            return None
+        section = [b for name, *_ in layout.tensors for b in parts[name]]
+        t1 = time.perf_counter()
+        got = 0
+        for i in range(0, len(section), _IOV_MAX):
+            got += os.preadv(fd, section[i: i + _IOV_MAX], layout.base + got)
+        if got != size - layout.base:
+            return None  # cut short while read (a short preadv is only ever the end of the file)
+        t2 = time.perf_counter()
+        if checksum(layout.meta, *section) != header.checksum:
+            raise CorruptBlockError(f"block for {key}: checksum mismatch")
+    finally:
+        os.close(fd)
+    t3 = time.perf_counter()
+    _add(timings, "open_s", t1 - t0)
+    _add(timings, "read_s", t2 - t1)
+    _add(timings, "verify_s", t3 - t2)
+    return KVBlock(keys, values, tuple(ids.tolist()), header.start, header.meta), size
 
 
 # Reads of one request's blocks run in parallel: file reads and the xxh3 checksum release the GIL. One pool
@@ -317,18 +411,23 @@ class DiskStore:
                     self._forget(key)
         return held
 
-    def read_into(self, keys: list[str], sinks: list) -> list[bool]:
-        """Reads the blocks of `keys` and hands each one to its sink, `sink(block) -> bool` (True: taken), in the
-        reader threads, without allocating memory for it: the file is read into the thread's staging buffer and
-        checked there as `get_many` checks it (size, header, key, layout, checksum), and the block's tensors view
-        that buffer, so they are valid only during the call: the sink copies them where they belong (e.g. into a
-        request buffer). Returns, per key, whether its sink took a block; a missing, corrupt or unreadable file is
-        a miss, counted as by `get_many`. A file that cannot be read (an I/O error) raises a StoreError, after
-        the other blocks were handed over, whose `loaded` attribute is that list. What a sink raises is
-        re-raised as it is. Blocks read this way are never kept by this tier or put into any other."""
+    def read_into(self, keys: list[str], sinks: list[Sink | Callable[[KVBlock], bool]]) -> list[bool]:
+        """Reads the blocks of `keys` and hands each one to its sink (a Sink, or a plain `take(block) -> bool`:
+        True, taken) in the reader threads, without allocating memory for it: the file is read straight into the
+        sink's slots where it names them and the block allows (see Sink), else into the thread's staging buffer,
+        and checked as `get_many` checks it (size, header, key, layout, checksum). The block's tensors view the
+        slots or that buffer, so they are valid only during the call: the sink copies a staged block where it
+        belongs (e.g. into a request buffer). Returns, per key, whether its sink took a block; a missing, corrupt
+        or unreadable file is a miss, counted as by `get_many`. A file that cannot be read (an I/O error) raises
+        a StoreError, after the other blocks were handed over, whose `loaded` attribute is that list. What a sink
+        raises is re-raised as it is. Blocks read this way are never kept by this tier or put into any other."""
+        sinks = [s if isinstance(s, Sink) else Sink(s) for s in sinks]
+        raws = {t.untyped_storage().data_ptr(): _raw(t) for s in sinks for t in (s.keys, s.values)
+                if t is not None and t.device.type == "cpu"} if _IN_PLACE else {}
         paths = [self.file_for(key) for key in keys]
         t0 = time.perf_counter()
-        loads = _read_all(self._load, list(zip(keys, paths, sinks, strict=True)))
+        loads = _read_all(self._load, [(key, path, sink, raws) for key, path, sink in zip(keys, paths, sinks,
+                                                                                           strict=True)])
         _, failed = self._settle_all(keys, paths, loads, t0)
         for load in loads:
             if load.sink_error is not None:
@@ -359,14 +458,18 @@ class DiskStore:
                 self.stats.load_s += time.perf_counter() - t0
         return blocks, failed
 
-    def _load(self, key: str, path: Path, sink=None) -> _Load:
+    def _load(self, key: str, path: Path, sink: Sink | None = None, raws: dict[int, memoryview] | None = None) -> _Load:
         """Reads and checks one block file, and hands it to `sink` if given (read_into); no shared state is
         touched (runs in the reader threads)."""
         load = _Load()
         try:
-            data = read_block_file(path, load.timings, staging=sink is not None)
-            load.size = len(data)
-            load.block = decode_block(key, data, load.timings)
+            in_place = read_block_in_place(path, key, sink, raws, load.timings) if sink is not None else None
+            if in_place is not None:
+                load.block, load.size = in_place
+            else:
+                data = read_block_file(path, load.timings, staging=sink is not None)
+                load.size = len(data)
+                load.block = decode_block(key, data, load.timings)
             load.found = True
         except FileNotFoundError:
             load.missing = True
@@ -377,7 +480,7 @@ class DiskStore:
         if sink is not None and load.found:
             t0 = time.perf_counter()
             try:
-                load.taken = bool(sink(load.block))
+                load.taken = bool(sink.take(load.block))
             except Exception as e:  # the caller's: re-raised once the counters are settled
                 load.sink_error = e
             load.timings["copy_s"] = time.perf_counter() - t0

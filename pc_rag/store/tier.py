@@ -5,9 +5,11 @@ from __future__ import annotations
 import inspect
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+import torch
 
 from ..blocks import KVBlock
 from ..errors import PCRagError, StoreError
@@ -61,6 +63,20 @@ class PendingBlock:
     key: str
     tier: str  # the name of the tier holding it ("disk")
     tier_index: int  # its place in the TieredStore
+
+
+@dataclass(frozen=True)
+class Sink:
+    """Where `read_into` hands a block it read for the caller: `take(block) -> bool` (True: used). `keys` and
+    `values`, when given, are where the block belongs: CPU tensors [L, H_kv, T, D] whose [T, D] planes are each
+    contiguous (a request buffer's slots). A block stored bit-exact in their shape and dtype is then read from its
+    file straight into them, verified there, and the block `take` gets views them: nothing is left to copy. (If
+    it fails its checks they hold garbage, and `take` is not called.) Any other block (compressed, of another
+    dtype) is read into a staging buffer and `take` copies it."""
+
+    take: Callable[[KVBlock], bool]
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
 
 @runtime_checkable
