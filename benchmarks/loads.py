@@ -104,8 +104,8 @@ def compressed_ttft(w, stores, reps):
     """Modular TTFT warm from each persistent tier (memory emptied first; the blocks were copied there
     beforehand), measured in turn with the ideal (ttft.interleaved), then each tier's load steps. `stores`:
     name -> (engine, memory tier, persistent tier)."""
-    def request(e):
-        return lambda: e.next_token_logits(w.prompt, mode="modular")
+    def request(e):  # a one-token generate: its ttft_s leaves out what follows the reply (storing, promoting)
+        return lambda: e.generate(w.prompt, mode="modular", max_new_tokens=1)
 
     cases = {"ideal": w.ideal_case()} | {name: (request(e), memory.clear) for name, (e, memory, _) in stores.items()}
     times = interleaved(cases, reps)
@@ -191,7 +191,10 @@ def _run(model_path, lengths, reps, fidelity_prompts, redis_url, seed, tmp):
         row["prefetch"] = prefetch_chain(engine, w.chunks, reps)
         result["rows"].append(row)
         print(json.dumps({"prompt_tokens": row["prompt_tokens"], "prefetch": row["prefetch"],
-                          "bytes_per_token": row["bytes_per_token"]}), flush=True)
+                          "bytes_per_token": row["bytes_per_token"], "ideal": row["ideal"],
+                          "tiers": {name: t["ttft"] for name, t in row["tiers"].items()}}), flush=True)
+    if not fidelity_prompts:
+        return result
     sets = [c for kind in ("unrelated", "consecutive")
             for c in chunk_sets(engine, kind, fidelity_prompts // 2, 4, 200, rng)]
     result["fidelity"] = fidelity({"none": (engine, stores["disk"][1]),
@@ -236,7 +239,9 @@ def markdown(r):
                                      "forward_ms")]
             lines.append(f"| {row['prompt_tokens']} | {n} | " + " | ".join(f"{c:.1f}" for c in cells)
                          + f" | {st['bytes_read'] / 1e6:.1f} |")
-    fid = r["fidelity"]
+    fid = r.get("fidelity")
+    if fid is None:  # --fidelity-prompts 0
+        return "\n".join(lines) + "\n"
     lines += ["", f"Fidelity on this model ({r['fidelity_prompts']} prompts of 4 chunks of 200 tokens, chunks read "
               "from disk):", "", "| blocks | mean KL(full ‖ modular) | max | top-1 agreement with full "
               "| KL(modular ‖ this) | top-1 agreement with modular |", "|---|---|---|---|---|---|"]

@@ -470,8 +470,8 @@ class Assembler:
               rotations: list[tuple[torch.Tensor, int]]) -> Sink:
         """What takes piece p's block once read and checked (in a reader thread): p's slots, which the disk tier
         reads a bit-exact block straight into (then its tokens are left to check, and a relocated block's keys to
-        rotate: noted in `rotations` for the caller), and the copy of any other block (its tensors view a staging
-        buffer, valid only during the call) into them."""
+        rotate: noted in `rotations` for the caller), and the copy of any
+        other block (its tensors view a staging buffer, valid only during the call) into them."""
         want = ids[p.slot: p.slot + p.n]
         dk, dv = cache.block_views(p.slot, p.slot + p.n)
         relocate = self.runner.relocate
