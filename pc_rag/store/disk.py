@@ -36,6 +36,7 @@ since this process started, until they evict too.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import re
@@ -223,6 +224,12 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(storage.numpy())
 
 
+@functools.lru_cache(maxsize=64)
+def _plane_offsets(item: int, s0: int, s1: int, L: int, H: int) -> tuple[int, ...]:
+    """Byte offsets of the (l, h) planes from a block's first byte; the same for every block of a request buffer."""
+    return tuple((i * s0 + j * s1) * item for i in range(L) for j in range(H))
+
+
 def _planes(t: torch.Tensor, raw: memoryview) -> list[memoryview] | None:
     """The [T, D] planes of a [L, H, T, D] tensor as slices of `raw` (its storage's bytes), in (l, h) order; None
     when they are not each contiguous."""
@@ -230,9 +237,8 @@ def _planes(t: torch.Tensor, raw: memoryview) -> list[memoryview] | None:
     if t.stride(3) != 1 or (T > 1 and t.stride(2) != D):
         return None
     item = t.element_size()
-    n, s0, s1 = T * D * item, t.stride(0) * item, t.stride(1) * item
-    base = t.storage_offset() * item
-    return [raw[a: a + n] for a in (base + i * s0 + j * s1 for i in range(L) for j in range(H))]
+    base, n = t.storage_offset() * item, T * D * item
+    return [raw[base + o: base + o + n] for o in _plane_offsets(item, t.stride(0), t.stride(1), L, H)]
 
 
 def read_block_in_place(path: Path, key: str, sink: Sink, raws: dict[int, memoryview],
@@ -263,9 +269,8 @@ def read_block_in_place(path: Path, key: str, sink: Sink, raws: dict[int, memory
         if header.codec != "none" or header.dtype != keys.dtype or header.shape != tuple(keys.shape) \
                 or header.dtype != values.dtype or header.shape != tuple(values.shape):
             return None
-        ids = torch.empty(header.shape[2], dtype=torch.int32)
-        parts = {"keys": _planes(keys, key_raw), "values": _planes(values, value_raw),
-                 "token_ids": [memoryview(ids.numpy()).cast("B")]}
+        ids = bytearray(4 * header.shape[2])  # int32, in the machine's byte order as torch reads it
+        parts = {"keys": _planes(keys, key_raw), "values": _planes(values, value_raw), "token_ids": [memoryview(ids)]}
         if parts["keys"] is None or parts["values"] is None:
             return None
         section = [b for name, *_ in layout.tensors for b in parts[name]]
@@ -284,7 +289,7 @@ def read_block_in_place(path: Path, key: str, sink: Sink, raws: dict[int, memory
     _add(timings, "open_s", t1 - t0)
     _add(timings, "read_s", t2 - t1)
     _add(timings, "verify_s", t3 - t2)
-    return KVBlock(keys, values, tuple(ids.tolist()), header.start, header.meta), size
+    return KVBlock(keys, values, tuple(memoryview(ids).cast("i")), header.start, header.meta), size
 
 
 # Reads of one request's blocks run in parallel: file reads and the xxh3 checksum release the GIL. One pool
