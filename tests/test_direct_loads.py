@@ -20,6 +20,7 @@ from pc_rag.store import (
     DiskStore,
     MemoryStore,
     PendingBlock,
+    Sink,
     TieredStore,
     find_many_with_source,
 )
@@ -153,6 +154,104 @@ def test_a_failing_read_is_a_miss_and_pauses_the_tier(tmp_path, monkeypatch):
     assert store.read_pending(pending, [copier(got, k) for k in keys]) == [True, False, True]
     assert disk.tier_stats()[0].errors == 1 and not store._usable(1, "reads")
     assert store.find_many_with_source(keys) == [(None, None)] * 3  # paused: not even located
+
+
+def slots(n_blocks: int, tokens: int = 4, dtype=torch.float32):
+    """A request-buffer-like pair [L, 1, H, S, D] (keys, values) and each block's slot views ([L, H, T, D])."""
+    keys = torch.full((2, 1, 2, n_blocks * tokens + 3, 8), float("nan"), dtype=dtype)
+    values = torch.full_like(keys, float("nan"))
+    return keys, values, [(keys[:, 0, :, i * tokens: (i + 1) * tokens], values[:, 0, :, i * tokens: (i + 1) * tokens])
+                          for i in range(n_blocks)]
+
+
+def test_a_sink_naming_slots_gets_the_block_read_into_them(tmp_path, monkeypatch):
+    """Reference: the blocks as `get` returns them (bit-identical); the block handed to the sink views the slots,
+    and no staging buffer was used."""
+    disk = DiskStore(tmp_path)
+    keys = [f"prefix-{i}" for i in range(5)]
+    for i, key in enumerate(keys):
+        disk.put(key, block(i))
+    monkeypatch.setattr(disk_module, "_staging_buffer", None)  # any staged read would fail
+    _, _, views = slots(len(keys))
+    handed = []
+
+    def taker(dk):
+        def take(b: KVBlock) -> bool:
+            handed.append((b.keys is dk, b.token_ids, b.start))
+            return True
+        return take
+
+    assert disk.read_into(keys, [Sink(taker(dk), dk, dv) for dk, dv in views]) == [True] * 5
+    assert sorted(handed, key=lambda h: h[1]) == [(True, block(i).token_ids, 3) for i in range(5)]
+    for key, (dk, dv) in zip(keys, views, strict=True):
+        ref = disk.get(key)
+        assert torch.equal(dk, ref.keys) and torch.equal(dv, ref.values)
+    s = disk.tier_stats()[0]
+    assert s.hits == 5 + 5 and s.read_s > 0 and s.verify_s > 0
+
+
+def test_a_block_of_more_planes_than_one_preadv_takes(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_module, "_IOV_MAX", 3)  # 2 layers x 2 heads x 2 tensors + ids: 9 buffers, 3 calls
+    disk = DiskStore(tmp_path)
+    disk.put("prefix-a", block(7))
+    _, _, [(dk, dv)] = slots(1)
+    assert disk.read_into(["prefix-a"], [Sink(lambda b: True, dk, dv)]) == [True]
+    assert torch.equal(dk, block(7).keys) and torch.equal(dv, block(7).values)
+
+
+def test_a_damaged_file_read_in_place_is_refused_removed_and_counted(tmp_path):
+    disk = DiskStore(tmp_path)
+    keys = [f"prefix-{i}" for i in range(3)]
+    for i, key in enumerate(keys):
+        disk.put(key, block(i))
+    path = disk.file_for(keys[1])
+    data = bytearray(path.read_bytes())
+    data[-200] ^= 0x10  # in the values
+    path.write_bytes(bytes(data))
+    with open(disk.file_for(keys[2]), "r+b") as f:  # cut short: its header now disagrees with its size
+        f.truncate(300)
+    taken = []
+    _, _, views = slots(3)
+    sinks = [Sink(lambda b, k=k: taken.append(k) or True, dk, dv) for k, (dk, dv) in zip(keys, views, strict=True)]
+    assert disk.read_into(keys, sinks) == [True, False, False]
+    assert taken == [keys[0]]  # never handed a block that failed its checks
+    s = disk.tier_stats()[0]
+    assert (s.corrupt, s.hits) == (2, 1)
+    assert not disk.file_for(keys[1]).exists() and not disk.file_for(keys[2]).exists()
+
+
+def test_a_file_shrinking_while_read_in_place_is_read_again_staged(tmp_path, monkeypatch):
+    """A short preadv (the file cut after its header was checked) is not trusted: the block is read again the
+    usual way, which finds it whole (here) or corrupt."""
+    disk = DiskStore(tmp_path)
+    disk.put("prefix-a", block(3))
+    real, calls = os.preadv, []
+
+    def short(fd, buffers, offset):
+        calls.append(offset)
+        return 0 if len(calls) == 1 else real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk_module.os, "preadv", short)
+    _, _, [(dk, dv)] = slots(1)
+    got: dict[str, KVBlock] = {}
+    assert disk.read_into(["prefix-a"], [Sink(copier(got, "prefix-a"), dk, dv)]) == [True]
+    assert torch.equal(got["prefix-a"].keys, block(3).keys) and got["prefix-a"].keys is not dk
+
+
+@pytest.mark.parametrize("case", ["another dtype", "compressed", "planes not contiguous"])
+def test_blocks_that_cannot_be_read_in_place_are_staged(tmp_path, case):
+    """Reference: the block as `get` returns it, handed to the sink from staging (not viewing the slots)."""
+    disk = DiskStore(tmp_path, compress="int8" if case == "compressed" else None)
+    b = KVBlock(block(5).keys, block(5).values, block(5).token_ids, 3, {"kind": "chunk"})
+    disk.put("chunk-a", b)
+    dk, dv = slots(1, dtype=torch.float64 if case == "another dtype" else torch.float32)[2][0]
+    if case == "planes not contiguous":
+        dk, dv = dk.transpose(2, 3).contiguous().transpose(2, 3), dv  # [T, D] planes with stride 1 along T
+    got: dict[str, KVBlock] = {}
+    assert disk.read_into(["chunk-a"], [Sink(copier(got, "chunk-a"), dk, dv)]) == [True]
+    ref = disk.get("chunk-a")
+    assert torch.equal(got["chunk-a"].keys, ref.keys) and torch.equal(got["chunk-a"].values, ref.values)
+    assert torch.isnan(dk).all()  # nothing was written into the slots by the tier
 
 
 class Plain:
@@ -348,18 +447,96 @@ def test_an_unreadable_block_is_recomputed(loaded, on_disk, monkeypatch):
     assert (engine.next_token_logits(prompt, "exact") - ref_logits).abs().max().item() <= TOL
 
 
-def test_modular_from_disk_equals_modular_from_memory(loaded, tmp_path, docs):
-    """The prefix before the first chunk comes from disk directly; relocated chunks take the usual path."""
+def chunk_prompt(docs):
+    return [pc_rag.Text(system_text()), pc_rag.Chunk(docs[0]), pc_rag.Text("\n\n"), pc_rag.Chunk(docs[1]),
+            pc_rag.Text(PROMPT_QUESTION)]
+
+
+@pytest.mark.parametrize("mode", ["modular", "blend"])
+def test_relocated_blocks_from_disk_equal_those_from_memory(loaded, tmp_path, docs, mode):
+    """Reference: the same request with every block in memory (the engine that encoded them). From disk, the
+    prefix and the chunks are read straight into the request buffer (chunk keys rotated there), then promoted to
+    memory after the reply, bit for bit what disk holds."""
     model, tok = loaded
-    prompt = [pc_rag.Text(system_text()), pc_rag.Chunk(docs[0]), pc_rag.Text("\n\n"), pc_rag.Chunk(docs[1]),
-              pc_rag.Text(PROMPT_QUESTION)]
+    prompt = chunk_prompt(docs)
+    first = pc_rag.Engine(model, tok, store=TieredStore([MemoryStore(), DiskStore(tmp_path)]))
+    first.generate(prompt, mode=mode, max_new_tokens=2)
+    ref, ref_origins = served(first, prompt, mode)
+    assert ref_origins["chunk"] == {"memory"}
+    engine, memory, disk = new_engine(loaded, tmp_path)
+    plan = engine.assembler.plan(engine._segments(prompt), mode)
+    chunks = [p for p in plan.pieces if p.source == "chunk"]
+    assert chunks and all(p.pending is not None and p.position != p.want.start for p in chunks)
+    logits, origins = served(engine, prompt, mode)
+    assert origins["chunk"] == {"disk"} and (mode == "blend" or "disk" in origins["prefix"])
+    assert (logits - ref).abs().max().item() <= 1e-5
+    for p in chunks:
+        held, stored = memory.get(p.key), disk.get(p.key)
+        assert torch.equal(held.keys, stored.keys) and torch.equal(held.values, stored.values)
+    again = engine.generate(prompt, mode=mode, max_new_tokens=2)
+    assert {s.origin for s in again.sources if s.source == "chunk"} == {"memory"}
+
+
+def test_a_chunk_damaged_after_planning_is_encoded_again(loaded, tmp_path, docs):
+    """Reference: modular with every block in memory. A chunk file corrupted between planning and loading is
+    encoded again on its own (as a miss would be), so the answer is still modular's, and stored again."""
+    model, tok = loaded
+    prompt = chunk_prompt(docs)
     first = pc_rag.Engine(model, tok, store=TieredStore([MemoryStore(), DiskStore(tmp_path)]))
     first.generate(prompt, mode="modular", max_new_tokens=2)
     ref = first.next_token_logits(prompt, "modular")
-    engine, _, _ = new_engine(loaded, tmp_path)
-    got = engine.generate(prompt, mode="modular", max_new_tokens=2)
-    assert "disk" in {s.origin for s in got.sources if s.source == "prefix"}
-    assert (engine.next_token_logits(prompt, "modular") - ref).abs().max().item() <= 1e-5
+    engine, memory, disk = new_engine(loaded, tmp_path)
+    plan = engine.assembler.plan(engine._segments(prompt), "modular")
+    victim = next(p for p in plan.pieces if p.source == "chunk")
+    path = disk.file_for(victim.key)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    path.write_bytes(bytes(data))
+    asm = engine.assembler.assemble(plan, extra_capacity=4)
+    try:
+        assert (asm.logits - ref).abs().max().item() <= 1e-5
+        redone = next(p for p in asm.pieces if p.slot == victim.slot)
+        assert redone.origin == "computed" and redone.pending is None
+        assert asm.cached_tokens == plan_cached(plan) - victim.n
+    finally:
+        engine.runner.release_cache(asm.cache)
+    assert disk.tier_stats()[0].corrupt == 1 and disk.get(victim.key) is not None  # stored again
+
+
+def served(engine, prompt, mode):
+    """One request through the assembler as `generate` runs it: (next-token logits, {source: origins}); the blocks
+    read from disk are promoted to memory after it, as after a reply."""
+    plan = engine.assembler.plan(engine._segments(prompt), mode)
+    recompute = pc_rag.assemble.Recompute(0.3, engine.blend_selection) if mode == "blend" else None
+    asm = engine.assembler.assemble(plan, extra_capacity=4, recompute=recompute)
+    try:
+        engine.assembler.save_prefix(asm)
+    finally:
+        engine.runner.release_cache(asm.cache)
+    origins: dict[str, set] = {}
+    for p in asm.pieces:
+        origins.setdefault(p.source, set()).add(p.origin)
+    return asm.logits, origins
+
+
+def plan_cached(plan) -> int:
+    """Tokens a plan reuses, should every pending block load (the last token is always computed)."""
+    n = sum(p.n for p in plan.pieces if p.source != "fresh" and p.origin != "computed")
+    return n - (plan.pieces[-1].source != "fresh")
+
+
+def test_bfloat16_chunks_from_disk_equal_those_from_memory(tiny_path, tmp_path, docs):
+    """bfloat16 keys read in place are rotated by `relocate` after the reads, as blocks from memory are: the same
+    computation on the same bytes."""
+    prompt = chunk_prompt(docs)
+    first = pc_rag.Engine.from_pretrained(tiny_path, dtype="bfloat16",
+                                          store=TieredStore([MemoryStore(), DiskStore(tmp_path)]))
+    first.generate(prompt, mode="modular", max_new_tokens=1)
+    ref, _ = served(first, prompt, "modular")
+    engine = pc_rag.Engine(first.model, first.tokenizer, store=TieredStore([MemoryStore(), DiskStore(tmp_path)]))
+    logits, origins = served(engine, prompt, "modular")
+    assert origins["chunk"] == {"disk"}
+    assert (logits - ref).abs().max().item() <= 1e-5
 
 
 def test_a_store_of_ones_own_keeps_working(loaded):
