@@ -224,11 +224,18 @@ class StepTimer:
     and relocation into the request buffer, then the forward), within it the disk blocks read straight into the
     request buffer (`direct`) and the forward alone, and storing blocks after the reply (`save`)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, before_save=None):
         self.engine = engine
         self.times = {"plan_s": 0.0, "assemble_s": 0.0, "direct_s": 0.0, "forward_s": 0.0, "save_s": 0.0}
         for obj, name, slot in self._steps():
             setattr(obj, name, self._timed(getattr(obj, name), slot))
+        if before_save is not None:  # e.g. to read the tiers' counters before what follows the reply
+            save = self.engine.assembler.save_prefix
+
+            def saving(*args, **kwargs):
+                before_save()
+                return save(*args, **kwargs)
+            self.engine.assembler.save_prefix = saving
 
     def _steps(self):
         asm = self.engine.assembler
@@ -263,14 +270,15 @@ def load_steps(engine, tier, fn, reps, clear):
     for _ in range(reps):
         clear()
         before = tier.tier_stats()[0]
-        timer = StepTimer(engine)
+        replied = []  # the tier's counters when the reply was out: promotion reads after it are not the request's
+        timer = StepTimer(engine, before_save=lambda r=replied: r or r.append(tier.tier_stats()[0]))
         t0 = time.perf_counter()
         try:
             fn()
         finally:
             total = time.perf_counter() - t0
             timer.close()
-        after = tier.tier_stats()[0]
+        after = replied[0] if replied else tier.tier_stats()[0]
         t = timer.times
         # TTFT: the call without what follows the logits (storing the request's prefix blocks; promoting blocks
         # read from disk to memory, where the reads went straight into the request buffer), shown as save_ms.
@@ -513,8 +521,9 @@ def markdown(result):
                      + " |")
     lines += ["", "Where a request from a persistent tier spends its time (median ms per request; open, read, verify "
               "and decode are sums over blocks read in parallel, so they can exceed the tier's wall time `load`; "
-              "direct = exact-prefix blocks read from disk straight into the request buffer (their tier wall time); "
-              "copy = relocating keys and copying values of the other blocks into the request buffer):", "",
+              "direct = blocks read from disk straight into the request buffer, relocated keys then rotated there (the "
+              "tier's wall time `load` and the rotation); copy = relocating keys and copying values of the other "
+              "blocks into the request buffer; what follows the reply (storing, promoting) is left out):", "",
               "| prompt tokens | path | TTFT | plan (lookups) | direct | tier wall | open | read | verify | decode "
               "| copy | forward | MB read | GB/s (read / tier wall) |", "|---" * 14 + "|"]
     for r in result["rows"]:
