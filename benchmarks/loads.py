@@ -107,9 +107,12 @@ def compressed_ttft(w, stores, reps):
     def request(e):  # a one-token generate: its ttft_s leaves out what follows the reply (storing, promoting)
         return lambda: e.generate(w.prompt, mode="modular", max_new_tokens=1)
 
+    def steps(e):  # the logits alone: load_steps times every step up to them
+        return lambda: e.next_token_logits(w.prompt, mode="modular")
+
     cases = {"ideal": w.ideal_case()} | {name: (request(e), memory.clear) for name, (e, memory, _) in stores.items()}
     times = interleaved(cases, reps)
-    rows = {name: {"ttft": times[name], "steps": load_steps(e, tier, request(e), reps, memory.clear)}
+    rows = {name: {"ttft": times[name], "steps": load_steps(e, tier, steps(e), reps, memory.clear)}
             for name, (e, memory, tier) in stores.items()}
     return times["ideal"], rows
 

@@ -447,12 +447,28 @@ class Assembler:
         pending = [p for p in plan.pieces if p.pending is not None]
         if not pending:
             return plan
+        # A block used more than once (the separator between chunks) is read once, into its first piece's slots,
+        # and copied from there into the others' before any rotation (from the position its keys are at there).
+        first: dict[str, Piece] = {}
+        for p in pending:
+            first.setdefault(p.key, p)
         rotations: list[tuple[torch.Tensor, int]] = []
-        taken = self.store.read_pending([p.pending for p in pending],
-                                        [self._sink(p, plan.ids, cache, rotations) for p in pending])
+        starts: dict[str, int] = {}
+        reads = list(first.values())
+        read = self.store.read_pending([p.pending for p in reads],
+                                       [self._sink(p, plan.ids, cache, rotations, starts) for p in reads])
+        ok = {p.key for p, got in zip(reads, read, strict=True) if got}
+        for p in pending:
+            src = first[p.key]
+            if p is not src and p.key in ok:
+                for dst, orig in zip(cache.block_views(p.slot, p.slot + p.n),
+                                     cache.block_views(src.slot, src.slot + src.n), strict=True):
+                    dst.copy_(orig)
+                if p.position != starts[p.key]:
+                    rotations.append((cache.block_views(p.slot, p.slot + p.n)[0], p.position - starts[p.key]))
         for keys, delta in rotations:  # here, not in the reader threads: torch ops there oversubscribe the cores
             self.runner.relocate(keys, keys.clone(), delta)
-        failed = {p.slot for p, ok in zip(pending, taken, strict=True) if not ok}
+        failed = {p.slot for p in pending if p.key not in ok}
         if not failed:
             return plan
         pieces = tuple(self._recover(p) if p.pending is not None and p.slot in failed else p
@@ -466,12 +482,13 @@ class Assembler:
         block, the block encoded now (and stored), which `assemble` copies in."""
         return Piece(p.slot, p.n, "fresh", p.kind, p.position) if p.want is None else self._piece(p.want, None, None)
 
-    def _sink(self, p: Piece, ids: tuple[int, ...], cache: SlotCache,
-              rotations: list[tuple[torch.Tensor, int]]) -> Sink:
+    def _sink(self, p: Piece, ids: tuple[int, ...], cache: SlotCache, rotations: list[tuple[torch.Tensor, int]],
+              starts: dict[str, int]) -> Sink:
         """What takes piece p's block once read and checked (in a reader thread): p's slots, which the disk tier
         reads a bit-exact block straight into (then its tokens are left to check, and a relocated block's keys to
-        rotate: noted in `rotations` for the caller), and the copy of any
-        other block (its tensors view a staging buffer, valid only during the call) into them."""
+        rotate: noted in `rotations` for the caller), and the copy of any other block (its tensors view a staging
+        buffer, valid only during the call) into them. `starts` gets the position its keys are at in p's slots once
+        taken (the block's own, or p's when relocated already), by key."""
         want = ids[p.slot: p.slot + p.n]
         dk, dv = cache.block_views(p.slot, p.slot + p.n)
         relocate = self.runner.relocate
@@ -481,9 +498,11 @@ class Assembler:
                 return False  # a foreign entry under a colliding key: never use KV of other tokens
             delta = p.position - block.start  # 0 for exact prefix blocks: a plain copy
             if block.keys is dk:  # read in place
+                starts[p.key] = block.start
                 if delta:
                     rotations.append((dk, delta))
                 return True
+            starts[p.key] = p.position  # copied in, relocated already
             if delta == 0 and dk.device.type == "cpu" and block.keys.dtype == dk.dtype:
                 _copy_in_thread(dk, block.keys)
                 _copy_in_thread(dv, block.values)
@@ -558,10 +577,11 @@ class Assembler:
         the page cache by then. Returns the keys written; `skip`: keys an earlier call for this request already
         wrote."""
         plan = assembled.plan
-        relocated = [p.key for p in plan.pieces if p.pending is not None and p.want is not None and p.key not in skip]
+        relocated = [p.pending for p in plan.pieces if p.pending is not None and p.want is not None
+                     and p.key not in skip]
         if relocated:
-            get_many_with_source(self.store, list(dict.fromkeys(relocated)))  # read through: promoted to memory
-        written: set[str] = set(relocated)
+            self.store.promote(relocated)  # pending blocks come from a TieredStore (find_many_with_source)
+        written: set[str] = {p.key for p in relocated}
         if not plan.layout:
             return frozenset(written)
         direct = {p.key for p in plan.pieces if p.pending is not None and p.want is None}

@@ -525,6 +525,34 @@ def plan_cached(plan) -> int:
     return n - (plan.pieces[-1].source != "fresh")
 
 
+@pytest.mark.parametrize("compress", [None, "int8"])
+def test_a_block_used_twice_is_read_once_and_counted_once(loaded, tmp_path, docs, compress):
+    """Three chunks, so the separator block is used twice, and a chunk repeated. Reference: the same disk read
+    the way it was before reads in place (`direct_loads = False`: every block into memory of its own, then
+    relocated). int8 blocks are read staged (dequantized) and copied relocated: their duplicates are rotated from
+    where the first copy's keys are."""
+    model, tok = loaded
+    prompt = [pc_rag.Text(system_text()), pc_rag.Chunk(docs[0]), pc_rag.Text("\n\n"), pc_rag.Chunk(docs[1]),
+              pc_rag.Text("\n\n"), pc_rag.Chunk(docs[0]), pc_rag.Text(PROMPT_QUESTION)]
+    spec = TieredStore([MemoryStore(), DiskStore(tmp_path, compress=compress)])
+    pc_rag.Engine(model, tok, store=spec).generate(prompt, mode="modular", max_new_tokens=1)
+    before = pc_rag.Engine(model, tok, store=TieredStore([MemoryStore(), DiskStore(tmp_path, compress=compress)]))
+    before.assembler.direct_loads = False
+    ref, _ = served(before, prompt, "modular")
+    memory, disk = MemoryStore(), DiskStore(tmp_path, compress=compress)
+    engine = pc_rag.Engine(model, tok, store=TieredStore([memory, disk]))
+    plan = engine.assembler.plan(engine._segments(prompt), "modular")
+    relocated = [p for p in plan.pieces if p.pending is not None and p.want is not None]
+    keys = {p.key for p in relocated}
+    assert len(keys) < len(relocated)  # some blocks are used twice
+    logits, origins = served(engine, prompt, "modular")
+    assert origins["chunk"] == {"disk"}
+    assert (logits - ref).abs().max().item() <= 1e-5
+    reads = len(keys) + sum(1 for p in plan.pieces if p.pending is not None and p.want is None)
+    assert disk.tier_stats()[0].hits == reads  # each block read once, and its promotion not counted again
+    assert all(memory.contains(k) for k in keys)
+
+
 def test_bfloat16_chunks_from_disk_equal_those_from_memory(tiny_path, tmp_path, docs):
     """bfloat16 keys read in place are rotated by `relocate` after the reads, as blocks from memory are: the same
     computation on the same bytes."""
@@ -581,7 +609,7 @@ def test_the_sink_falls_back_to_relocate_off_the_numpy_path(engine):
     k = torch.randn(shape.num_layers, shape.kv_heads, 32, shape.head_dim, generator=g, dtype=torch.float64)
     v = torch.randn(k.shape, generator=g, dtype=torch.float64)
     ids = tuple(range(64))
-    take = engine.assembler._sink(Piece(32, 32, "prefix", "prefix", 32), ids, cache, []).take
+    take = engine.assembler._sink(Piece(32, 32, "prefix", "prefix", 32), ids, cache, [], {}).take
     assert take(KVBlock(k, v, ids[32:], 32)) is True
     dk, dv = cache.block_views(32, 64)
     assert torch.equal(dk, k.float()) and torch.equal(dv, v.float())

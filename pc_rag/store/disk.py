@@ -445,21 +445,35 @@ class DiskStore:
             raise error from e
         return loaded
 
-    def _settle_all(self, keys: list[str], paths: list[Path], loads: list[_Load], t0: float):
-        """Index, counters and timings for a batch read since `t0`: the blocks (None for a miss) and the first
-        I/O error as (path, error), or None."""
+    def reread(self, keys: list[str]) -> list[KVBlock | None]:
+        """`get_many` for blocks this tier already served into a caller's buffer (`read_into`) and now wanted in
+        memory of their own, e.g. to promote them: not counted again (hits, misses, bytes, load time); a damaged
+        file is still counted corrupt and removed."""
+        paths = [self.file_for(key) for key in keys]
+        loads = _read_all(self._load, list(zip(keys, paths, strict=True)))
+        blocks, failed = self._settle_all(keys, paths, loads, time.perf_counter(), count=False)
+        if failed is not None:
+            path, e = failed
+            raise self._error(f"cannot read {path}", e) from e
+        return blocks
+
+    def _settle_all(self, keys: list[str], paths: list[Path], loads: list[_Load], t0: float, count: bool = True):
+        """Index, counters and timings for a batch read since `t0` (`count=False`: the index and corrupt entries
+        only): the blocks (None for a miss) and the first I/O error as (path, error), or None."""
         blocks: list[KVBlock | None] = []
         failed = None
         with self._lock:
             for key, path, load in zip(keys, paths, loads, strict=True):
-                blocks.append(self._settle(key, path, load))
+                blocks.append(self._settle(key, path, load, count))
                 if load.error is not None and failed is None:
                     failed = (path, load.error)
+                if not count:
+                    continue
                 for step, seconds in load.timings.items():
                     setattr(self.stats, step, getattr(self.stats, step) + seconds)
                 if load.found:
                     self.stats.bytes_read += load.size
-            if any(load.found for load in loads):
+            if count and any(load.found for load in loads):
                 self.stats.load_s += time.perf_counter() - t0
         return blocks, failed
 
@@ -492,10 +506,10 @@ class DiskStore:
             load.block = None  # it viewed the staging buffer, which this thread's next read overwrites
         return load
 
-    def _settle(self, key: str, path: Path, load: _Load) -> KVBlock | None:
+    def _settle(self, key: str, path: Path, load: _Load, count: bool = True) -> KVBlock | None:
         """Index and counters for one load (under the lock); the block, or None for a miss."""
         if not load.found:
-            if load.error is None:
+            if load.error is None and count:
                 self.stats.misses += 1
             if load.missing:
                 self._forget(key)  # evicted by another process, or never written
@@ -520,7 +534,8 @@ class DiskStore:
             present = True  # a read-only cache still serves hits
         if present:
             self._account(key, load.size)
-        self.stats.hits += 1
+        if count:
+            self.stats.hits += 1
         return load.block
 
     def put(self, key: str, block: KVBlock) -> None:

@@ -124,6 +124,27 @@ class TieredStore:
                 taken[j] = ok
         return taken
 
+    def promote(self, pending: Sequence[PendingBlock]) -> None:
+        """Reads blocks that `read_pending` already served into a caller's buffer again, into memory of their own
+        (from the page cache by then), and puts them into the tiers above theirs: not counted twice as lookups.
+        A tier that fails is skipped, as for any read."""
+        by_tier: dict[int, list[str]] = {}
+        for p in pending:
+            by_tier.setdefault(p.tier_index, []).append(p.key)
+        for i, keys in by_tier.items():
+            tier = self.tiers[i]
+            if not self._usable(i, READ):
+                continue
+            keys = list(dict.fromkeys(keys))
+            try:
+                blocks = tier.reread(keys) if hasattr(tier, "reread") else get_many(tier, keys)
+            except Exception as e:
+                self._failed(i, "get", e)
+                continue
+            for key, block in zip(keys, blocks, strict=True):
+                if block is not None:
+                    self._place_and_promote(i, key, block)
+
     def _lookup(self, missing: list[str], first: int,
                 pending: bool = False) -> dict[str, tuple[KVBlock | PendingBlock, str]]:
         """Asks the tiers from `first` down, each once, for the keys no tier above had; places and promotes
