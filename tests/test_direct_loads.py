@@ -83,15 +83,24 @@ def test_read_into_reuses_one_staging_buffer_per_thread(tmp_path, monkeypatch):
     assert addresses[0] not in fresh  # get() still returns blocks of their own, never the staging buffer
 
 
-def test_read_into_refuses_damaged_files_and_counts_them(tmp_path):
-    disk = DiskStore(tmp_path)
-    keys = [f"prefix-{i}" for i in range(4)]
+def stored(folder, n: int) -> tuple[DiskStore, list[str]]:
+    """A disk tier holding blocks `prefix-0` .. `prefix-{n-1}` (block(i) each)."""
+    disk = DiskStore(folder)
+    keys = [f"prefix-{i}" for i in range(n)]
     for i, key in enumerate(keys):
         disk.put(key, block(i))
-    path = disk.file_for(keys[1])
+    return disk, keys
+
+
+def flip(path, offset: int, mask: int) -> None:
     data = bytearray(path.read_bytes())
-    data[-5] ^= 0xFF
+    data[offset] ^= mask
     path.write_bytes(bytes(data))
+
+
+def test_read_into_refuses_damaged_files_and_counts_them(tmp_path):
+    disk, keys = stored(tmp_path, 4)
+    flip(disk.file_for(keys[1]), -5, 0xFF)
     os.unlink(disk.file_for(keys[2]))
     os.unlink(disk.file_for(keys[3]))
     os.mkfifo(disk.file_for(keys[3]))
@@ -135,10 +144,7 @@ def test_tiered_find_leaves_disk_blocks_unread_and_unpromoted(tmp_path):
 
 
 def test_a_failing_read_is_a_miss_and_pauses_the_tier(tmp_path, monkeypatch):
-    disk = DiskStore(tmp_path)
-    keys = [f"prefix-{i}" for i in range(3)]
-    for i, key in enumerate(keys):
-        disk.put(key, block(i))
+    disk, keys = stored(tmp_path, 3)
     store = TieredStore([MemoryStore(), disk])
     pending = [b for b, _ in store.find_many_with_source(keys)]
     real = disk_module.read_block_file
@@ -167,10 +173,7 @@ def slots(n_blocks: int, tokens: int = 4, dtype=torch.float32):
 def test_a_sink_naming_slots_gets_the_block_read_into_them(tmp_path, monkeypatch):
     """Reference: the blocks as `get` returns them (bit-identical); the block handed to the sink views the slots,
     and no staging buffer was used."""
-    disk = DiskStore(tmp_path)
-    keys = [f"prefix-{i}" for i in range(5)]
-    for i, key in enumerate(keys):
-        disk.put(key, block(i))
+    disk, keys = stored(tmp_path, 5)
     monkeypatch.setattr(disk_module, "_staging_buffer", None)  # any staged read would fail
     _, _, views = slots(len(keys))
     handed = []
@@ -200,14 +203,8 @@ def test_a_block_of_more_planes_than_one_preadv_takes(tmp_path, monkeypatch):
 
 
 def test_a_damaged_file_read_in_place_is_refused_removed_and_counted(tmp_path):
-    disk = DiskStore(tmp_path)
-    keys = [f"prefix-{i}" for i in range(3)]
-    for i, key in enumerate(keys):
-        disk.put(key, block(i))
-    path = disk.file_for(keys[1])
-    data = bytearray(path.read_bytes())
-    data[-200] ^= 0x10  # in the values
-    path.write_bytes(bytes(data))
+    disk, keys = stored(tmp_path, 3)
+    flip(disk.file_for(keys[1]), -200, 0x10)  # in the values
     with open(disk.file_for(keys[2]), "r+b") as f:  # cut short: its header now disagrees with its size
         f.truncate(300)
     taken = []
@@ -367,9 +364,7 @@ def test_a_damaged_block_is_recomputed_and_still_equals_full(loaded, on_disk, da
     files = prefix_files(folder)
     victim = files[len(files) // 2]
     if damage == "corrupt":
-        data = bytearray(victim.read_bytes())
-        data[len(data) // 2] ^= 0x01
-        victim.write_bytes(bytes(data))
+        flip(victim, victim.stat().st_size // 2, 0x01)
     else:  # intact and checksummed, under the right key, but the KV of other tokens
         key = victim.name.removeprefix("kv-").removesuffix(".safetensors")
         b = disk.get(key)
@@ -489,9 +484,7 @@ def test_a_chunk_damaged_after_planning_is_encoded_again(loaded, tmp_path, docs)
     plan = engine.assembler.plan(engine._segments(prompt), "modular")
     victim = next(p for p in plan.pieces if p.source == "chunk")
     path = disk.file_for(victim.key)
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x04
-    path.write_bytes(bytes(data))
+    flip(path, path.stat().st_size // 2, 0x04)
     asm = engine.assembler.assemble(plan, extra_capacity=4)
     try:
         assert (asm.logits - ref).abs().max().item() <= 1e-5
