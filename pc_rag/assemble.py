@@ -479,8 +479,11 @@ class Assembler:
 
     def _recover(self, p: Piece) -> Piece:
         """The piece for a pending block that could not be read: fresh slots for a prefix block; for a relocated
-        block, the block encoded now (and stored), which `assemble` copies in."""
-        return Piece(p.slot, p.n, "fresh", p.kind, p.position) if p.want is None else self._piece(p.want, None, None)
+        block, as for a miss, the block encoded now and stored (which `assemble` copies in), or found in memory
+        when a piece of the same block was just recovered."""
+        if p.want is None:
+            return Piece(p.slot, p.n, "fresh", p.kind, p.position)
+        return self._piece(p.want, *self._get(p.want.key))
 
     def _sink(self, p: Piece, ids: tuple[int, ...], cache: SlotCache, rotations: list[tuple[torch.Tensor, int]],
               starts: dict[str, int]) -> Sink:

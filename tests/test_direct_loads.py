@@ -496,6 +496,30 @@ def test_a_chunk_damaged_after_planning_is_encoded_again(loaded, tmp_path, docs)
     assert disk.tier_stats()[0].corrupt == 1 and disk.get(victim.key) is not None  # stored again
 
 
+def test_a_repeated_chunk_damaged_after_planning_is_encoded_once(loaded, tmp_path, docs):
+    model, tok = loaded
+    prompt = [pc_rag.Text(system_text()), pc_rag.Chunk(docs[0]), pc_rag.Text("\n\n"), pc_rag.Chunk(docs[0]),
+              pc_rag.Text(PROMPT_QUESTION)]
+    first = pc_rag.Engine(model, tok, store=TieredStore([MemoryStore(), DiskStore(tmp_path)]))
+    first.generate(prompt, mode="modular", max_new_tokens=1)
+    ref, _ = served(first, prompt, "modular")
+    engine, _, disk = new_engine(loaded, tmp_path)
+    plan = engine.assembler.plan(engine._segments(prompt), "modular")
+    twice = [p for p in plan.pieces if p.source == "chunk" and p.kind == "chunk"]
+    assert len(twice) == 2 and twice[0].key == twice[1].key
+    path = disk.file_for(twice[0].key)
+    flip(path, path.stat().st_size // 2, 0x04)
+    encoded = []
+    real = engine.assembler.encode_chunk
+    engine.assembler.encode_chunk = lambda *a, **k: encoded.append(a) or real(*a, **k)
+    asm = engine.assembler.assemble(plan, extra_capacity=4)
+    try:
+        assert (asm.logits - ref).abs().max().item() <= 1e-5
+        assert len(encoded) == 1
+    finally:
+        engine.runner.release_cache(asm.cache)
+
+
 def served(engine, prompt, mode):
     """One request through the assembler as `generate` runs it: (next-token logits, {source: origins}); the blocks
     read from disk are promoted to memory after it, as after a reply."""
