@@ -417,10 +417,14 @@ def _run(model_path, lengths, reps, dtype, device, seed, disk_dir, redis_url=Non
             cases["pc_modular_warm_redis"] = (pr("modular"), redis_memory.clear)
             cases["pc_exact_warm_redis"] = (pr("exact"), redis_memory.clear)
         row |= interleaved(cases, reps)
-        steps = {"modular_disk": load_steps(engine, disk_tier, pc("modular"), reps, memory_tier.clear),
-                 "exact_disk": load_steps(engine, disk_tier, pc("exact"), reps, memory_tier.clear)}
+        def logits(e, mode, prompt=w.prompt):  # load steps time the request up to its logits, nothing after
+            return lambda: e.next_token_logits(prompt, mode=mode)
+
+        steps = {"modular_disk": load_steps(engine, disk_tier, logits(engine, "modular"), reps, memory_tier.clear),
+                 "exact_disk": load_steps(engine, disk_tier, logits(engine, "exact"), reps, memory_tier.clear)}
         if redis_engine is not None:
-            steps["modular_redis"] = load_steps(redis_engine, redis_tier, pr("modular"), reps, redis_memory.clear)
+            steps["modular_redis"] = load_steps(redis_engine, redis_tier, logits(redis_engine, "modular"), reps,
+                                                redis_memory.clear)
             redis_tier.clear()
             redis_memory.clear()
         row["load_steps"] = steps
