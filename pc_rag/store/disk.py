@@ -382,14 +382,14 @@ class DiskStore:
     def get(self, key: str) -> KVBlock | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: list[str]) -> list[KVBlock | None]:
+    def get_many(self, keys: list[str], count: bool = True) -> list[KVBlock | None]:
         """The blocks of `keys` (None for a miss), read and verified in parallel. A file that cannot be read
         (an I/O error, not a missing or corrupt entry) fails the whole call with a StoreError, as a failing
-        tier does."""
+        tier does. `count=False` (`reread`): not counted as hits, misses, bytes or load time."""
         paths = [self.file_for(key) for key in keys]  # checks every key before any file is touched
         t0 = time.perf_counter()
         loads = _read_all(self._load, list(zip(keys, paths, strict=True)))
-        blocks, failed = self._settle_all(keys, paths, loads, t0)
+        blocks, failed = self._settle_all(keys, paths, loads, t0, count)
         if failed is not None:
             path, e = failed
             raise self._error(f"cannot read {path}", e) from e
@@ -449,13 +449,7 @@ class DiskStore:
         """`get_many` for blocks this tier already served into a caller's buffer (`read_into`) and now wanted in
         memory of their own, e.g. to promote them: not counted again (hits, misses, bytes, load time); a damaged
         file is still counted corrupt and removed."""
-        paths = [self.file_for(key) for key in keys]
-        loads = _read_all(self._load, list(zip(keys, paths, strict=True)))
-        blocks, failed = self._settle_all(keys, paths, loads, time.perf_counter(), count=False)
-        if failed is not None:
-            path, e = failed
-            raise self._error(f"cannot read {path}", e) from e
-        return blocks
+        return self.get_many(keys, count=False)
 
     def _settle_all(self, keys: list[str], paths: list[Path], loads: list[_Load], t0: float, count: bool = True):
         """Index, counters and timings for a batch read since `t0` (`count=False`: the index and corrupt entries
