@@ -138,7 +138,7 @@ class Assembler:
         self.scaffolds: dict[tuple[int, ...], frozenset[tuple[tuple[int, ...], ...]]] = {}
         self.scaffold_bytes = 0  # what joint encodings cost on top of the chunks' own blocks
         self.reuse_separators = True  # whitespace-only text after a chunk is reused like a chunk (see plan)
-        self.direct_loads = True  # prefix blocks on disk are read straight into the request buffer (_read_pending)
+        self.direct_loads = True  # blocks on disk are read straight into the request buffer (_read_pending)
 
     def add_scaffold(self, chunks: Sequence[tuple[int, ...]]) -> None:
         if len(chunks) < 2:

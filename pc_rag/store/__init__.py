@@ -4,7 +4,7 @@ The engine calls `get(key) -> KVBlock | None`, `put(key, block)`, `tier_stats()`
 `get_with_source(store, key)` to learn which tier served a block; `get_many_with_source(store, keys)`
 looks up a request's blocks at once (one Redis round trip), `find_many_with_source(store, keys)` does the same
 but leaves disk blocks unread (PendingBlocks, read later by `TieredStore.read_pending` straight into a request's
-buffer), `put_block(store, key, block, persist=False)`
+buffer: a `Sink` names the slots), `put_block(store, key, block, persist=False)`
 keeps a block out of persistent tiers, `TieredStore.set_placement(fn)` places blocks read from lower
 tiers (e.g. on the engine's device) before they are promoted, and `TieredStore.prefetch(keys)` loads blocks
 from the persistent tiers into memory ahead of a request (pc_rag.prefetch). Build stores with

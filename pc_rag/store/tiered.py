@@ -18,7 +18,8 @@ promoted and returned, so the memory tier holds placed blocks and the next hit n
 tier able to read a block straight into the caller's memory (disk: `locate`, `read_into`) is only asked whether
 it holds each key; its blocks come back as PendingBlocks, which `read_pending` later reads into the caller's
 buffer (the engine: the request's KV buffer), so a request's disk blocks need no memory of their own. Nothing is
-promoted: the caller decides what to keep (the engine puts such blocks in memory after the reply).
+promoted: the caller decides what to keep (the engine puts such blocks in memory after the reply, with
+`promote(pending)`, which reads them again without counting them twice).
 
 `prefetch(keys)`: loads blocks from the persistent tiers into the non-persistent ones above them (memory)
 without returning them, for a background thread that knows a request is coming (pc_rag.prefetch: documents a
