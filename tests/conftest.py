@@ -82,3 +82,23 @@ def worktree_env(cache_dir) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PC_RAG_CACHE_DIR=str(cache_dir))
     env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
+
+
+class PlainStore:
+    """A store of a user's own: only the four calls of the Store protocol (get, put, clear, tier_stats)."""
+
+    def __init__(self, name: str = "plain", blocks: dict | None = None):
+        self.name = name
+        self.blocks = dict(blocks or {})
+
+    def get(self, key):
+        return self.blocks.get(key)
+
+    def put(self, key, block):
+        self.blocks[key] = block
+
+    def clear(self):
+        self.blocks.clear()
+
+    def tier_stats(self):
+        return []

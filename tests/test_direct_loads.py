@@ -27,6 +27,8 @@ from pc_rag.store import (
 from pc_rag.store import disk as disk_module
 from pc_rag.store.codec import encode_block
 
+from .conftest import PlainStore
+
 TOL = 1e-4
 
 
@@ -251,29 +253,8 @@ def test_blocks_that_cannot_be_read_in_place_are_staged(tmp_path, case):
     assert torch.isnan(dk).all()  # nothing was written into the slots by the tier
 
 
-class Plain:
-    """A store of a user's own: get, put, clear and tier_stats only."""
-
-    name = "plain"
-
-    def __init__(self):
-        self.blocks = {}
-
-    def get(self, key):
-        return self.blocks.get(key)
-
-    def put(self, key, b):
-        self.blocks[key] = b
-
-    def clear(self):
-        self.blocks.clear()
-
-    def tier_stats(self):
-        return []
-
-
 def test_other_stores_answer_as_get_many_with_source(tmp_path):
-    plain = Plain()
+    plain = PlainStore()
     plain.put("prefix-a", block(1))
     assert find_many_with_source(plain, ["prefix-a", "prefix-b"]) == [(plain.blocks["prefix-a"], "plain"),
                                                                        (None, None)]
@@ -588,7 +569,7 @@ def test_a_store_of_ones_own_keeps_working(loaded):
     model, tok = loaded
     prompt = system_text() + PROMPT_QUESTION
     ref, _ = full_reference(loaded, prompt)
-    engine = pc_rag.Engine(model, tok, store=Plain())
+    engine = pc_rag.Engine(model, tok, store=PlainStore())
     engine.generate(prompt, mode="exact", max_new_tokens=4)
     got = engine.generate(prompt, mode="exact", max_new_tokens=4)
     assert {s.origin for s in got.sources if s.source == "prefix"} == {"plain"}

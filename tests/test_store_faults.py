@@ -27,6 +27,7 @@ from pc_rag import cli
 from pc_rag.blocks import KVBlock
 from pc_rag.store import DiskStore, MemoryStore, RedisStore, TieredStore
 
+from .conftest import PlainStore
 from .test_store import assert_same, key_of, make_block
 
 
@@ -442,25 +443,7 @@ def test_get_many_with_source_asks_each_tier_once_for_the_missing_keys():
 def test_get_many_with_source_for_any_store(tmp_path):
     from pc_rag.store import get_many_with_source
 
-    class Plain:  # a user's own store: only the four calls of the Store protocol
-        name = "mine"
-
-        def __init__(self):
-            self.blocks = {key_of(1): make_block(1)}
-
-        def get(self, key):
-            return self.blocks.get(key)
-
-        def put(self, key, block):
-            self.blocks[key] = block
-
-        def clear(self):
-            self.blocks.clear()
-
-        def tier_stats(self):
-            return []
-
-    got = get_many_with_source(Plain(), [key_of(1), key_of(2)])
+    got = get_many_with_source(PlainStore("mine", {key_of(1): make_block(1)}), [key_of(1), key_of(2)])
     assert [s for _, s in got] == ["mine", None]
     disk = DiskStore(tmp_path)
     disk.put(key_of(1), make_block(1))
