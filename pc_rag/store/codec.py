@@ -247,14 +247,14 @@ def _layout(header: bytes, total: int) -> Layout:
     return Layout(meta, base, tuple(tensors))
 
 
-def _parse(buf: torch.Tensor) -> tuple[Layout, dict[str, torch.Tensor], memoryview]:
+def _parse(key: str, buf: torch.Tensor) -> tuple[Layout, dict[str, torch.Tensor], memoryview]:
     """The layout read in place from a uint8 tensor: (layout, tensors as views of `buf` (no copy), the data
-    section)."""
+    section). Raises as `read_layout`."""
     raw = memoryview(buf.numpy())  # header slices through a memoryview: cheaper than tensor slicing per block
     header_len = header_length(raw[:8].tobytes())
     if 8 + header_len > len(buf):
-        raise ValueError(f"header of {header_len} bytes in a blob of {len(buf)}")
-    layout = _layout(raw[8: 8 + header_len].tobytes(), len(buf))
+        raise CorruptBlockError(f"unreadable block for {key}: header of {header_len} bytes in a blob of {len(buf)}")
+    layout = read_layout(key, raw[8: 8 + header_len].tobytes(), len(buf))
     base = layout.base
     tensors = {name: buf[base + a: base + b].view(dtype).view(shape) for name, dtype, shape, a, b in layout.tensors}
     return layout, tensors, raw[base:]
@@ -318,12 +318,7 @@ def decode_block(key: str, data: bytes | torch.Tensor, timings: dict[str, float]
         # holds): a copy of a 4K-token prompt's blocks cost more than verifying them. torch warns that the
         # buffer is read-only; blocks are never written (Store contract), so that warning is filtered above.
         data = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    try:
-        layout, tensors, section = _parse(data)
-    except StaleBlockError as e:
-        raise StaleBlockError(f"block for {key} has {e}") from e
-    except Exception as e:  # truncated, not safetensors, missing fields: all mean "not a block"
-        raise CorruptBlockError(f"unreadable block for {key}: {type(e).__name__}: {e}") from e
+    layout, tensors, section = _parse(key, data)
     header = check_layout(key, layout)
     if checksum(layout.meta, section) != header.checksum:
         raise CorruptBlockError(f"block for {key}: checksum mismatch")
