@@ -20,6 +20,7 @@ from pc_rag.store import (
     DiskStore,
     MemoryStore,
     PendingBlock,
+    RedisStore,
     Sink,
     TieredStore,
     find_many_with_source,
@@ -237,10 +238,10 @@ def test_a_file_shrinking_while_read_in_place_is_read_again_staged(tmp_path, mon
     assert torch.equal(got["prefix-a"].keys, block(3).keys) and got["prefix-a"].keys is not dk
 
 
-@pytest.mark.parametrize("case", ["another dtype", "compressed", "planes not contiguous"])
+@pytest.mark.parametrize("case", ["another dtype", "planes not contiguous"])
 def test_blocks_that_cannot_be_read_in_place_are_staged(tmp_path, case):
     """Reference: the block as `get` returns it, handed to the sink from staging (not viewing the slots)."""
-    disk = DiskStore(tmp_path, compress="int8" if case == "compressed" else None)
+    disk = DiskStore(tmp_path)
     b = KVBlock(block(5).keys, block(5).values, block(5).token_ids, 3, {"kind": "chunk"})
     disk.put("chunk-a", b)
     dk, dv = slots(1, dtype=torch.float64 if case == "another dtype" else torch.float32)[2][0]
@@ -251,6 +252,48 @@ def test_blocks_that_cannot_be_read_in_place_are_staged(tmp_path, case):
     ref = disk.get("chunk-a")
     assert torch.equal(got["chunk-a"].keys, ref.keys) and torch.equal(got["chunk-a"].values, ref.values)
     assert torch.isnan(dk).all()  # nothing was written into the slots by the tier
+
+
+def _int8_tier(kind: str, path):
+    if kind == "disk":
+        return DiskStore(path, compress="int8")
+    fakeredis = pytest.importorskip("fakeredis")
+    return RedisStore(client=fakeredis.FakeRedis(), compress="int8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+def test_compressed_blocks_are_dequantized_into_the_slots(tmp_path, kind, dtype):
+    """Reference: the block as `get` decodes it into memory of its own, bit for bit (same dtype); the block handed
+    to the sink is the slots themselves, and a slot pair of another shape gets a block of its own."""
+    tier = _int8_tier(kind, tmp_path)
+    b = block(5)
+    b = KVBlock(b.keys.to(dtype), b.values.to(dtype), b.token_ids, 3, {"kind": "chunk"})
+    tier.put("chunk-a", b)
+    tier.put("chunk-b", b)
+    ref = tier.get("chunk-a")
+    _, _, [(dk, dv), (ek, ev)] = slots(2, dtype=dtype)
+    small_k, small_v = ek[:, :, :2], ev[:, :, :2]  # not the block's shape: left alone
+    got: dict[str, KVBlock] = {}
+    handed: dict[str, KVBlock] = {}
+
+    def keep(key):
+        def take(blk):
+            handed[key] = blk
+            return copier(got, key)(blk)
+        return take
+
+    assert tier.locate(["chunk-a", "chunk-b", "chunk-c"]) == [True, True, False]
+    assert tier.read_into(["chunk-a", "chunk-b"], [Sink(keep("chunk-a"), dk, dv),
+                                                  Sink(keep("chunk-b"), small_k, small_v)]) == [True, True]
+    assert handed["chunk-a"].keys is dk and handed["chunk-a"].values is dv
+    assert torch.equal(dk, ref.keys) and torch.equal(dv, ref.values)
+    assert handed["chunk-b"].keys is not small_k and torch.isnan(ek.float()).all()
+    assert torch.equal(got["chunk-b"].keys, ref.keys) and torch.equal(got["chunk-b"].values, ref.values)
+    assert 0 < (ref.keys.float() - b.keys.float()).abs().max() < 0.1  # lossy, as int8 is
+    s = tier.tier_stats()[0]
+    assert (s.hits, s.misses) == (3, 1)  # get, then the two reads; locate's miss
+    assert tier.reread(["chunk-a"])[0] is not None and tier.tier_stats()[0].hits == 3  # not counted again
 
 
 def test_other_stores_answer_as_get_many_with_source(tmp_path):
@@ -549,6 +592,40 @@ def test_a_block_used_twice_is_read_once_and_counted_once(loaded, tmp_path, docs
     reads = len(keys) + sum(1 for p in plan.pieces if p.pending is not None and p.want is None)
     assert disk.tier_stats()[0].hits == reads  # each block read once, and its promotion not counted again
     assert all(memory.contains(k) for k in keys)
+
+
+@pytest.mark.parametrize("compress", [None, "int8"])
+@pytest.mark.parametrize("mode", ["exact", "modular"])
+def test_blocks_from_redis_are_read_into_the_buffer(loaded, docs, compress, mode):
+    """Redis reads into the request buffer too (one EXISTS round trip at planning, one GET round trip for the
+    blocks). Reference: the same Redis read the way it was before (`direct_loads = False`: every block decoded into
+    memory of its own, then copied or relocated), within 1e-5; each block fetched once and counted once, and the
+    blocks promoted to memory are those Redis holds."""
+    fakeredis = pytest.importorskip("fakeredis")
+    server = fakeredis.FakeServer()
+
+    def redis():
+        return RedisStore(client=fakeredis.FakeRedis(server=server), compress=compress)
+
+    model, tok = loaded
+    prompt = chunk_prompt(docs)
+    pc_rag.Engine(model, tok, store=TieredStore([MemoryStore(), redis()])).generate(prompt, mode=mode, max_new_tokens=1)
+    before = pc_rag.Engine(model, tok, store=TieredStore([MemoryStore(), redis()]))
+    before.assembler.direct_loads = False
+    ref, _ = served(before, prompt, mode)
+    memory, tier = MemoryStore(), redis()
+    engine = pc_rag.Engine(model, tok, store=TieredStore([memory, tier]))
+    plan = engine.assembler.plan(engine._segments(prompt), mode)
+    pending = [p for p in plan.pieces if p.pending is not None]
+    assert pending and {p.pending.tier for p in pending} == {"redis"}
+    logits, origins = served(engine, prompt, mode)
+    assert "redis" in origins["prefix" if mode == "exact" else "chunk"]
+    assert (logits - ref).abs().max().item() <= 1e-5
+    assert tier.tier_stats()[0].hits == len({p.key for p in pending})
+    for p in pending:
+        if p.want is not None:  # relocated blocks are promoted as Redis holds them
+            held, stored = memory.get(p.key), tier.get(p.key)
+            assert torch.equal(held.keys, stored.keys) and torch.equal(held.values, stored.values)
 
 
 def test_bfloat16_chunks_from_disk_equal_those_from_memory(tiny_path, tmp_path, docs):

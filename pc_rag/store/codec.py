@@ -299,18 +299,29 @@ def check_layout(key: str, layout: Layout) -> Header:
         raise CorruptBlockError(f"block for {key}: bad metadata: {type(e).__name__}: {e}") from e
 
 
-def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(q.shape, dtype=torch.float32)
-    out.copy_(q).mul_(scale.float())  # int8 -> fp32, then the scale (an int8 * fp16 mul is 15x slower)
-    return out if dtype == torch.float32 else out.to(dtype)
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """q * scale in `dtype`, into `out` when given. Bit-identical either way: int8 is exact in every float dtype
+    we store, and the in-place mul by the fp32 scale computes in fp32 before it rounds to out's dtype."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.float32)
+        out.copy_(q).mul_(scale.float())  # int8 -> fp32, then the scale (an int8 * fp16 mul is 15x slower)
+        return out if dtype == torch.float32 else out.to(dtype)
+    return out.copy_(q).mul_(scale.float())
 
 
-def decode_block(key: str, data: bytes | torch.Tensor, timings: dict[str, float] | None = None) -> KVBlock:
+def decode_block(key: str, data: bytes | torch.Tensor, timings: dict[str, float] | None = None,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVBlock:
     """Raises CorruptBlockError unless `data` is an intact block stored under exactly `key`.
 
     Given a uint8 tensor (the disk tier reads the file into one) an uncompressed block's tensors are views of
     it: one copy from the page cache and one checksum pass per load. `timings`, when given, gets the seconds
     spent verifying (`verify_s`) and dequantizing (`decode_s`) added.
+
+    `out` = (keys, values): CPU tensors of the block's dtype and [L, H_kv, T, D] shape (a request buffer's slots)
+    that a compressed block is dequantized into, after its checksum matched, instead of into memory of its own;
+    the returned block's keys and values are then these very tensors. (Its slots hold garbage if decoding fails
+    after that: the caller must not use them unless a block is returned.) An uncompressed block, or one of another
+    shape or dtype, ignores `out` (its tensors view `data`: nothing to save).
     """
     t0 = time.perf_counter()
     if not isinstance(data, torch.Tensor):
@@ -337,14 +348,19 @@ def decode_block(key: str, data: bytes | torch.Tensor, timings: dict[str, float]
         if len(raw) != 2 * n:
             raise CorruptBlockError(f"block for {key}: unpacked {len(raw)} bytes, expected {2 * n}")
         q = torch.frombuffer(raw, dtype=torch.int8)  # read only, by the dequantization
-        keys = _dequantize(q[:n].view(shape), tensors["key_scales"], dtype)
-        values = _dequantize(q[n:].view(shape), tensors["value_scales"], dtype)
+        ko, vo = out if out is not None and _fits(out, dtype, shape) else (None, None)
+        keys = _dequantize(q[:n].view(shape), tensors["key_scales"], dtype, ko)
+        values = _dequantize(q[n:].view(shape), tensors["value_scales"], dtype, vo)
     else:
         keys, values = tensors["keys"], tensors["values"]
     if timings is not None:
         timings["verify_s"] = timings.get("verify_s", 0.0) + t1 - t0
         timings["decode_s"] = timings.get("decode_s", 0.0) + time.perf_counter() - t1
     return KVBlock(keys, values, tuple(ids.tolist()), header.start, header.meta)
+
+
+def _fits(out: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, shape: torch.Size) -> bool:
+    return all(t.dtype == dtype and t.shape == shape and t.device.type == "cpu" for t in out)
 
 
 def _scales_fit(layout: Layout, shape: tuple[int, int, int, int]) -> bool:

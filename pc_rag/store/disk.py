@@ -292,6 +292,13 @@ def read_block_in_place(path: Path, key: str, sink: Sink, raws: dict[int, memory
     return KVBlock(keys, values, tuple(memoryview(ids).cast("i")), header.start, header.meta), size
 
 
+def _slots(sink: Sink | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A sink's slots, for `decode_block` to dequantize a compressed block into."""
+    if sink is None or sink.keys is None or sink.values is None:
+        return None
+    return sink.keys, sink.values
+
+
 # Reads of one request's blocks run in parallel: file reads and the xxh3 checksum release the GIL. One pool
 # for every DiskStore of the process, started on first use.
 _READERS: ThreadPoolExecutor | None = None
@@ -482,7 +489,7 @@ class DiskStore:
             else:
                 data = read_block_file(path, load.timings, staging=sink is not None)
                 load.size = len(data)
-                load.block = decode_block(key, data, load.timings)
+                load.block = decode_block(key, data, load.timings, _slots(sink))
             load.found = True
         except FileNotFoundError:
             load.missing = True

@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from ..blocks import KVBlock
 from ..errors import StoreError
 from .codec import CorruptBlockError, StaleBlockError, decode_block, encode_block, tier_codec
-from .tier import StoreUsageError, TierStats, TierUnavailableError, check_key
+from .tier import Sink, StoreUsageError, TierStats, TierUnavailableError, check_key
 
 log = logging.getLogger("pc_rag.store")
 
@@ -95,9 +96,57 @@ class RedisStore:
     def get(self, key: str) -> KVBlock | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: list[str]) -> list[KVBlock | None]:
+    def get_many(self, keys: list[str], count: bool = True) -> list[KVBlock | None]:
         """The blocks of `keys`, in one round trip: a pipeline of GETs rather than MGET, because MGET answers
-        nil for a value of another type where GET names the WRONGTYPE, which is counted as corrupt."""
+        nil for a value of another type where GET names the WRONGTYPE, which is counted as corrupt.
+        `count=False` (`reread`): not counted as hits, misses, bytes or load time."""
+        return self._read(keys, [None] * len(keys), count)
+
+    def locate(self, keys: list[str]) -> list[bool]:
+        """Whether the server holds an entry under each key's name (one round trip, a pipeline of EXISTS), reading
+        no block: the keys `read_into` may then load. A key with no entry is a miss; an entry that expires before
+        `read_into` is a miss then."""
+        names = [self.prefix + check_key(key) for key in keys]
+        if not names:
+            return []
+
+        def ask():
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            return pipe.execute()
+
+        held = [bool(n) for n in self._call(f"EXISTS of {len(names)} keys", ask)]
+        with self._lock:
+            self.stats.misses += held.count(False)
+        return held
+
+    def read_into(self, keys: list[str], sinks: list[Sink | Callable[[KVBlock], bool]]) -> list[bool]:
+        """Fetches the blocks of `keys` (one round trip) and hands each one to its sink, as `DiskStore.read_into`:
+        per key, whether its sink took it. A compressed block is verified in the reply and dequantized straight
+        into its sink's slots (see Sink); an uncompressed one views the reply, and the sink copies it. Unlike the
+        disk tier, the transfer is the cost and the reply is one stream, so there is no thread pool here. What a
+        sink raises propagates, once the counters are settled."""
+        sinks = [s if isinstance(s, Sink) else Sink(s) for s in sinks]
+        outs = [(s.keys, s.values) if s.keys is not None and s.values is not None else None for s in sinks]
+        blocks = self._read(keys, outs, count=True)
+        t0 = time.perf_counter()
+        try:
+            return [block is not None and bool(sink.take(block)) for block, sink in zip(blocks, sinks, strict=True)]
+        finally:
+            with self._lock:
+                self.stats.copy_s += time.perf_counter() - t0
+
+    def reread(self, keys: list[str]) -> list[KVBlock | None]:
+        """`get_many` for blocks `read_into` already served into a caller's buffer and now wanted in memory of their
+        own (promotion): fetched again, not counted again. (Keeping every reply until then would hold a prompt's
+        blocks in memory for blocks that are mostly never promoted: the exact-prefix blocks are cloned from the
+        request buffer instead.)"""
+        return self.get_many(keys, count=False)
+
+    def _read(self, keys: list[str], outs: list, count: bool) -> list[KVBlock | None]:
+        """The blocks of `keys` in one round trip, each decoded into its `outs` slots where given (decode_block's
+        `out`); None for a miss. Damaged entries are removed and counted corrupt (with count=False too)."""
         names = [self.prefix + check_key(key) for key in keys]
         if not names:
             return []
@@ -114,7 +163,7 @@ class RedisStore:
         blocks: list[KVBlock | None] = []
         bad, stale = [], []  # damaged entries; entries of another format (another pc_rag version)
         nbytes = 0
-        for key, name, data in zip(keys, names, replies, strict=True):
+        for key, name, data, out in zip(keys, names, replies, outs, strict=True):
             block = None
             if isinstance(data, Exception):
                 if not str(data).startswith("WRONGTYPE"):
@@ -124,7 +173,7 @@ class RedisStore:
                 bad.append(name)
             elif data is not None:
                 try:
-                    block = decode_block(key, data, timings)
+                    block = decode_block(key, data, timings, out)
                     nbytes += len(data)
                 except StaleBlockError:
                     stale.append(name)
@@ -133,14 +182,15 @@ class RedisStore:
             blocks.append(block)
         hits = sum(b is not None for b in blocks)
         with self._lock:
-            self.stats.hits += hits
-            self.stats.misses += len(blocks) - hits
             self.stats.corrupt += len(bad)
-            self.stats.bytes_read += nbytes
-            for step, seconds in timings.items():
-                setattr(self.stats, step, getattr(self.stats, step) + seconds)
-            if hits:
-                self.stats.load_s += time.perf_counter() - t0
+            if count:
+                self.stats.hits += hits
+                self.stats.misses += len(blocks) - hits
+                self.stats.bytes_read += nbytes
+                for step, seconds in timings.items():
+                    setattr(self.stats, step, getattr(self.stats, step) + seconds)
+                if hits:
+                    self.stats.load_s += time.perf_counter() - t0
         bad += stale
         if bad:
             try:  # a second round trip only when something was damaged; a put would overwrite it anyway

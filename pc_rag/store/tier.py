@@ -70,9 +70,11 @@ class Sink:
     """Where `read_into` hands a block it read for the caller: `take(block) -> bool` (True: used). `keys` and
     `values`, when given, are where the block belongs: CPU tensors [L, H_kv, T, D] whose [T, D] planes are each
     contiguous (a request buffer's slots). A block stored bit-exact in their shape and dtype is then read from its
-    file straight into them, verified there, and the block `take` gets views them: nothing is left to copy. (If
-    it fails its checks they hold garbage, and `take` is not called.) Any other block (compressed, of another
-    dtype) is read into a staging buffer and `take` copies it."""
+    file straight into them, verified there, and the block `take` gets views them: nothing is left to copy. A
+    compressed block of their shape and dtype is verified where it was read (a staging buffer, a Redis reply) and
+    dequantized straight into them, and the block `take` gets views them too. (If a block fails its checks they may
+    hold garbage, and `take` is not called.) Any other block (of another dtype or shape) views a staging buffer or
+    the reply, and `take` copies it."""
 
     take: Callable[[KVBlock], bool]
     keys: torch.Tensor | None = None
