@@ -26,6 +26,7 @@ from pc_rag.store import (
     find_many_with_source,
 )
 from pc_rag.store import disk as disk_module
+from pc_rag.store import tier as tier_module
 from pc_rag.store.codec import encode_block
 
 from .conftest import PlainStore
@@ -69,7 +70,7 @@ def test_read_into_hands_over_the_blocks_get_returns(tmp_path):
 
 
 def test_read_into_reuses_one_staging_buffer_per_thread(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_module, "_READER_THREADS", 1)  # every read in the calling thread
+    monkeypatch.setattr(tier_module, "READER_THREADS", 1)  # every read in the calling thread
     disk = DiskStore(tmp_path)
     for i in range(3):
         disk.put(f"prefix-{i}", block(i))

@@ -45,7 +45,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -65,7 +64,7 @@ from .codec import (
     read_layout,
     tier_codec,
 )
-from .tier import KEY_PATTERN, Sink, StoreUsageError, TierStats, TierUnavailableError, check_key
+from .tier import KEY_PATTERN, Sink, StoreUsageError, TierStats, TierUnavailableError, check_key, in_parallel
 
 log = logging.getLogger("pc_rag.store")
 
@@ -299,34 +298,6 @@ def _slots(sink: Sink | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     return sink.keys, sink.values
 
 
-# Reads of one request's blocks run in parallel: file reads and the xxh3 checksum release the GIL. One pool
-# for every DiskStore of the process, started on first use.
-_READERS: ThreadPoolExecutor | None = None
-_READERS_LOCK = threading.Lock()
-_READER_THREADS = min(8, os.cpu_count() or 1)
-
-
-def _readers() -> ThreadPoolExecutor:
-    global _READERS
-    with _READERS_LOCK:
-        if _READERS is None:
-            _READERS = ThreadPoolExecutor(max_workers=_READER_THREADS, thread_name_prefix="pc_rag-disk")
-        return _READERS
-
-
-def _read_all(load, items: list) -> list:
-    """`[load(*item) for item in items]`, spread over the reader threads: one interleaved share of the items per
-    thread (a task per item cost more than it saved for the 32-token prefix blocks of exact mode, measured)."""
-    workers = min(_READER_THREADS, len(items))
-    if workers <= 1:
-        return [load(*item) for item in items]
-    shares = list(_readers().map(lambda i: [load(*item) for item in items[i::workers]], range(workers)))
-    out = [None] * len(items)
-    for i, share in enumerate(shares):
-        out[i::workers] = share
-    return out
-
-
 @dataclass
 class _Load:
     """What reading one block file gave, before the index and the counters are updated under the lock."""
@@ -395,7 +366,7 @@ class DiskStore:
         tier does. `count=False` (`reread`): not counted as hits, misses, bytes or load time."""
         paths = [self.file_for(key) for key in keys]  # checks every key before any file is touched
         t0 = time.perf_counter()
-        loads = _read_all(self._load, list(zip(keys, paths, strict=True)))
+        loads = in_parallel(self._load, list(zip(keys, paths, strict=True)))
         blocks, failed = self._settle_all(keys, paths, loads, t0, count)
         if failed is not None:
             path, e = failed
@@ -438,7 +409,7 @@ class DiskStore:
                 if t is not None and t.device.type == "cpu"} if _IN_PLACE else {}
         paths = [self.file_for(key) for key in keys]
         t0 = time.perf_counter()
-        loads = _read_all(self._load, [(key, path, sink, raws) for key, path, sink in zip(keys, paths, sinks,
+        loads = in_parallel(self._load, [(key, path, sink, raws) for key, path, sink in zip(keys, paths, sinks,
                                                                                            strict=True)])
         _, failed = self._settle_all(keys, paths, loads, t0)
         for load in loads:

@@ -28,7 +28,7 @@ from typing import Any
 from ..blocks import KVBlock
 from ..errors import StoreError
 from .codec import CorruptBlockError, StaleBlockError, decode_block, encode_block, tier_codec
-from .tier import Sink, StoreUsageError, TierStats, TierUnavailableError, check_key
+from .tier import Sink, StoreUsageError, TierStats, TierUnavailableError, check_key, in_parallel
 
 log = logging.getLogger("pc_rag.store")
 
@@ -160,25 +160,26 @@ class RedisStore:
 
         replies = self._call(f"GET of {len(names)} keys", fetch)
         timings = {"read_s": time.perf_counter() - t0}  # the round trip and the transfer
+        for name, data in zip(names, replies, strict=True):
+            if isinstance(data, Exception) and not str(data).startswith("WRONGTYPE"):
+                with self._lock:
+                    self.stats.errors += 1
+                raise StoreError(f"redis store {self.url}: GET {name} failed: {type(data).__name__}: {data}")
+        # Decoded in the reader threads: checksums and zstd release the GIL, and a compressed prompt's decoding
+        # took as long as its transfer in this thread alone.
+        decoded = in_parallel(_decode, list(zip(keys, replies, outs, strict=True)))
         blocks: list[KVBlock | None] = []
         bad, stale = [], []  # damaged entries; entries of another format (another pc_rag version)
         nbytes = 0
-        for key, name, data, out in zip(keys, names, replies, outs, strict=True):
-            block = None
-            if isinstance(data, Exception):
-                if not str(data).startswith("WRONGTYPE"):
-                    with self._lock:
-                        self.stats.errors += 1
-                    raise StoreError(f"redis store {self.url}: GET {name} failed: {type(data).__name__}: {data}")
+        for name, data, (block, outcome, steps) in zip(names, replies, decoded, strict=True):
+            for step, seconds in steps.items():
+                timings[step] = timings.get(step, 0.0) + seconds
+            if block is not None:
+                nbytes += len(data)
+            elif outcome == "stale":
+                stale.append(name)
+            elif outcome == "corrupt":
                 bad.append(name)
-            elif data is not None:
-                try:
-                    block = decode_block(key, data, timings, out)
-                    nbytes += len(data)
-                except StaleBlockError:
-                    stale.append(name)
-                except CorruptBlockError:
-                    bad.append(name)
             blocks.append(block)
         hits = sum(b is not None for b in blocks)
         with self._lock:
@@ -219,6 +220,21 @@ class RedisStore:
     def tier_stats(self) -> list[TierStats]:
         with self._lock:
             return [replace(self.stats)]
+
+
+def _decode(key: str, data, out) -> tuple[KVBlock | None, str, dict[str, float]]:
+    """One reply decoded (in a reader thread): (block or None, "hit" / "miss" / "stale" / "corrupt", timings)."""
+    timings: dict[str, float] = {}
+    if data is None:
+        return None, "miss", timings
+    if isinstance(data, Exception):  # WRONGTYPE: another type of value under a block's name
+        return None, "corrupt", timings
+    try:
+        return decode_block(key, data, timings, out), "hit", timings
+    except StaleBlockError:
+        return None, "stale", timings
+    except CorruptBlockError:
+        return None, "corrupt", timings
 
 
 def _redis_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
