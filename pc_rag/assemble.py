@@ -25,9 +25,17 @@ import torch
 from .blocks import KVBlock, chunk_key, scaffold_key
 from .errors import PCRagError, PromptError, UnsupportedModelError
 from .model import LlamaRunner, SlotCache
-from .prefix import BLOCK_TOKENS, Link, PrefixIndex, Run, after_link, run_blocks
+from .prefix import BLOCK_TOKENS, EXTENT_BLOCKS, Link, PrefixIndex, Run, after_link, extents, run_blocks
 from .segments import TokenSegment
-from .store import PendingBlock, Sink, find_many_with_source, get_many_with_source, get_with_source, put_block
+from .store import (
+    PendingBlock,
+    Sink,
+    TieredStore,
+    find_many_with_source,
+    get_many_with_source,
+    get_with_source,
+    put_block,
+)
 
 MODES = ("full", "exact", "modular", "blend")
 REUSING_CHUNKS = ("modular", "blend")
@@ -46,6 +54,12 @@ class Piece:
     origin: str | None = None  # store tier (or "computed" for a block encoded by this request)
     pending: PendingBlock | None = None  # a block found on disk, not read yet: assemble reads it into its slots
     want: Wanted | None = None  # a pending relocated block: what to encode should reading it fail
+    members: tuple[str, ...] = ()  # an extent (prefix.py): the keys of the prefix blocks it holds, in order
+
+    @property
+    def block_keys(self) -> tuple[str, ...]:
+        """The prefix-chain keys this piece covers: its own, or an extent's blocks'."""
+        return self.members or (self.key,)
 
 
 @dataclass(frozen=True)
@@ -181,8 +195,8 @@ class Assembler:
                 for p in found:
                     pieces.append(p)
                     if p.pending is not None or p.n == len(p.block.token_ids):
-                        hits.add(p.key)
-                        parent = p.key
+                        hits.update((p.key, *p.members))
+                        parent = p.block_keys[-1]
                 covered = found[-1].slot + found[-1].n if found else run.start
                 walking = covered == run.end and (not found or found[-1].key in hits)
             pieces.extend(self._fresh(covered, run.end, kinds, positions))
@@ -262,21 +276,30 @@ class Assembler:
         return out
 
     def _lookup_run(self, parent: str, ids, positions, run: Run) -> list[Piece]:
-        """Prefix pieces for the longest cached prefix of `run`: whole blocks found by key (one batched
-        fetch), then the longest common prefix with a block stored under the last parent, if any."""
+        """Prefix pieces for the longest cached prefix of `run`: whole blocks found by key, or, in the persistent
+        tiers, the extents holding them (batched lookups), then the longest common prefix with a block stored
+        under the last parent, if any."""
         refs = run_blocks(self.runner.fingerprint, parent, ids, positions, run.start, run.end, run.closed,
                           self.block_tokens)
+        singles, spans = self._lookup_blocks(refs)
         found: list[Piece] = []
-        for ref, (block, origin) in zip(refs, self._find([r.key for r in refs]), strict=True):
-            pending = block if isinstance(block, PendingBlock) else None
-            if pending is not None:
-                block = None  # its tokens are checked when it is read (`_read_pending`)
-            elif block is None or block.token_ids != ids[ref.start: ref.end]:
+        i = 0
+        while i < len(refs):
+            span = spans.get(i)
+            if span is not None:  # the group from its extent: one entry, not EXTENT_BLOCKS
+                members = refs[i: i + EXTENT_BLOCKS]
+                piece = self._prefix_piece(members[0].start, members[-1].end, span[0], *span[1:], ids, positions,
+                                           tuple(r.key for r in members))
+            else:
+                piece = self._prefix_piece(refs[i].start, refs[i].end, refs[i].key, *singles[i], ids, positions)
+            if piece is None:
                 break  # a miss (or a foreign entry under a colliding key: never use KV of other tokens)
-            self.prefixes.add(ref.parent, ref.key, ids[ref.start: ref.end], positions[ref.start: ref.end])
-            found.append(Piece(ref.start, ref.end - ref.start, "prefix", "prefix", positions[ref.start], ref.key,
-                               block, origin, pending))
-            parent = ref.key
+            members = refs[i: i + EXTENT_BLOCKS] if span is not None else refs[i: i + 1]
+            for ref in members:
+                self.prefixes.add(ref.parent, ref.key, ids[ref.start: ref.end], positions[ref.start: ref.end])
+            found.append(piece)
+            parent = members[-1].key
+            i += len(members)
         a = found[-1].slot + found[-1].n if found else run.start
         if a < run.end:
             best = self.prefixes.longest(parent, ids[a: run.end], positions[a: run.end])
@@ -287,16 +310,65 @@ class Assembler:
                     found.append(Piece(a, n, "prefix", "prefix", positions[a], key, block, origin))
         return found
 
-    def _fetch(self, keys: list[str]) -> list[tuple[KVBlock | None, str | None]]:
+    @staticmethod
+    def _prefix_piece(a: int, b: int, key: str, block, origin, ids, positions,
+                      members: tuple[str, ...] = ()) -> Piece | None:
+        """The piece for slots [a, b) found under `key` (a PendingBlock: its tokens are checked when it is read), or
+        None for a miss or a block of other tokens."""
+        pending = block if isinstance(block, PendingBlock) else None
+        if pending is not None:
+            block = None
+        elif block is None or block.token_ids != ids[a: b]:
+            return None
+        return Piece(a, b - a, "prefix", "prefix", positions[a], key, block, origin, pending, members=members)
+
+    def _lookup_blocks(self, refs: list) -> tuple[list, dict[int, tuple]]:
+        """What the store holds for a run's blocks: per block, (block or PendingBlock or None, origin), and the
+        extents to read instead of single blocks, {index of the group's first block: (extent key, block, origin)}.
+        With persistent tiers, memory is asked for the single blocks, and the persistent tiers for the extents of
+        the groups memory does not hold whole and for the blocks outside whole groups: each entry that may exist
+        is asked for once (so the tiers' hit and miss counts stay true)."""
+        keys = [r.key for r in refs]
+        if not self._has_persistent():
+            return self._find(keys), {}
+        groups = dict(extents(refs, self.block_tokens))
+        singles = self._find(keys, "volatile") if self._volatile() else [(None, None)] * len(refs)
+        held = [isinstance(b, KVBlock) for b, _ in singles]
+        grouped = {j for i in groups for j in range(i, i + EXTENT_BLOCKS)}
+        wanted = {i: k for i, k in groups.items() if not all(held[i: i + EXTENT_BLOCKS])}
+        loose = [j for j in range(len(refs)) if j not in grouped and not held[j]]
+        answers = self._find(list(wanted.values()) + [keys[j] for j in loose], "persistent")
+        for j, answer in zip(loose, answers[len(wanted):], strict=True):
+            singles[j] = answer
+        spans = {i: (k, *answer) for (i, k), answer in zip(wanted.items(), answers[:len(wanted)], strict=True)
+                 if answer[0] is not None}
+        return singles, spans
+
+    def _has_persistent(self) -> bool:
+        """Whether the store outlives the process in part (a tiered store with a disk or Redis tier) or whole (such
+        a tier alone): then prefix blocks are kept there in extents."""
+        return bool(getattr(self.store, "has_persistent", getattr(self.store, "persistent", False)))
+
+    def _volatile(self) -> bool:
+        """Whether the store has tiers that do not outlive the process (memory)."""
+        return isinstance(self.store, TieredStore) or not getattr(self.store, "persistent", False)
+
+    def _fetch(self, keys: list[str], tiers: str = "all") -> list[tuple[KVBlock | None, str | None]]:
         if not keys:
             return []
-        return [(self.place(b), o) for b, o in get_many_with_source(self.store, keys)]
+        found = self.store.get_many_with_source(keys, tiers) if tiers != "all" else get_many_with_source(self.store,
+                                                                                                          keys)
+        return [(self.place(b), o) for b, o in found]
 
-    def _find(self, keys: list[str]) -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
-        """As `_fetch`, but blocks on disk come back unread (PendingBlocks), for `_read_pending`."""
+    def _find(self, keys: list[str], tiers: str = "all") -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
+        """As `_fetch`, but blocks on disk come back unread (PendingBlocks), for `_read_pending`. `tiers`: "volatile"
+        or "persistent" asks only those tiers of a TieredStore; a store of one tier is asked whole."""
+        if tiers != "all" and not isinstance(self.store, TieredStore):
+            tiers = "all"
         if not keys or not self.direct_loads:
-            return self._fetch(keys)
-        found = find_many_with_source(self.store, keys)
+            return self._fetch(keys, tiers)
+        found = self.store.find_many_with_source(keys, tiers) if tiers != "all" else find_many_with_source(
+            self.store, keys)
         return [(b if isinstance(b, PendingBlock) else self.place(b), o) for b, o in found]
 
     def _get(self, key: str) -> tuple[KVBlock | None, str | None]:
@@ -474,7 +546,7 @@ class Assembler:
         pieces = tuple(self._recover(p) if p.pending is not None and p.slot in failed else p
                        for p in plan.pieces)
         lost = [p for p in pending if p.slot in failed]
-        return replace(plan, pieces=pieces, hits=plan.hits - {p.key for p in lost},
+        return replace(plan, pieces=pieces, hits=plan.hits - {k for p in lost for k in (p.key, *p.members)},
                        stored_tokens=plan.stored_tokens + sum(p.n for p in lost))
 
     def _recover(self, p: Piece) -> Piece:
@@ -587,7 +659,8 @@ class Assembler:
         written: set[str] = {p.key for p in relocated}
         if not plan.layout:
             return frozenset(written)
-        direct = {p.key for p in plan.pieces if p.pending is not None and p.want is None}
+        direct = {k for p in plan.pieces if p.pending is not None and p.want is None for k in p.block_keys}
+        grouped = self._has_persistent()
         total = assembled.prompt_tokens
         ids = plan.ids + tuple(generated)
         positions = plan.positions + tuple(range(assembled.last_position + 1, assembled.last_position + 1
@@ -600,8 +673,11 @@ class Assembler:
                 parent = after_link(parent, item)
                 continue
             end = len(ids) if item is last and replied else item.end
-            for ref in run_blocks(self.runner.fingerprint, parent, ids, positions, item.start, end, True,
-                                  self.block_tokens):
+            refs = run_blocks(self.runner.fingerprint, parent, ids, positions, item.start, end, True,
+                              self.block_tokens)
+            groups = extents(refs, self.block_tokens) if grouped else []
+            in_group = {j for i, _ in groups for j in range(i, i + EXTENT_BLOCKS)}
+            for j, ref in enumerate(refs):
                 parent = ref.key
                 if (ref.key in plan.hits and ref.key not in direct) or ref.key in skip:
                     continue
@@ -609,10 +685,26 @@ class Assembler:
                 block = KVBlock(k.clone(), v.clone(), ids[ref.start: ref.end], positions[ref.start],
                                 {"kind": "prefix"})
                 whole = ref.end - ref.start == self.block_tokens or item.closed
-                put_block(self.store, ref.key, block, persist=whole and ref.key not in direct)
+                persist = whole and ref.key not in direct and j not in in_group  # grouped: in its extent
+                put_block(self.store, ref.key, block, persist=persist)
                 self.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
                 written.add(ref.key)
+            for i, key in groups:
+                members = refs[i: i + EXTENT_BLOCKS]
+                if key in plan.hits or key in skip or all(r.key in plan.hits for r in members):
+                    continue  # read from an extent, or every block reused: stored already
+                a, b = members[0].start, members[-1].end
+                k, v = assembled.cache.block_views(a, b)
+                self._put_persistent(key, KVBlock(k.clone(), v.clone(), ids[a:b], positions[a], {"kind": "prefix"}))
+                written.add(key)
         return frozenset(written)
+
+    def _put_persistent(self, key: str, block: KVBlock) -> None:
+        """An extent into the persistent tiers only (memory keeps the single blocks)."""
+        if isinstance(self.store, TieredStore):
+            self.store.put_persistent(key, block)
+        else:
+            self.store.put(key, block)
 
 
 # Progressive blend keeps PROGRESSIVE_START times the final share at layer 1, one share less at each next layer,

@@ -351,7 +351,7 @@ def full_reference(loaded, prompt, max_new_tokens=4):
 
 
 def prefix_files(folder) -> list:
-    return sorted(p for p in (folder / "pc_rag-kv-v1").iterdir() if p.name.startswith("kv-prefix-"))
+    return sorted(p for p in (folder / "pc_rag-kv-v1").iterdir() if p.name.startswith(("kv-prefix-", "kv-extent-")))
 
 
 def test_exact_from_disk_in_a_new_engine_equals_full_and_lands_in_memory(loaded, on_disk):
@@ -417,12 +417,13 @@ def test_a_file_removed_before_the_request_ends_the_chain_there(loaded, on_disk)
     files = prefix_files(folder)
     keys = [p.name.removeprefix("kv-").removesuffix(".safetensors") for p in files]
     plan = engine.assembler.plan(engine._segments(prompt), "exact")
-    order = [p.key for p in plan.pieces if p.pending is not None]
-    assert sorted(order) == sorted(keys)
+    pending = [p for p in plan.pieces if p.pending is not None]
+    order = [p.key for p in pending]
+    assert sorted(order) == sorted(keys) and any(p.members for p in pending)  # an extent, then single blocks
     disk.file_for(order[2]).unlink()
     got = engine.generate(prompt, mode="exact", max_new_tokens=4)
     assert got.token_ids == ref.token_ids
-    assert got.cached_tokens == 2 * BLOCK_TOKENS
+    assert got.cached_tokens == pending[0].n + pending[1].n
     assert disk.tier_stats()[0].misses >= 1  # (and once more for the index's entry, registered by the plan above)
     assert (engine.next_token_logits(prompt, "exact") - ref_logits).abs().max().item() <= TOL
 
@@ -439,9 +440,10 @@ def test_a_file_removed_between_planning_and_loading(loaded, on_disk):
     asm = engine.assembler.assemble(plan, extra_capacity=0)
     try:
         assert (asm.logits - ref_logits).abs().max().item() <= TOL
-        assert asm.cached_tokens == (len(pending) - 2) * BLOCK_TOKENS
-        assert not {p.key for p in pending[:2]} & asm.plan.hits
-        assert sum(p.n for p in asm.pieces if p.source == "fresh" and p.kind == "prefix") == 2 * BLOCK_TOKENS
+        lost = pending[0].n + pending[1].n
+        assert asm.cached_tokens == sum(p.n for p in pending) - lost
+        assert not {k for p in pending[:2] for k in (p.key, *p.members)} & asm.plan.hits
+        assert sum(p.n for p in asm.pieces if p.source == "fresh" and p.kind == "prefix") == lost
     finally:
         engine.runner.release_cache(asm.cache)
     assert disk.tier_stats()[0].misses == 2
@@ -451,7 +453,9 @@ def test_an_unreadable_block_is_recomputed(loaded, on_disk, monkeypatch):
     folder, prompt = on_disk
     ref, ref_logits = full_reference(loaded, prompt)
     engine, _, disk = new_engine(loaded, folder)
-    bad = prefix_files(folder)[0]
+    bad = prefix_files(folder)[0]  # the extent (kv-extent- sorts first): its blocks are recomputed
+    pending = [p for p in engine.assembler.plan(engine._segments(prompt), "exact").pieces if p.pending is not None]
+    lost = next(p.n for p in pending if disk.file_for(p.key) == bad)
     real = disk_module._open_block  # both reads (in place and staged) open the file through it
 
     def flaky(path, *args, **kwargs):
@@ -462,7 +466,7 @@ def test_an_unreadable_block_is_recomputed(loaded, on_disk, monkeypatch):
     monkeypatch.setattr(disk_module, "_open_block", flaky)
     got = engine.generate(prompt, mode="exact", max_new_tokens=4)
     assert got.token_ids == ref.token_ids
-    assert got.cached_tokens == (got.prompt_tokens // BLOCK_TOKENS - 1) * BLOCK_TOKENS
+    assert got.cached_tokens == sum(p.n for p in pending) - lost
     assert disk.tier_stats()[0].errors == 1
     assert (engine.next_token_logits(prompt, "exact") - ref_logits).abs().max().item() <= TOL
 
@@ -665,13 +669,19 @@ def test_blocks_land_in_the_buffer_bit_for_bit(tiny_path, tmp_path, dtype):
     memory, disk = MemoryStore(), DiskStore(tmp_path)
     engine = pc_rag.Engine(first.model, first.tokenizer, store=TieredStore([memory, disk]))
     plan = engine.assembler.plan(engine._segments(prompt), "exact")
-    keys = [p.key for p in plan.pieces if p.pending is not None]
-    assert keys
+    pending = [p for p in plan.pieces if p.pending is not None]
+    assert pending and pending[0].members  # an extent first: memory gets its blocks one by one
     engine.next_token_logits(prompt, "exact")
-    for key in keys[:-1]:  # the last block may end with the prompt's last token, recomputed for its logits
-        got, ref = memory.get(key), disk.get(key)
+    pairs = []  # (block key, the stored entry's keys and values for its slots)
+    for p in pending:
+        stored = disk.get(p.key)
+        for j, key in enumerate(p.block_keys):
+            span = slice(j * BLOCK_TOKENS, (j + 1) * BLOCK_TOKENS)
+            pairs.append((key, stored.keys[:, :, span], stored.values[:, :, span]))
+    for key, ref_k, ref_v in pairs[:-1]:  # the last block may end with the prompt's last token, recomputed
+        got = memory.get(key)
         assert got.keys.dtype == getattr(torch, dtype)
-        assert torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)
+        assert torch.equal(got.keys, ref_k) and torch.equal(got.values, ref_v)
 
 
 def test_the_sink_falls_back_to_relocate_off_the_numpy_path(engine):

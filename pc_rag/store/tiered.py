@@ -85,21 +85,32 @@ class TieredStore:
         """The block and the name of the tier that served it ("memory", "disk", "redis"), or (None, None)."""
         return self.get_many_with_source([key])[0]
 
-    def get_many_with_source(self, keys: Sequence[str]) -> list[tuple[KVBlock | None, str | None]]:
+    def get_many_with_source(self, keys: Sequence[str], tiers: str = "all") -> list[tuple[KVBlock | None, str | None]]:
         """(block, tier name) or (None, None) for each key, in order. Each tier is asked once, for the keys
-        no tier above it had (one Redis round trip per request); a key repeated in `keys` is looked up once."""
-        return self._answer(keys, pending=False)
+        no tier above it had (one Redis round trip per request); a key repeated in `keys` is looked up once.
+        `tiers`: "all", or only the "volatile" tiers (memory) or the "persistent" ones (disk, Redis): the engine
+        asks memory for single prefix blocks and the persistent tiers for the groups they hold them in."""
+        return self._answer(keys, pending=False, tiers=tiers)
 
-    def find_many_with_source(self, keys: Sequence[str]) -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
+    def find_many_with_source(self, keys: Sequence[str],
+                              tiers: str = "all") -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
         """As `get_many_with_source`, but a key held by a tier that can read into the caller's memory (disk) comes
         back as a PendingBlock (not read, not promoted), for `read_pending`."""
-        return self._answer(keys, pending=True)
+        return self._answer(keys, pending=True, tiers=tiers)
 
-    def _answer(self, keys: Sequence[str], pending: bool) -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
+    def _answer(self, keys: Sequence[str], pending: bool,
+                tiers: str = "all") -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
         keys = [check_key(k) for k in keys]
+        top = self._volatile_top()
+        first, end = {"all": (0, None), "volatile": (0, top), "persistent": (top, None)}[tiers]
         self._wait_for_prefetch(keys)
-        found = self._lookup(list(dict.fromkeys(keys)), 0, pending=pending)
+        found = self._lookup(list(dict.fromkeys(keys)), first, pending=pending, end=end)
         return [found.get(key, (None, None)) for key in keys]
+
+    @property
+    def has_persistent(self) -> bool:
+        """True when some tier outlives the process (disk, Redis)."""
+        return self._volatile_top() < len(self.tiers)
 
     def read_pending(self, pending: Sequence[PendingBlock], sinks: Sequence) -> list[bool]:
         """Reads each pending block and hands it to its sink, `sink(block) -> bool` (True: taken), in the tier's
@@ -146,13 +157,13 @@ class TieredStore:
                 if block is not None:
                     self._place_and_promote(i, key, block)
 
-    def _lookup(self, missing: list[str], first: int,
-                pending: bool = False) -> dict[str, tuple[KVBlock | PendingBlock, str]]:
-        """Asks the tiers from `first` down, each once, for the keys no tier above had; places and promotes
-        the hits. Returns {key: (block, tier name)} for the keys found. `pending`: a tier that can read into the
-        caller's memory is only asked which keys it holds; those come back as PendingBlocks."""
+    def _lookup(self, missing: list[str], first: int, pending: bool = False,
+                end: int | None = None) -> dict[str, tuple[KVBlock | PendingBlock, str]]:
+        """Asks the tiers from `first` down (to `end`, excluded), each once, for the keys no tier above had; places
+        and promotes the hits. Returns {key: (block, tier name)} for the keys found. `pending`: a tier that can
+        read into the caller's memory is only asked which keys it holds; those come back as PendingBlocks."""
         found: dict[str, tuple[KVBlock | PendingBlock, str]] = {}
-        for i, tier in enumerate(self.tiers[first:], start=first):
+        for i, tier in enumerate(self.tiers[first:end], start=first):
             if not missing:
                 break
             if not self._usable(i, READ):
@@ -234,6 +245,14 @@ class TieredStore:
         check_block(block)  # a bad block is the caller's bug: raise it rather than mark tiers down
         for i in range(len(self.tiers)):
             self._put_into(i, key, block, persist)
+
+    def put_persistent(self, key: str, block: KVBlock) -> None:
+        """Writes only the persistent tiers (disk, Redis): an entry memory would hold twice (an extent of prefix
+        blocks, whose single blocks memory keeps)."""
+        check_key(key)
+        check_block(block)
+        for i in range(self._volatile_top(), len(self.tiers)):
+            self._put_into(i, key, block)
 
     def _put_into(self, i: int, key: str, block: KVBlock, persist: bool = True) -> None:
         if not self._usable(i, WRITE):
