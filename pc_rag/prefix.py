@@ -111,7 +111,11 @@ def after_link(parent: str, link: Link) -> str:
 
 def _packed(ids: Sequence[int], positions: Sequence[int]) -> bytes:
     # Token and position ids interleaved, so one bytes comparison checks both.
-    return array("q", (x for pair in zip(ids, positions, strict=True) for x in pair)).tobytes()
+    if len(ids) != len(positions):
+        raise ValueError(f"{len(ids)} token ids for {len(positions)} positions")
+    out = array("q", bytes(16 * len(ids)))
+    out[0::2], out[1::2] = array("q", ids), array("q", positions)
+    return out.tobytes()
 
 
 def _common_prefix(a: bytes, b: bytes, unit: int) -> int:
