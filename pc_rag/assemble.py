@@ -16,6 +16,8 @@ the reply is out, the prefix blocks this request computed, so the next request f
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -25,7 +27,17 @@ import torch
 from .blocks import KVBlock, chunk_key, scaffold_key
 from .errors import PCRagError, PromptError, UnsupportedModelError
 from .model import LlamaRunner, SlotCache
-from .prefix import BLOCK_TOKENS, EXTENT_BLOCKS, Link, PrefixIndex, Run, after_link, extents, run_blocks
+from .prefix import (
+    BLOCK_TOKENS,
+    EXTENT_BLOCKS,
+    Link,
+    PrefixIndex,
+    Run,
+    after_link,
+    extents,
+    far_groups,
+    run_blocks,
+)
 from .segments import TokenSegment
 from .store import (
     PendingBlock,
@@ -38,6 +50,7 @@ from .store import (
 )
 
 MODES = ("full", "exact", "modular", "blend")
+MAX_KNOWN_EXTENTS = 65536  # extent keys remembered (Assembler.extents_stored): ~5 MB
 REUSING_CHUNKS = ("modular", "blend")
 SELECTIONS = ("chunk_start", "deviation", "progressive")
 
@@ -148,6 +161,10 @@ class Assembler:
         self.root = "root-" + runner.fingerprint
         self.block_tokens = block_tokens
         self.prefixes = PrefixIndex()  # blocks stored under each parent key, for matches ending inside a block
+        # Extents this process wrote or read, so a request whose blocks memory holds singly (all hits) does not
+        # write the extent again; one it does not know of is written (a chat that grew past a group, say).
+        self.extents_stored: OrderedDict[str, None] = OrderedDict()
+        self._extents_lock = threading.Lock()  # requests of a server's batch plan and store concurrently
         # Declared scaffold groups, by their first chunk's tokens: each a tuple of chunk token tuples.
         self.scaffolds: dict[tuple[int, ...], frozenset[tuple[tuple[int, ...], ...]]] = {}
         self.scaffold_bytes = 0  # what joint encodings cost on top of the chunks' own blocks
@@ -281,7 +298,7 @@ class Assembler:
         under the last parent, if any."""
         refs = run_blocks(self.runner.fingerprint, parent, ids, positions, run.start, run.end, run.closed,
                           self.block_tokens)
-        singles, spans = self._lookup_blocks(refs)
+        singles, spans = self._lookup_blocks(refs, len(ids))
         found: list[Piece] = []
         i = 0
         while i < len(refs):
@@ -294,6 +311,8 @@ class Assembler:
                 piece = self._prefix_piece(refs[i].start, refs[i].end, refs[i].key, *singles[i], ids, positions)
             if piece is None:
                 break  # a miss (or a foreign entry under a colliding key: never use KV of other tokens)
+            if span is not None:
+                self._note_extent(span[0])
             members = refs[i: i + EXTENT_BLOCKS] if span is not None else refs[i: i + 1]
             for ref in members:
                 self.prefixes.add(ref.parent, ref.key, ids[ref.start: ref.end], positions[ref.start: ref.end])
@@ -322,26 +341,38 @@ class Assembler:
             return None
         return Piece(a, b - a, "prefix", "prefix", positions[a], key, block, origin, pending, members=members)
 
-    def _lookup_blocks(self, refs: list) -> tuple[list, dict[int, tuple]]:
+    def _lookup_blocks(self, refs: list, total: int) -> tuple[list, dict[int, tuple]]:
         """What the store holds for a run's blocks: per block, (block or PendingBlock or None, origin), and the
         extents to read instead of single blocks, {index of the group's first block: (extent key, block, origin)}.
-        With persistent tiers, memory is asked for the single blocks, and the persistent tiers for the extents of
-        the groups memory does not hold whole and for the blocks outside whole groups: each entry that may exist
-        is asked for once (so the tiers' hit and miss counts stay true)."""
+        With persistent tiers, memory is asked for the single blocks, then the persistent tiers for what a request
+        of this prompt's length (`total`) stores there (`far_groups`): extents of the groups far from its end,
+        single blocks for the rest; then, for a group not found so, the other form (a prompt of another length
+        stored it). Groups memory holds whole are not asked for. So an entry is asked for only where it may exist,
+        and the tiers' miss counts stay true."""
         keys = [r.key for r in refs]
         if not self._has_persistent():
             return self._find(keys), {}
-        groups = dict(extents(refs, self.block_tokens))
         singles = self._find(keys, "volatile") if self._volatile() else [(None, None)] * len(refs)
         held = [isinstance(b, KVBlock) for b, _ in singles]
-        grouped = {j for i in groups for j in range(i, i + EXTENT_BLOCKS)}
-        wanted = {i: k for i, k in groups.items() if not all(held[i: i + EXTENT_BLOCKS])}
+        groups = {i: k for i, k in extents(refs, self.block_tokens) if not all(held[i: i + EXTENT_BLOCKS])}
+        far = dict(far_groups(refs, list(groups.items()), total, self.block_tokens))
+        members = {i: [j for j in range(i, i + EXTENT_BLOCKS) if not held[j]] for i in groups}
+        grouped = {j for i, _ in extents(refs, self.block_tokens) for j in range(i, i + EXTENT_BLOCKS)}
         loose = [j for j in range(len(refs)) if j not in grouped and not held[j]]
-        answers = self._find(list(wanted.values()) + [keys[j] for j in loose], "persistent")
-        for j, answer in zip(loose, answers[len(wanted):], strict=True):
-            singles[j] = answer
-        spans = {i: (k, *answer) for (i, k), answer in zip(wanted.items(), answers[:len(wanted)], strict=True)
-                 if answer[0] is not None}
+        near = [j for i in groups if i not in far for j in members[i]]
+        spans: dict[int, tuple] = {}
+
+        def ask(extent_keys: dict[int, str], blocks: list[int]) -> None:
+            answers = self._find(list(extent_keys.values()) + [keys[j] for j in blocks], "persistent")
+            for (i, k), answer in zip(extent_keys.items(), answers[:len(extent_keys)], strict=True):
+                if answer[0] is not None:
+                    spans[i] = (k, *answer)
+            for j, answer in zip(blocks, answers[len(extent_keys):], strict=True):
+                singles[j] = answer
+
+        ask(far, loose + near)
+        ask({i: k for i, k in groups.items() if i not in far and any(singles[j][0] is None for j in members[i])},
+            [j for i in far if i not in spans for j in members[i]])
         return singles, spans
 
     def _has_persistent(self) -> bool:
@@ -675,7 +706,7 @@ class Assembler:
             end = len(ids) if item is last and replied else item.end
             refs = run_blocks(self.runner.fingerprint, parent, ids, positions, item.start, end, True,
                               self.block_tokens)
-            groups = extents(refs, self.block_tokens) if grouped else []
+            groups = far_groups(refs, extents(refs, self.block_tokens), total, self.block_tokens) if grouped else []
             in_group = {j for i, _ in groups for j in range(i, i + EXTENT_BLOCKS)}
             for j, ref in enumerate(refs):
                 parent = ref.key
@@ -685,19 +716,27 @@ class Assembler:
                 block = KVBlock(k.clone(), v.clone(), ids[ref.start: ref.end], positions[ref.start],
                                 {"kind": "prefix"})
                 whole = ref.end - ref.start == self.block_tokens or item.closed
-                persist = whole and ref.key not in direct and j not in in_group  # grouped: in its extent
+                persist = whole and ref.key not in direct and j not in in_group  # else in its extent only
                 put_block(self.store, ref.key, block, persist=persist)
                 self.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
                 written.add(ref.key)
             for i, key in groups:
                 members = refs[i: i + EXTENT_BLOCKS]
-                if key in plan.hits or key in skip or all(r.key in plan.hits for r in members):
-                    continue  # read from an extent, or every block reused: stored already
+                if key in plan.hits or key in skip or key in self.extents_stored:
+                    continue  # read from it, or known to be stored
                 a, b = members[0].start, members[-1].end
                 k, v = assembled.cache.block_views(a, b)
                 self._put_persistent(key, KVBlock(k.clone(), v.clone(), ids[a:b], positions[a], {"kind": "prefix"}))
+                self._note_extent(key)
                 written.add(key)
         return frozenset(written)
+
+    def _note_extent(self, key: str) -> None:
+        with self._extents_lock:
+            self.extents_stored[key] = None
+            self.extents_stored.move_to_end(key)
+            while len(self.extents_stored) > MAX_KNOWN_EXTENTS:
+                self.extents_stored.popitem(last=False)
 
     def _put_persistent(self, key: str, block: KVBlock) -> None:
         """An extent into the persistent tiers only (memory keeps the single blocks)."""

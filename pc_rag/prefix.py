@@ -27,6 +27,8 @@ file open, a header and checks, ~150 us of Python on the read path; an 8K-token 
 reads were bound by that, not by the bytes (README, "Cached KV from disk"). The cost: a new process finds a
 group only whole, so where a prompt leaves an earlier one inside a stored group it recomputes up to
 EXTENT_BLOCKS * BLOCK_TOKENS - 1 tokens that the single blocks would have given it (from memory nothing changes).
+To keep the common case whole, a request stores the groups near its prompt's end singly (`far_groups`): a
+later, longer prompt (the chat's next turn) finds them so, and stores them as an extent in turn.
 """
 
 from __future__ import annotations
@@ -103,6 +105,16 @@ def extents(refs: Sequence[BlockRef], block_tokens: int = BLOCK_TOKENS,
         if all(r.end - r.start == block_tokens for r in group):
             out.append((i, extent_key(group[-1].key)))
     return out
+
+
+def far_groups(refs: Sequence[BlockRef], groups: list[tuple[int, str]], total: int,
+               block_tokens: int = BLOCK_TOKENS, extent_blocks: int = EXTENT_BLOCKS) -> list[tuple[int, str]]:
+    """The whole groups that a request stores as extents: those ending at least one extent's length before slot
+    `total` (the prompt's end). The blocks after them (the prompt's last 256-511 tokens and the reply) are stored
+    singly, since that is where the next prompt most often leaves this one (a new question after the same
+    system prompt), and short prompts are not worth grouping."""
+    return [(i, key) for i, key in groups
+            if refs[i + extent_blocks - 1].end <= total - extent_blocks * block_tokens]
 
 
 def after_link(parent: str, link: Link) -> str:

@@ -58,21 +58,20 @@ def entries(disk: DiskStore) -> list[str]:
 
 def test_groups_go_to_disk_as_extents_and_come_back_whole(loaded, tmp_path):
     model, tok = loaded
-    prompt = long_text()
+    prompt = long_text(4)
     ref, ref_logits = full_reference(loaded, prompt)
     store, memory, disk = tiered(tmp_path)
     first = pc_rag.Engine(model, tok, store=store)
     first.generate(prompt, mode="exact", max_new_tokens=4)
     n_prompt = len(first.tokenizer(prompt)["input_ids"])
-    whole_blocks = n_prompt // BLOCK_TOKENS
-    groups = whole_blocks // EXTENT_BLOCKS
+    groups = (n_prompt - GROUP) // GROUP  # whole groups ending at least a group before the prompt's end
     assert groups >= 2
     on_disk = entries(disk)
     assert sum(k.startswith("extent-") for k in on_disk) == groups
-    # on disk: the extents, and single blocks only past the last whole group; in memory: single blocks only
-    assert sum(k.startswith("prefix-") for k in on_disk) <= whole_blocks - groups * EXTENT_BLOCKS + 1
+    # on disk: the extents, then single blocks for the last 256-511 tokens and the reply; memory: single blocks
+    assert sum(k.startswith("prefix-") for k in on_disk) <= (n_prompt + 4) // BLOCK_TOKENS - groups * EXTENT_BLOCKS
     assert not any(memory.contains(k) for k in on_disk if k.startswith("extent-"))
-    assert memory.tier_stats()[0].entries >= whole_blocks
+    assert memory.tier_stats()[0].entries >= n_prompt // BLOCK_TOKENS
     # a new process: the groups are read from their extents, straight into the request buffer
     store2, memory2, disk2 = tiered(tmp_path)
     engine = pc_rag.Engine(model, tok, store=store2)
@@ -101,10 +100,11 @@ def test_groups_go_to_disk_as_extents_and_come_back_whole(loaded, tmp_path):
 
 
 def test_a_prompt_leaving_a_group_midway_reuses_the_groups_before_it(loaded, tmp_path):
-    """From another process, a group is found only whole (the documented cost of extents): the prompt that
-    differs inside group 2 reuses group 1, and its output still equals full."""
+    """From another process, a group stored as an extent is found only whole (the documented cost of extents): the
+    prompt that differs inside group 2 reuses group 1, and its output still equals full."""
     model, tok = loaded
-    prompt = long_text()
+    prompt = long_text(4)
+    assert len(tok(prompt)["input_ids"]) > 3 * GROUP  # so that group 2 ends far from the prompt's end
     store, _, _ = tiered(tmp_path)
     pc_rag.Engine(model, tok, store=store).generate(prompt, mode="exact", max_new_tokens=1)
     ids = tok(prompt)["input_ids"]
@@ -119,12 +119,13 @@ def test_a_prompt_leaving_a_group_midway_reuses_the_groups_before_it(loaded, tmp
 
 
 def test_a_growing_chat_turns_its_single_blocks_into_an_extent(loaded, tmp_path):
-    """Request 1 ends before its first group is whole: its blocks go to disk singly. Request 2 continues it past
-    the group's end: the group is written as an extent. A new process then reads it as one entry."""
+    """Request 1 ends less than a group after its first group: its blocks go to disk singly. Request 2 continues it
+    well past: the group is written as an extent. A new process then reads it as one entry."""
     model, tok = loaded
-    text = long_text(2)
+    text = long_text(3)
     ids = tok(text)["input_ids"]
-    short = tok.decode(ids[: GROUP - 2 * BLOCK_TOKENS])
+    assert len(ids) > 2 * GROUP + BLOCK_TOKENS
+    short = tok.decode(ids[: GROUP + GROUP // 2])
     store, _, disk = tiered(tmp_path)
     engine = pc_rag.Engine(model, tok, store=store)
     engine.generate(short, mode="exact", max_new_tokens=1)
@@ -141,7 +142,7 @@ def test_a_growing_chat_turns_its_single_blocks_into_an_extent(loaded, tmp_path)
 @pytest.mark.parametrize("kind", ["disk alone", "redis"])
 def test_extents_in_a_persistent_store_alone_and_in_redis(loaded, tmp_path, kind):
     model, tok = loaded
-    prompt = long_text(2)
+    prompt = long_text(3)
     ref, ref_logits = full_reference(loaded, prompt)
     if kind == "redis":
         fakeredis = pytest.importorskip("fakeredis")
