@@ -311,8 +311,6 @@ class Assembler:
                 piece = self._prefix_piece(refs[i].start, refs[i].end, refs[i].key, *singles[i], ids, positions)
             if piece is None:
                 break  # a miss (or a foreign entry under a colliding key: never use KV of other tokens)
-            if span is not None:
-                self._note_extent(span[0])
             members = refs[i: i + EXTENT_BLOCKS] if span is not None else refs[i: i + 1]
             for ref in members:
                 self.prefixes.add(ref.parent, ref.key, ids[ref.start: ref.end], positions[ref.start: ref.end])
@@ -354,10 +352,11 @@ class Assembler:
             return self._find(keys), {}
         singles = self._find(keys, "volatile") if self._volatile() else [(None, None)] * len(refs)
         held = [isinstance(b, KVBlock) for b, _ in singles]
-        groups = {i: k for i, k in extents(refs, self.block_tokens) if not all(held[i: i + EXTENT_BLOCKS])}
+        whole = extents(refs, self.block_tokens)
+        groups = {i: k for i, k in whole if not all(held[i: i + EXTENT_BLOCKS])}
         far = dict(far_groups(refs, list(groups.items()), total, self.block_tokens))
         members = {i: [j for j in range(i, i + EXTENT_BLOCKS) if not held[j]] for i in groups}
-        grouped = {j for i, _ in extents(refs, self.block_tokens) for j in range(i, i + EXTENT_BLOCKS)}
+        grouped = {j for i, _ in whole for j in range(i, i + EXTENT_BLOCKS)}
         loose = [j for j in range(len(refs)) if j not in grouped and not held[j]]
         near = [j for i in groups if i not in far for j in members[i]]
         spans: dict[int, tuple] = {}
@@ -577,6 +576,10 @@ class Assembler:
         pieces = tuple(self._recover(p) if p.pending is not None and p.slot in failed else p
                        for p in plan.pieces)
         lost = [p for p in pending if p.slot in failed]
+        for p in lost:
+            if p.members:  # gone or damaged: written again after the reply
+                with self._extents_lock:
+                    self.extents_stored.pop(p.key, None)
         return replace(plan, pieces=pieces, hits=plan.hits - {k for p in lost for k in (p.key, *p.members)},
                        stored_tokens=plan.stored_tokens + sum(p.n for p in lost))
 
@@ -722,8 +725,11 @@ class Assembler:
                 written.add(ref.key)
             for i, key in groups:
                 members = refs[i: i + EXTENT_BLOCKS]
-                if key in plan.hits or key in skip or key in self.extents_stored:
-                    continue  # read from it, or known to be stored
+                if key in plan.hits:  # read from it
+                    self._note_extent(key)
+                    continue
+                if key in skip or key in self.extents_stored:
+                    continue
                 a, b = members[0].start, members[-1].end
                 k, v = assembled.cache.block_views(a, b)
                 self._put_persistent(key, KVBlock(k.clone(), v.clone(), ids[a:b], positions[a], {"kind": "prefix"}))

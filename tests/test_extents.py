@@ -160,3 +160,27 @@ def test_extents_in_a_persistent_store_alone_and_in_redis(loaded, tmp_path, kind
     got = engine.generate(prompt, mode="exact", max_new_tokens=4)
     assert got.token_ids == ref.token_ids and got.cached_tokens >= GROUP
     assert (engine.next_token_logits(prompt, "exact") - ref_logits).abs().max().item() <= TOL
+
+
+def test_a_damaged_extent_is_recomputed_and_written_again(loaded, tmp_path):
+    """The process that wrote the extent, its memory emptied: the damaged extent fails its checksum when read, its
+    256 slots are computed in the request's forward (equals full), and it is stored again after the reply,
+    although this process remembers writing it."""
+    model, tok = loaded
+    prompt = long_text(4)
+    ref, ref_logits = full_reference(loaded, prompt)
+    store, memory, disk = tiered(tmp_path)
+    engine = pc_rag.Engine(model, tok, store=store)
+    engine.generate(prompt, mode="exact", max_new_tokens=1)
+    victim = next(k for k in entries(disk) if k.startswith("extent-"))
+    path = disk.file_for(victim)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    memory.clear()
+    engine.assembler.prefixes.clear()
+    got = engine.generate(prompt, mode="exact", max_new_tokens=4)
+    assert got.token_ids == ref.token_ids
+    assert disk.tier_stats()[0].corrupt == 1
+    assert disk.get(victim) is not None  # whole again
+    assert (engine.next_token_logits(prompt, "exact") - ref_logits).abs().max().item() <= TOL
