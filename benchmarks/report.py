@@ -53,7 +53,9 @@ def section(out: Path) -> str:
             "The everyday case of prompt caching, with nothing registered: a repeated system prompt and a new "
             "question per request, sent as one plain string (`benchmarks/prefix.py`). From memory the reuse is "
             "token-exact; a new process on the same disk folder finds whole blocks only, so it recomputes up to "
-            "block_tokens - 1 tokens (\"lost to block rounding\"). The default block size is 32.\n\n"
+            "block_tokens - 1 tokens (\"lost to block rounding\"). The default block size is 32. Disk entries: "
+            "the prompt's blocks except its last 256-511 tokens are stored in extents of 8 blocks, one entry each "
+            "(docs/store.md, \"Extents\").\n\n"
             + prefix.markdown(p)
         )
     fl_path = out / "flows.json"
