@@ -52,6 +52,15 @@ def full_reference(loaded, prompt, max_new_tokens=4):
     return ref.generate(prompt, mode="full", max_new_tokens=max_new_tokens), ref.next_token_logits(prompt, "full")
 
 
+def written(loaded, folder, prompt, max_new_tokens=1):
+    """An engine over memory and `folder` that answered `prompt` once: (engine, memory, disk)."""
+    model, tok = loaded
+    store, memory, disk = tiered(folder)
+    engine = pc_rag.Engine(model, tok, store=store)
+    engine.generate(prompt, mode="exact", max_new_tokens=max_new_tokens)
+    return engine, memory, disk
+
+
 def entries(disk: DiskStore) -> list[str]:
     return sorted(p.name.removeprefix("kv-").removesuffix(".safetensors") for p in disk.blocks_dir.iterdir())
 
@@ -60,9 +69,7 @@ def test_groups_go_to_disk_as_extents_and_come_back_whole(loaded, tmp_path):
     model, tok = loaded
     prompt = long_text(4)
     ref, ref_logits = full_reference(loaded, prompt)
-    store, memory, disk = tiered(tmp_path)
-    first = pc_rag.Engine(model, tok, store=store)
-    first.generate(prompt, mode="exact", max_new_tokens=4)
+    first, memory, disk = written(loaded, tmp_path, prompt, max_new_tokens=4)
     n_prompt = len(first.tokenizer(prompt)["input_ids"])
     groups = (n_prompt - GROUP) // GROUP  # whole groups ending at least a group before the prompt's end
     assert groups >= 2
@@ -166,12 +173,9 @@ def test_a_damaged_extent_is_recomputed_and_written_again(loaded, tmp_path):
     """The process that wrote the extent, its memory emptied: the damaged extent fails its checksum when read, its
     256 slots are computed in the request's forward (equals full), and it is stored again after the reply,
     although this process remembers writing it."""
-    model, tok = loaded
     prompt = long_text(4)
     ref, ref_logits = full_reference(loaded, prompt)
-    store, memory, disk = tiered(tmp_path)
-    engine = pc_rag.Engine(model, tok, store=store)
-    engine.generate(prompt, mode="exact", max_new_tokens=1)
+    engine, memory, disk = written(loaded, tmp_path, prompt)
     victim = next(k for k in entries(disk) if k.startswith("extent-"))
     path = disk.file_for(victim)
     data = bytearray(path.read_bytes())
