@@ -3,9 +3,10 @@
 The engine calls `get(key) -> KVBlock | None`, `put(key, block)`, `tier_stats()` and `clear()`, and
 `get_with_source(store, key)` to learn which tier served a block; `get_many_with_source(store, keys)`
 looks up a request's blocks at once (one Redis round trip), `find_many_with_source(store, keys)` does the same
-but leaves disk blocks unread (PendingBlocks, read later by `TieredStore.read_pending` straight into a request's
-buffer: a `Sink` names the slots), `put_block(store, key, block, persist=False)`
-keeps a block out of persistent tiers, `TieredStore.set_placement(fn)` places blocks read from lower
+but leaves disk and Redis blocks unread (PendingBlocks, read later by `TieredStore.read_pending` straight into a
+request's buffer: a `Sink` names the slots), `put_block(store, key, block, persist=False)`
+keeps a block out of persistent tiers, `TieredStore.put_persistent` puts one only there (the engine's extents of
+prefix blocks), `TieredStore.set_placement(fn)` places blocks read from lower
 tiers (e.g. on the engine's device) before they are promoted, and `TieredStore.prefetch(keys)` loads blocks
 from the persistent tiers into memory ahead of a request (pc_rag.prefetch). Build stores with
 `open_store(spec)`:
@@ -13,7 +14,8 @@ from the persistent tiers into memory ahead of a request (pc_rag.prefetch). Buil
     memory.py      MemoryStore: tensors in process memory, LRU bounded by bytes, optional TTL
     disk.py        DiskStore: one safetensors file per block in <dir>/pc_rag-kv-v1/, persistent, LRU bounded
                    by bytes; never touches a file it did not name; reads a request's files in parallel
-    redis_tier.py  RedisStore: safetensors blobs in a shared Redis, TTL; the server bounds the size
+    redis_tier.py  RedisStore: safetensors blobs in a shared Redis, TTL; the server bounds the size; one
+                   pipelined round trip per batch
     tiered.py      TieredStore: tiers top to bottom, read-through promotion, write-through; a failing
                    tier is a miss, never an error (reads and writes paused apart)
     codec.py       block <-> safetensors bytes (exact, or int8 with `compress=int8`), with the key, layout,

@@ -14,6 +14,8 @@ in one stream), so a slow server costs its latency once per request, not once pe
 server to answer is bounded by one `timeout_s` for the batch. The bound applies to every socket read, not
 to the transfer as a whole: a batch of large blocks that keeps arriving is not cut off. A value of another
 Redis type under a block's name (WRONGTYPE) is a corrupt entry for that key only, like a damaged blob.
+`locate` (a pipeline of EXISTS) and `read_into` let a TieredStore read a request's blocks straight into its buffer,
+as the disk tier does: the replies are decoded in the reader threads, compressed blocks into the slots.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class PendingBlock:
     straight into the caller's memory, e.g. a request buffer, instead of into fresh memory of its own."""
 
     key: str
-    tier: str  # the name of the tier holding it ("disk")
+    tier: str  # the name of the tier holding it ("disk", "redis")
     tier_index: int  # its place in the TieredStore
 
 

@@ -15,11 +15,15 @@ device) is applied once to each block that did not come from a non-persistent to
 promoted and returned, so the memory tier holds placed blocks and the next hit needs no move.
 
 `find_many_with_source(keys)` and `read_pending(pending, sinks)`: as `get_many_with_source`, except that a
-tier able to read a block straight into the caller's memory (disk: `locate`, `read_into`) is only asked whether
-it holds each key; its blocks come back as PendingBlocks, which `read_pending` later reads into the caller's
+tier able to read a block straight into the caller's memory (disk and Redis: `locate`, `read_into`) is only asked
+whether it holds each key; its blocks come back as PendingBlocks, which `read_pending` later reads into the caller's
 buffer (the engine: the request's KV buffer), so a request's disk blocks need no memory of their own. Nothing is
 promoted: the caller decides what to keep (the engine puts such blocks in memory after the reply, with
 `promote(pending)`, which reads them again without counting them twice).
+
+Lookups can be limited to the tiers that do not outlive the process (`tiers="volatile"`: memory) or to those that
+do (`tiers="persistent"`), and `put_persistent` writes only the latter: the engine keeps an exact prefix's single
+blocks in memory and groups of them (extents, pc_rag.prefix) in the persistent tiers.
 
 `prefetch(keys)`: loads blocks from the persistent tiers into the non-persistent ones above them (memory)
 without returning them, for a background thread that knows a request is coming (pc_rag.prefetch: documents a
