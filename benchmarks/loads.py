@@ -4,11 +4,12 @@
 
 1. Prefetch. A LangChain retrieval chain (retriever -> stuff -> chat prompt -> ChatPromptCache, modular)
    whose chunks' KV is on disk. TTFT is measured from the LLM call (the engine's `ttft_s`, in the reply's
-   response_metadata), with the end-to-end chain time next to it, in three conditions: the KV warm in memory;
+   response_metadata), with the end-to-end chain time next to it, in four conditions: the KV warm in memory;
    from disk (memory emptied before each request, prefetch off); from disk with prefetch (memory emptied,
-   the retriever's documents prefetched when the hook sees them). Also the gap between the retriever's end
-   and the LLM call: the time a prefetch has before the request needs the blocks. A new question each time,
-   so the question is always computed.
+   the retriever's documents prefetched when the hook sees them); the same behind a 25 ms step between the
+   retriever and the prompt (a reranker's time: what a prefetch can hide when it has time). Also the gap
+   between the retriever's end and the LLM call: the time a prefetch has before the request needs the blocks.
+   A new question each time, so the question is always computed.
 2. Compressed blocks. The same chunks stored bit-exact and as int8 (keys per channel, values per token),
    on disk and in Redis: bytes per token (file sizes) against 2*L*H_kv*D*b, modular TTFT warm from each tier
    with the load steps (read, verify, dequantize), and the fidelity cost on this model: mean KL(full ‖ mode)
@@ -39,6 +40,9 @@ from .ttft import Workload, build_prompt, corpus_chunks, interleaved, load_steps
 SYSTEM = "Answer the question from the context.\n\n{context}"
 
 
+RERANK_S = 0.025
+
+
 def prefetch_chain(engine, chunks, reps):
     """TTFT from the LLM call and end-to-end chain time (median ms) per condition, and the retrieval gap."""
     from langchain_core.callbacks import BaseCallbackHandler
@@ -65,27 +69,37 @@ def prefetch_chain(engine, chunks, reps):
         def on_chat_model_start(self, serialized, messages, **kwargs):
             self.called = time.perf_counter()
 
+    def rerank(ds):  # a reranker's time between the retriever and the prompt (a cross-encoder: tens of ms)
+        time.sleep(RERANK_S)
+        return ds
+
     docs = [Document(page_content=c.strip()) for c in chunks]  # retrievers return stripped page contents
     prompt = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", "{input}")])
     llm = ChatPromptCache(engine=engine, mode="modular", max_tokens=1)
-    chain = {"context": ListRetriever(documents=docs) | (lambda ds: "\n\n".join(d.page_content for d in ds)),
-             "input": lambda q: q} | prompt | llm
+
+    def chain_with(*steps):
+        return {"context": ListRetriever(documents=docs).pipe(*steps, lambda ds: "\n\n".join(d.page_content
+                                                                                        for d in ds)),
+                "input": lambda q: q} | prompt | llm
+
+    chain, reranked = chain_with(), chain_with(rerank)
     memory = engine.store.tiers[0]
     gap = Gap()
     chain.invoke("Which statement is described?")  # encodes the chunks: memory and disk
     counter = iter(range(10**6))
-    conditions = ("memory", "disk", "disk_prefetch")
+    conditions = ("memory", "disk", "disk_prefetch", "disk_prefetch_rerank")
     samples = {c: {"ttft_ms": [], "chain_ms": [], "gap_ms": [], "cached_tokens": []} for c in conditions}
     for i in range(reps + 1):  # the conditions in turn (a shared machine's load moves them alike); round 0 warms up
         for condition in conditions:
-            engine.prefetch_on_discover = condition == "disk_prefetch"
+            engine.prefetch_on_discover = condition.startswith("disk_prefetch")
             if condition == "memory":
                 chain.invoke(f"Question {next(counter)}: warm-up")  # the previous condition emptied memory
             else:
                 memory.clear()
             question = f"Question {next(counter)}: which statement does the documentation describe?"
             t0 = time.perf_counter()
-            msg = chain.invoke(question, config={"callbacks": [gap]})
+            msg = (reranked if condition == "disk_prefetch_rerank" else chain).invoke(question,
+                                                                                     config={"callbacks": [gap]})
             t1 = time.perf_counter()
             pc_rag.prefetch.wait_idle(30)
             if i:
@@ -97,6 +111,7 @@ def prefetch_chain(engine, chunks, reps):
     out = {c: {k: statistics.median(v) for k, v in samples[c].items()} for c in conditions}
     engine.prefetch_on_discover = True
     out["prefetch_over_memory"] = out["disk_prefetch"]["ttft_ms"] / out["memory"]["ttft_ms"]
+    out["prefetch_rerank_over_memory"] = out["disk_prefetch_rerank"]["ttft_ms"] / out["memory"]["ttft_ms"]
     return out
 
 
@@ -210,13 +225,17 @@ def markdown(r):
     f32, bf16 = r["formula_bytes_per_token"]["float32"], r["formula_bytes_per_token"]["bfloat16"]
     lines = [f"Model: {r['model']}; {r['machine']}; {r['date']}; median of {r['reps']} runs, milliseconds.", "",
              "Prefetch on retrieval (LangChain chain, modular; TTFT from the LLM call; the gap is the time from the "
-             "retriever's end to the LLM call):", "",
+             "retriever's end to the LLM call; \"reranked\": the same chain with a "
+             f"{RERANK_S * 1000:.0f} ms step between the retriever and the prompt, as a reranker would take):", "",
              "| prompt tokens | memory warm TTFT | disk TTFT | disk + prefetch TTFT | prefetch / memory "
-             "| chain memory | chain disk | chain disk + prefetch | gap |", "|---" * 9 + "|"]
+             "| reranked: disk + prefetch TTFT | reranked: prefetch / memory "
+             "| chain memory | chain disk | chain disk + prefetch | gap |", "|---" * 11 + "|"]
     for row in r["rows"]:
         p = row["prefetch"]
+        rr = p.get("disk_prefetch_rerank", {}).get("ttft_ms", float("nan"))
         lines.append(f"| {row['prompt_tokens']} | {p['memory']['ttft_ms']:.1f} | {p['disk']['ttft_ms']:.1f} "
                      f"| {p['disk_prefetch']['ttft_ms']:.1f} | {p['prefetch_over_memory']:.2f} "
+                     f"| {rr:.1f} | {p.get('prefetch_rerank_over_memory', float('nan')):.2f} "
                      f"| {p['memory']['chain_ms']:.1f} | {p['disk']['chain_ms']:.1f} "
                      f"| {p['disk_prefetch']['chain_ms']:.1f} | {p['disk_prefetch']['gap_ms']:.1f} |")
     names = list(r["rows"][0]["tiers"])

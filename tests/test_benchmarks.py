@@ -86,7 +86,7 @@ def test_loads_benchmark_runs_prefetch_and_compression(tiny_path):
 
     result = loads.run(tiny_path, lengths=[600], reps=1, fidelity_prompts=2)
     row = result["rows"][0]
-    assert set(row["prefetch"]) >= {"memory", "disk", "disk_prefetch"}
+    assert set(row["prefetch"]) >= {"memory", "disk", "disk_prefetch", "disk_prefetch_rerank"}
     assert row["prefetch"]["disk_prefetch"]["ttft_ms"] > 0
     # int8 blocks: a quarter of float32's bytes, plus scales and header
     assert 0.24 < row["bytes_per_token"]["disk int8"] / row["bytes_per_token"]["disk"] < 0.3
