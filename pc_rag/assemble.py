@@ -42,11 +42,12 @@ from .segments import TokenSegment
 from .store import (
     PendingBlock,
     Sink,
-    TieredStore,
     find_many_with_source,
     get_many_with_source,
     get_with_source,
+    has_persistent,
     put_block,
+    put_persistent,
 )
 
 MODES = ("full", "exact", "modular", "blend")
@@ -348,9 +349,9 @@ class Assembler:
         stored it). Groups memory holds whole are not asked for. So an entry is asked for only where it may exist,
         and the tiers' miss counts stay true."""
         keys = [r.key for r in refs]
-        if not self._has_persistent():
+        if not has_persistent(self.store):
             return self._find(keys), {}
-        singles = self._find(keys, "volatile") if self._volatile() else [(None, None)] * len(refs)
+        singles = self._find(keys, "volatile")
         held = [isinstance(b, KVBlock) for b, _ in singles]
         whole = extents(refs, self.block_tokens)
         groups = {i: k for i, k in whole if not all(held[i: i + EXTENT_BLOCKS])}
@@ -374,31 +375,17 @@ class Assembler:
             [j for i in far if i not in spans for j in members[i]])
         return singles, spans
 
-    def _has_persistent(self) -> bool:
-        """Whether the store outlives the process in part (a tiered store with a disk or Redis tier) or whole (such
-        a tier alone): then prefix blocks are kept there in extents."""
-        return bool(getattr(self.store, "has_persistent", getattr(self.store, "persistent", False)))
-
-    def _volatile(self) -> bool:
-        """Whether the store has tiers that do not outlive the process (memory)."""
-        return isinstance(self.store, TieredStore) or not getattr(self.store, "persistent", False)
-
     def _fetch(self, keys: list[str], tiers: str = "all") -> list[tuple[KVBlock | None, str | None]]:
         if not keys:
             return []
-        found = self.store.get_many_with_source(keys, tiers) if tiers != "all" else get_many_with_source(self.store,
-                                                                                                          keys)
-        return [(self.place(b), o) for b, o in found]
+        return [(self.place(b), o) for b, o in get_many_with_source(self.store, keys, tiers)]
 
     def _find(self, keys: list[str], tiers: str = "all") -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
-        """As `_fetch`, but blocks on disk come back unread (PendingBlocks), for `_read_pending`. `tiers`: "volatile"
-        or "persistent" asks only those tiers of a TieredStore; a store of one tier is asked whole."""
-        if tiers != "all" and not isinstance(self.store, TieredStore):
-            tiers = "all"
+        """As `_fetch`, but blocks on disk come back unread (PendingBlocks), for `_read_pending`. `tiers`: as for
+        `find_many_with_source`."""
         if not keys or not self.direct_loads:
             return self._fetch(keys, tiers)
-        found = self.store.find_many_with_source(keys, tiers) if tiers != "all" else find_many_with_source(
-            self.store, keys)
+        found = find_many_with_source(self.store, keys, tiers)
         return [(b if isinstance(b, PendingBlock) else self.place(b), o) for b, o in found]
 
     def _get(self, key: str) -> tuple[KVBlock | None, str | None]:
@@ -694,7 +681,7 @@ class Assembler:
         if not plan.layout:
             return frozenset(written)
         direct = {k for p in plan.pieces if p.pending is not None and p.want is None for k in p.block_keys}
-        grouped = self._has_persistent()
+        grouped = has_persistent(self.store)
         total = assembled.prompt_tokens
         ids = plan.ids + tuple(generated)
         positions = plan.positions + tuple(range(assembled.last_position + 1, assembled.last_position + 1
@@ -732,7 +719,8 @@ class Assembler:
                     continue
                 a, b = members[0].start, members[-1].end
                 k, v = assembled.cache.block_views(a, b)
-                self._put_persistent(key, KVBlock(k.clone(), v.clone(), ids[a:b], positions[a], {"kind": "prefix"}))
+                block = KVBlock(k.clone(), v.clone(), ids[a:b], positions[a], {"kind": "prefix"})
+                put_persistent(self.store, key, block)
                 self._note_extent(key)
                 written.add(key)
         return frozenset(written)
@@ -743,13 +731,6 @@ class Assembler:
             self.extents_stored.move_to_end(key)
             while len(self.extents_stored) > MAX_KNOWN_EXTENTS:
                 self.extents_stored.popitem(last=False)
-
-    def _put_persistent(self, key: str, block: KVBlock) -> None:
-        """An extent into the persistent tiers only (memory keeps the single blocks)."""
-        if isinstance(self.store, TieredStore):
-            self.store.put_persistent(key, block)
-        else:
-            self.store.put(key, block)
 
 
 # Progressive blend keeps PROGRESSIVE_START times the final share at layer 1, one share less at each next layer,

@@ -5,11 +5,11 @@ The engine calls `get(key) -> KVBlock | None`, `put(key, block)`, `tier_stats()`
 looks up a request's blocks at once (one Redis round trip), `find_many_with_source(store, keys)` does the same
 but leaves disk and Redis blocks unread (PendingBlocks, read later by `TieredStore.read_pending` straight into a
 request's buffer: a `Sink` names the slots), `put_block(store, key, block, persist=False)`
-keeps a block out of persistent tiers, `TieredStore.put_persistent` puts one only there (the engine's extents of
-prefix blocks), `TieredStore.set_placement(fn)` places blocks read from lower
-tiers (e.g. on the engine's device) before they are promoted, and `TieredStore.prefetch(keys)` loads blocks
-from the persistent tiers into memory ahead of a request (pc_rag.prefetch). Build stores with
-`open_store(spec)`:
+keeps a block out of persistent tiers, `put_persistent(store, key, block)` puts one only there (the engine's
+extents of prefix blocks; lookups take `tiers="volatile"` or `"persistent"` to match),
+`TieredStore.set_placement(fn)` places blocks read from lower tiers (e.g. on the engine's device) before they
+are promoted, and `TieredStore.prefetch(keys)` loads blocks from the persistent tiers into memory ahead of a
+request (pc_rag.prefetch). Build stores with `open_store(spec)`:
 
     memory.py      MemoryStore: tensors in process memory, LRU bounded by bytes, optional TTL
     disk.py        DiskStore: one safetensors file per block in <dir>/pc_rag-kv-v1/, persistent, LRU bounded
@@ -39,7 +39,9 @@ from .tier import (
     find_many_with_source,
     get_many_with_source,
     get_with_source,
+    has_persistent,
     put_block,
+    put_persistent,
 )
 from .tiered import TieredStore
 
@@ -61,8 +63,10 @@ __all__ = [
     "default_cache_dir",
     "find_many_with_source",
     "get_many_with_source",
+    "has_persistent",
     "get_with_source",
     "open_store",
     "parse_bytes",
     "put_block",
+    "put_persistent",
 ]

@@ -143,26 +143,48 @@ def get_with_source(store: Store, key: str) -> tuple[KVBlock | None, str | None]
     return block, (store.name if block is not None else None)
 
 
-def get_many_with_source(store: Store, keys: Sequence[str]) -> list[tuple[KVBlock | None, str | None]]:
+TIERS = ("all", "volatile", "persistent")
+
+
+def get_many_with_source(store: Store, keys: Sequence[str],
+                         tiers: str = "all") -> list[tuple[KVBlock | None, str | None]]:
     """`get_with_source` for a request's keys at once, in order: a TieredStore asks each tier once for all the
     keys still missing (one Redis round trip for the whole request); a single tier with `get_many` is asked
-    once; any other store is asked key by key."""
+    once; any other store is asked key by key. `tiers`: "all", or only the tiers that do not outlive the process
+    ("volatile": memory) or those that do ("persistent": disk, Redis); a store of one tier is that kind of tier,
+    by its `persistent` attribute, and answers all misses when it is not of the kind asked."""
     keys = list(keys)
     if hasattr(store, "get_many_with_source"):
-        return store.get_many_with_source(keys)
+        return store.get_many_with_source(keys, tiers) if tiers != "all" else store.get_many_with_source(keys)
+    if not _of_kind(store, tiers):
+        return [(None, None)] * len(keys)
     if hasattr(store, "get_many"):
         blocks = get_many(store, keys)
         return [(b, store.name if b is not None else None) for b in blocks]
     return [get_with_source(store, key) for key in keys]
 
 
-def find_many_with_source(store: Store, keys: Sequence[str]) -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
+def find_many_with_source(store: Store, keys: Sequence[str],
+                          tiers: str = "all") -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
     """`get_many_with_source`, except that a store able to read blocks straight into the caller's memory (a
-    TieredStore over a disk tier) answers PendingBlocks for the blocks it would read from such a tier, for its
-    `read_pending`. Any other store answers as `get_many_with_source`."""
+    TieredStore over a disk or Redis tier) answers PendingBlocks for the blocks it would read from such a tier,
+    for its `read_pending`. Any other store answers as `get_many_with_source`."""
     if hasattr(store, "find_many_with_source"):
-        return store.find_many_with_source(list(keys))
-    return get_many_with_source(store, keys)
+        return store.find_many_with_source(list(keys), tiers) if tiers != "all" else store.find_many_with_source(
+            list(keys))
+    return get_many_with_source(store, keys, tiers)
+
+
+def _of_kind(store: Store, tiers: str) -> bool:
+    if tiers not in TIERS:
+        raise StoreUsageError(f"unknown tiers {tiers!r}; choose one of {', '.join(TIERS)}")
+    return tiers == "all" or (tiers == "persistent") == bool(getattr(store, "persistent", False))
+
+
+def has_persistent(store: Store) -> bool:
+    """Whether the store outlives the process in part (a TieredStore with a disk or Redis tier) or whole (such a
+    tier alone)."""
+    return bool(getattr(store, "has_persistent", getattr(store, "persistent", False)))
 
 
 def get_many(store: Store, keys: list[str]) -> list[KVBlock | None]:
@@ -182,6 +204,15 @@ def put_block(store: Store, key: str, block: KVBlock, persist: bool = True) -> N
     if _takes_persist(store):
         store.put(key, block, persist=persist)
     elif persist or not getattr(store, "persistent", False):
+        store.put(key, block)
+
+
+def put_persistent(store: Store, key: str, block: KVBlock) -> None:
+    """`key` into the store's persistent tiers only (TieredStore.put_persistent), or into a store of one tier as it
+    is (the caller only asks this of stores with `has_persistent`)."""
+    if hasattr(store, "put_persistent"):
+        store.put_persistent(key, block)
+    else:
         store.put(key, block)
 
 

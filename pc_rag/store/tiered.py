@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from ..blocks import KVBlock
 from ..errors import StoreError
 from .tier import (
+    TIERS,
     PendingBlock,
     Store,
     StoreUsageError,
@@ -106,6 +107,8 @@ class TieredStore:
                 tiers: str = "all") -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
         keys = [check_key(k) for k in keys]
         top = self._volatile_top()
+        if tiers not in TIERS:
+            raise StoreUsageError(f"unknown tiers {tiers!r}; choose one of {', '.join(TIERS)}")
         first, end = {"all": (0, None), "volatile": (0, top), "persistent": (top, None)}[tiers]
         self._wait_for_prefetch(keys)
         found = self._lookup(list(dict.fromkeys(keys)), first, pending=pending, end=end)
