@@ -248,9 +248,9 @@ def read_block_in_place(path: Path, key: str, sink: Sink, raws: dict[int, memory
     short while read, or when the sink names no slots or slots outside `raws` (the bytes of the CPU storages it
     may read into, by storage address). Raises as `read_block_file`, and CorruptBlockError / StaleBlockError as
     `decode_block`."""
-    keys, values = sink.keys, sink.values
-    if keys is None or values is None:
+    if sink.slots is None:
         return None
+    keys, values = sink.slots
     key_raw, value_raw = raws.get(keys.untyped_storage().data_ptr()), raws.get(values.untyped_storage().data_ptr())
     if key_raw is None or value_raw is None:
         return None
@@ -289,13 +289,6 @@ def read_block_in_place(path: Path, key: str, sink: Sink, raws: dict[int, memory
     _add(timings, "read_s", t2 - t1)
     _add(timings, "verify_s", t3 - t2)
     return KVBlock(keys, values, tuple(memoryview(ids).cast("i")), header.start, header.meta), size
-
-
-def _slots(sink: Sink | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A sink's slots, for `decode_block` to dequantize a compressed block into."""
-    if sink is None or sink.keys is None or sink.values is None:
-        return None
-    return sink.keys, sink.values
 
 
 @dataclass
@@ -404,9 +397,12 @@ class DiskStore:
         or unreadable file is a miss, counted as by `get_many`. A file that cannot be read (an I/O error) raises
         a StoreError, after the other blocks were handed over, whose `loaded` attribute is that list. What a sink
         raises is re-raised as it is. Blocks read this way are never kept by this tier or put into any other."""
-        sinks = [s if isinstance(s, Sink) else Sink(s) for s in sinks]
-        raws = {t.untyped_storage().data_ptr(): _raw(t) for s in sinks for t in (s.keys, s.values)
-                if t is not None and t.device.type == "cpu"} if _IN_PLACE else {}
+        sinks = [Sink.of(s) for s in sinks]
+        raws: dict[int, memoryview] = {}  # one view per storage (a request buffer's two), not one per sink
+        for t in (t for s in sinks if _IN_PLACE and s.slots is not None for t in s.slots):
+            ptr = t.untyped_storage().data_ptr()
+            if t.device.type == "cpu" and ptr not in raws:
+                raws[ptr] = _raw(t)
         paths = [self.file_for(key) for key in keys]
         t0 = time.perf_counter()
         loads = in_parallel(self._load, [(key, path, sink, raws) for key, path, sink in zip(keys, paths, sinks,
@@ -460,7 +456,7 @@ class DiskStore:
             else:
                 data = read_block_file(path, load.timings, staging=sink is not None)
                 load.size = len(data)
-                load.block = decode_block(key, data, load.timings, _slots(sink))
+                load.block = decode_block(key, data, load.timings, sink.slots if sink is not None else None)
             load.found = True
         except FileNotFoundError:
             load.missing = True

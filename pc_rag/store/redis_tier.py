@@ -129,9 +129,8 @@ class RedisStore:
         into its sink's slots (see Sink); an uncompressed one views the reply, and the sink copies it. Unlike the
         disk tier, the transfer is the cost and the reply is one stream, so there is no thread pool here. What a
         sink raises propagates, once the counters are settled."""
-        sinks = [s if isinstance(s, Sink) else Sink(s) for s in sinks]
-        outs = [(s.keys, s.values) if s.keys is not None and s.values is not None else None for s in sinks]
-        blocks = self._read(keys, outs, count=True)
+        sinks = [Sink.of(s) for s in sinks]
+        blocks = self._read(keys, [s.slots for s in sinks], count=True)
         t0 = time.perf_counter()
         try:
             return [block is not None and bool(sink.take(block)) for block, sink in zip(blocks, sinks, strict=True)]

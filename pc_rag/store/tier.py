@@ -83,6 +83,16 @@ class Sink:
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
 
+    @property
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(keys, values) when the sink names both, for reading or decoding into; else None."""
+        return None if self.keys is None or self.values is None else (self.keys, self.values)
+
+    @staticmethod
+    def of(sink: Sink | Callable[[KVBlock], bool]) -> Sink:
+        """A Sink, or a plain `take(block) -> bool` made one (with no slots)."""
+        return sink if isinstance(sink, Sink) else Sink(sink)
+
 
 # A request's blocks are read and decoded in parallel: file reads, zstd and the xxh3 checksum release the GIL.
 # One pool for every tier of the process, started on first use.
