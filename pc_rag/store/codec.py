@@ -37,7 +37,7 @@ import zstandard
 
 from ..blocks import KVBlock
 from ..errors import StoreError
-from .tier import StoreUsageError
+from .tier import StoreUsageError, add_time
 
 # v2: xxh3-64 checksum over the data section, int32 token ids, canonical tensor order, optional int8 codec.
 # Entries of another format are misses (never misread): the tiers drop them and the block is recomputed.
@@ -353,9 +353,8 @@ def decode_block(key: str, data: bytes | torch.Tensor, timings: dict[str, float]
         values = _dequantize(q[n:].view(shape), tensors["value_scales"], dtype, vo)
     else:
         keys, values = tensors["keys"], tensors["values"]
-    if timings is not None:
-        timings["verify_s"] = timings.get("verify_s", 0.0) + t1 - t0
-        timings["decode_s"] = timings.get("decode_s", 0.0) + time.perf_counter() - t1
+    add_time(timings, "verify_s", t1 - t0)
+    add_time(timings, "decode_s", time.perf_counter() - t1)
     return KVBlock(keys, values, tuple(ids.tolist()), header.start, header.meta)
 
 

@@ -64,7 +64,16 @@ from .codec import (
     read_layout,
     tier_codec,
 )
-from .tier import KEY_PATTERN, Sink, StoreUsageError, TierStats, TierUnavailableError, check_key, in_parallel
+from .tier import (
+    KEY_PATTERN,
+    Sink,
+    StoreUsageError,
+    TierStats,
+    TierUnavailableError,
+    add_time,
+    check_key,
+    in_parallel,
+)
 
 log = logging.getLogger("pc_rag.store")
 
@@ -168,11 +177,6 @@ def _open_block(path: Path) -> tuple[int, int]:
     return fd, st.st_size
 
 
-def _add(timings: dict[str, float] | None, step: str, seconds: float) -> None:
-    if timings is not None:
-        timings[step] = timings.get(step, 0.0) + seconds
-
-
 def read_block_file(path: Path, timings: dict[str, float] | None = None, staging: bool = False) -> torch.Tensor:
     """The bytes of a block file, as a uint8 tensor, read once the entry is known to be a regular file whose
     size is what its safetensors header declares. Raises CorruptBlockError for any other entry (FIFO,
@@ -203,8 +207,8 @@ def read_block_file(path: Path, timings: dict[str, float] | None = None, staging
             if not chunk:
                 break
             got += chunk
-    _add(timings, "open_s", t1 - t0)
-    _add(timings, "read_s", time.perf_counter() - t1)
+    add_time(timings, "open_s", t1 - t0)
+    add_time(timings, "read_s", time.perf_counter() - t1)
     return data[:got]  # short: the file shrank while read, caught by decode_block's checks
 
 
@@ -285,9 +289,9 @@ def read_block_in_place(path: Path, key: str, sink: Sink, raws: dict[int, memory
     finally:
         os.close(fd)
     t3 = time.perf_counter()
-    _add(timings, "open_s", t1 - t0)
-    _add(timings, "read_s", t2 - t1)
-    _add(timings, "verify_s", t3 - t2)
+    add_time(timings, "open_s", t1 - t0)
+    add_time(timings, "read_s", t2 - t1)
+    add_time(timings, "verify_s", t3 - t2)
     return KVBlock(keys, values, tuple(memoryview(ids).cast("i")), header.start, header.meta), size
 
 

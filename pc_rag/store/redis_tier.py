@@ -30,7 +30,7 @@ from typing import Any
 from ..blocks import KVBlock
 from ..errors import StoreError
 from .codec import CorruptBlockError, StaleBlockError, decode_block, encode_block, tier_codec
-from .tier import Sink, StoreUsageError, TierStats, TierUnavailableError, check_key, in_parallel
+from .tier import Sink, StoreUsageError, TierStats, TierUnavailableError, add_time, check_key, in_parallel
 
 log = logging.getLogger("pc_rag.store")
 
@@ -174,7 +174,7 @@ class RedisStore:
         nbytes = 0
         for name, data, (block, outcome, steps) in zip(names, replies, decoded, strict=True):
             for step, seconds in steps.items():
-                timings[step] = timings.get(step, 0.0) + seconds
+                add_time(timings, step, seconds)
             if block is not None:
                 nbytes += len(data)
             elif outcome == "stale":

@@ -58,6 +58,12 @@ class TierStats:
     bytes_read: int = 0  # stored bytes of the blocks served
 
 
+def add_time(timings: dict[str, float] | None, step: str, seconds: float) -> None:
+    """Adds `seconds` to `timings[step]` (a TierStats field name), if timings are kept."""
+    if timings is not None:
+        timings[step] = timings.get(step, 0.0) + seconds
+
+
 @dataclass(frozen=True)
 class PendingBlock:
     """A block a tier holds but has not read yet (`TieredStore.find_many_with_source`): `read_pending` reads it
