@@ -36,6 +36,7 @@ from .prefix import (
     after_link,
     extents,
     far_groups,
+    in_groups,
     run_blocks,
 )
 from .segments import TokenSegment
@@ -306,13 +307,13 @@ class Assembler:
             span = spans.get(i)
             if span is not None:  # the group from its extent: one entry, not EXTENT_BLOCKS
                 members = refs[i: i + EXTENT_BLOCKS]
-                piece = self._prefix_piece(members[0].start, members[-1].end, span[0], *span[1:], ids, positions,
+                piece = self._prefix_piece(members[0].start, members[-1].end, *span, ids, positions,
                                            tuple(r.key for r in members))
             else:
+                members = refs[i: i + 1]
                 piece = self._prefix_piece(refs[i].start, refs[i].end, refs[i].key, *singles[i], ids, positions)
             if piece is None:
                 break  # a miss (or a foreign entry under a colliding key: never use KV of other tokens)
-            members = refs[i: i + EXTENT_BLOCKS] if span is not None else refs[i: i + 1]
             for ref in members:
                 self.prefixes.add(ref.parent, ref.key, ids[ref.start: ref.end], positions[ref.start: ref.end])
             found.append(piece)
@@ -357,7 +358,7 @@ class Assembler:
         groups = {i: k for i, k in whole if not all(held[i: i + EXTENT_BLOCKS])}
         far = dict(far_groups(refs, list(groups.items()), total, self.block_tokens))
         members = {i: [j for j in range(i, i + EXTENT_BLOCKS) if not held[j]] for i in groups}
-        grouped = {j for i, _ in whole for j in range(i, i + EXTENT_BLOCKS)}
+        grouped = in_groups(whole)
         loose = [j for j in range(len(refs)) if j not in grouped and not held[j]]
         near = [j for i in groups if i not in far for j in members[i]]
         spans: dict[int, tuple] = {}
@@ -697,7 +698,7 @@ class Assembler:
             refs = run_blocks(self.runner.fingerprint, parent, ids, positions, item.start, end, True,
                               self.block_tokens)
             groups = far_groups(refs, extents(refs, self.block_tokens), total, self.block_tokens) if grouped else []
-            in_group = {j for i, _ in groups for j in range(i, i + EXTENT_BLOCKS)}
+            in_group = in_groups(groups)
             for j, ref in enumerate(refs):
                 parent = ref.key
                 if (ref.key in plan.hits and ref.key not in direct) or ref.key in skip:

@@ -107,6 +107,11 @@ def extents(refs: Sequence[BlockRef], block_tokens: int = BLOCK_TOKENS,
     return out
 
 
+def in_groups(groups: list[tuple[int, str]], extent_blocks: int = EXTENT_BLOCKS) -> set[int]:
+    """Indexes of the blocks that `groups` (first block index, extent key) hold."""
+    return {j for i, _ in groups for j in range(i, i + extent_blocks)}
+
+
 def far_groups(refs: Sequence[BlockRef], groups: list[tuple[int, str]], total: int,
                block_tokens: int = BLOCK_TOKENS, extent_blocks: int = EXTENT_BLOCKS) -> list[tuple[int, str]]:
     """The whole groups that a request stores as extents: those ending at least one extent's length before slot
