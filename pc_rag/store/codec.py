@@ -348,7 +348,7 @@ def decode_block(key: str, data: bytes | torch.Tensor, timings: dict[str, float]
         if len(raw) != 2 * n:
             raise CorruptBlockError(f"block for {key}: unpacked {len(raw)} bytes, expected {2 * n}")
         q = torch.frombuffer(raw, dtype=torch.int8)  # read only, by the dequantization
-        ko, vo = out if out is not None and _fits(out, dtype, shape) else (None, None)
+        ko, vo = out if out is not None and slots_fit(out, dtype, shape) else (None, None)
         keys = _dequantize(q[:n].view(shape), tensors["key_scales"], dtype, ko)
         values = _dequantize(q[n:].view(shape), tensors["value_scales"], dtype, vo)
     else:
@@ -358,8 +358,9 @@ def decode_block(key: str, data: bytes | torch.Tensor, timings: dict[str, float]
     return KVBlock(keys, values, tuple(ids.tolist()), header.start, header.meta)
 
 
-def _fits(out: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, shape: torch.Size) -> bool:
-    return all(t.dtype == dtype and t.shape == shape and t.device.type == "cpu" for t in out)
+def slots_fit(slots: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether a block of `dtype` and `shape` can be decoded or read straight into `slots` (CPU tensors of both)."""
+    return all(t.dtype == dtype and tuple(t.shape) == tuple(shape) and t.device.type == "cpu" for t in slots)
 
 
 def _scales_fit(layout: Layout, shape: tuple[int, int, int, int]) -> bool:

@@ -62,6 +62,7 @@ from .codec import (
     encode_block,
     header_length,
     read_layout,
+    slots_fit,
     tier_codec,
 )
 from .tier import (
@@ -269,8 +270,7 @@ def read_block_in_place(path: Path, key: str, sink: Sink, raws: dict[int, memory
             head += os.pread(fd, 8 + n - len(head), len(head))
         layout = read_layout(key, head[8: 8 + n], size)
         header = check_layout(key, layout)
-        if header.codec != "none" or header.dtype != keys.dtype or header.shape != tuple(keys.shape) \
-                or header.dtype != values.dtype or header.shape != tuple(values.shape):
+        if header.codec != "none" or not slots_fit(sink.slots, header.dtype, header.shape):
             return None
         ids = bytearray(4 * header.shape[2])  # int32, in the machine's byte order as torch reads it
         parts = {"keys": _planes(keys, key_raw), "values": _planes(values, value_raw), "token_ids": [memoryview(ids)]}
