@@ -525,9 +525,9 @@ def markdown(result):
                      + " |")
     lines += ["", "Where a request from a persistent tier spends its time (median ms per request; open, read, verify "
               "and decode are sums over blocks read in parallel, so they can exceed the tier's wall time `load`; "
-              "direct = blocks read from disk straight into the request buffer, relocated keys then rotated there (the "
-              "tier's wall time `load` and the rotation); copy = relocating keys and copying values of the other "
-              "blocks into the request buffer; what follows the reply (storing, promoting) is left out):", "",
+              "direct = blocks read from disk or Redis straight into the request buffer, relocated keys then rotated "
+              "there (the tier's wall time `load` and the rotation); copy = relocating keys and copying values of the "
+              "other blocks into the request buffer; what follows the reply (storing, promoting) is left out):", "",
               "| prompt tokens | path | TTFT | plan (lookups) | direct | tier wall | open | read | verify | decode "
               "| copy | forward | MB read | GB/s (read / tier wall) |", "|---" * 14 + "|"]
     for r in result["rows"]:
