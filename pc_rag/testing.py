@@ -42,6 +42,9 @@ SIZES = {
     "tiny": TinyShape(2048, 64, 2, 4, 2, 128, 2048),
     # The shape the field notes measured (33M parameters with an 8K vocabulary): 8 layers, hidden 512, 8/4 heads.
     "bench": TinyShape(8192, 512, 8, 8, 4, 1536, 16384),
+    # The layer shapes of Qwen2.5-0.5B (24 layers, hidden 896, 14/2 heads of 64, MLP 4864) with the bench vocabulary,
+    # as a Llama: 0.37B parameters, for benchmarks at the size of a small model people run (benchmarks/peers.py).
+    "large": TinyShape(8192, 896, 24, 14, 2, 4864, 32768),
 }
 
 

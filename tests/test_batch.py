@@ -249,8 +249,8 @@ def test_a_long_prefill_takes_turns_with_decode_steps_only_while_others_decode(l
     runner = engine.runner
     runner.prefill_chunk_tokens = 64
     events: list[str] = []
-    forward, decode_batch = runner._forward, runner.decode_batch
-    runner._forward = lambda *a: (events.append("prefill"), forward(*a))[1]
+    forward, decode_batch = runner.forward_layers, runner.decode_batch
+    runner.forward_layers = lambda *a: (events.append("prefill"), forward(*a))[1]
     runner.decode_batch = lambda *a: (events.append("decode"), decode_batch(*a))[1]
     long_prompt = [Text("Q " + " word" * 300)]
     engine.generate(long_prompt, mode="full", max_new_tokens=1)

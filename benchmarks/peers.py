@@ -1,0 +1,427 @@
+"""pc_rag side by side with what its users would run instead: vLLM's CPU engine and llama.cpp, same token ids.
+
+    bash benchmarks/peers_env.sh /tmp/peers          # once: the peers' virtualenvs and GGUF files (~25 minutes)
+    python -m benchmarks.peers --peers /tmp/peers --size bench --dtype float32 bfloat16 --reps 5
+    python -m benchmarks.peers --peers /tmp/peers --size large --dtype bfloat16 --reps 2 --workloads system rag chat
+
+Every system gets the same prompts as token ids (pc_rag gets the segments those ids come from and is checked to
+see exactly them), greedy decoding of exactly the requested number of tokens (EOS ignored: random weights), and
+the machine to itself (one system at a time; pc_rag in this process, each peer in its own virtualenv through
+benchmarks/peer_worker.py). A peer whose virtualenv is missing is skipped, and the table says so.
+
+Workloads (medians over --reps requests, each with text no earlier request had where it should not be cached):
+- system: a 2K-token system prompt seen before, a new 30-token question (TTFT). pc_rag: modular and exact.
+- rag: 8 chunks of ~256 tokens seen before in another order, a new question (TTFT). pc_rag: modular.
+- cold4k / cold8k: a prompt of that many tokens no one has seen (TTFT).
+- decode: 128 tokens after a 4K-token prompt (tokens/s after the first).
+- chat: turns 2-4 of a chat whose previous prompt and reply were seen (TTFT, median over the turns).
+- e2e_rag: the rag request answered with 200 tokens (seconds to the last token).
+Beside each row, the physical bound on this machine: FLOPs at the measured matrix-product rate for the tokens a
+system must compute (for reuse rows: only the new ones), weight + KV bytes per token at the measured memory
+bandwidth for decoding. And where pc_rag's time goes (`profile`): a cold 4K prefill and decode steps by op kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import pc_rag
+from pc_rag import Chunk, Text
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOADS = ("system", "rag", "cold4k", "cold8k", "decode", "chat", "e2e_rag")
+PEERS = ("vllm", "llamacpp")
+GGUF_TYPE = {"float32": "f32", "bfloat16": "f16"}  # what llama.cpp users run for each (FIELD-NOTES: f16 on CPU)
+
+
+@dataclass
+class Request:
+    """One request as every system runs it: pc_rag's segments, the same prompt as ids for the peers."""
+
+    prompt: list  # pc_rag segments
+    ids: list[int]
+    new_tokens: int = 1
+    reset: bool = False  # empty the peers' prefix caches first (pc_rag's prompts are new text anyway)
+    timed: str | None = None  # the workload this request is measured for (None: a warm-up)
+    mode: str = "modular"
+
+
+@dataclass
+class Plan:
+    requests: list[Request] = field(default_factory=list)
+
+    def add(self, engine, prompt, **kw) -> Request:
+        r = Request(prompt, [t for s in engine.segmenter.segments(prompt) for t in s.token_ids], **kw)
+        self.requests.append(r)
+        return r
+
+
+class Texts:
+    """Real text (Python's own docs) cut to token counts, never the same piece twice."""
+
+    def __init__(self, engine, seed: int):
+        ids = [t for text in pc_rag.testing.pydoc_corpus() for t in engine.segmenter.ids(text)]
+        self.engine, self.ids = engine, ids
+        self.at = random.Random(seed).randrange(len(ids) // 4)
+
+    def take(self, tokens: int) -> str:
+        if self.at + tokens > len(self.ids):
+            self.at = 0
+        piece = self.ids[self.at: self.at + tokens]
+        self.at += tokens
+        return self.engine.tokenizer.decode(piece).strip()
+
+
+def plan_workloads(engine, names, reps: int, seed: int = 0) -> Plan:
+    texts, plan = Texts(engine, seed), Plan()
+    question = lambda i: Text(f"\n\nQuestion {i}: {texts.take(24)}\nAnswer:")  # noqa: E731 (~30 tokens)
+    if "system" in names:
+        system = Text(texts.take(2000))
+        plan.add(engine, [system, question(0)], reset=True)
+        for mode in ("modular", "exact"):
+            for i in range(reps):
+                plan.add(engine, [system, question(i + 1)], timed=f"system:{mode}", mode=mode)
+    if "rag" in names or "e2e_rag" in names:
+        head = Text("Answer from the documents below.\n\n")
+        docs = [texts.take(256) for _ in range(8)]
+        rng = random.Random(seed)
+
+        def rag(i, order, **kw):
+            parts = [head]
+            for d in order:
+                parts += [Chunk(docs[d]), Text("\n\n")]
+            return plan.add(engine, [*parts[:-1], question(i)], **kw)
+
+        rag(0, range(8), reset=True)  # the chunks seen once, in this order
+        for i in range(reps):
+            order = list(range(8))
+            while order == sorted(order):
+                rng.shuffle(order)
+            if "rag" in names:
+                rag(100 + i, order, timed="rag")
+            if "e2e_rag" in names:
+                rag(200 + i, order[::-1], timed="e2e_rag", new_tokens=200)
+    for n in (4096, 8192):
+        if f"cold{n // 1024}k" in names:
+            for _ in range(reps):
+                plan.add(engine, [Text(texts.take(n - 1))], reset=True, timed=f"cold{n // 1024}k")
+    if "decode" in names:
+        for _ in range(reps):
+            plan.add(engine, [Text(texts.take(4095))], reset=True, new_tokens=128, timed="decode")
+    if "chat" in names:
+        for _ in range(reps):
+            turns = [Text("You are a helpful assistant.\n\n")]
+            for k in range(4):
+                turns.append(Text(f"User: {texts.take(60)}\nAssistant:"))
+                if k:  # turn k+1 after turn k's prompt and reply were seen
+                    plan.add(engine, list(turns), new_tokens=1, timed="chat")
+                turns.append(Text(" " + texts.take(48) + "\n\n"))
+                plan.add(engine, list(turns), new_tokens=1, reset=not k)  # the reply is part of what was seen
+    return plan
+
+
+# ---- pc_rag ------------------------------------------------------------------------------------------------------
+def run_pc_rag(engine, plan: Plan) -> list[dict]:
+    engine.eos_ids = frozenset()  # exactly new_tokens tokens, as the peers are asked for
+    out = []
+    for r in plan.requests:
+        t0 = time.perf_counter()
+        g = engine.generate(r.prompt, mode=r.mode, max_new_tokens=r.new_tokens)
+        total = time.perf_counter() - t0
+        if list(g.prompt_ids) != r.ids:
+            raise RuntimeError("pc_rag saw other token ids than the peers get")
+        out.append({"ttft_s": g.ttft_s, "total_s": total, "tokens": list(g.token_ids)})
+    return out
+
+
+# ---- peers -------------------------------------------------------------------------------------------------------
+def peer_python(peers: Path, peer: str) -> Path | None:
+    python = peers / peer / "bin" / "python"
+    module = {"vllm": "vllm", "llamacpp": "llama_cpp"}[peer]
+    if not python.exists():
+        return None
+    ok = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True).returncode == 0
+    return python if ok else None
+
+
+def gguf(peers: Path, model: Path, dtype: str, work: Path) -> Path | None:
+    """The model as GGUF for llama.cpp (converted once with the converter peers_env.sh put under --peers)."""
+    kind = GGUF_TYPE[dtype]
+    path = work / f"{model.name}-{kind}.gguf"
+    if path.exists():
+        return path
+    convert = peers / "convert"
+    if not (convert / "convert_hf_to_gguf.py").exists():
+        return None
+    env = {**os.environ, "PYTHONPATH": str(convert / "gguf-py")}
+    done = subprocess.run([sys.executable, "convert_hf_to_gguf.py", str(model), "--outtype", kind, "--outfile",
+                           str(path) + ".tmp"], cwd=convert, env=env, capture_output=True, text=True)
+    if done.returncode:
+        print(f"[peers] GGUF conversion failed: {done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    os.replace(str(path) + ".tmp", path)
+    return path
+
+
+def run_peer(python: Path, peer: str, model: str, dtype: str, plan: Plan, max_len: int) -> list[dict]:
+    spec = {"model": model, "dtype": dtype, "max_len": max_len, "threads": torch.get_num_threads(),
+            "requests": [{"ids": r.ids, "new_tokens": r.new_tokens, "reset": r.reset} for r in plan.requests]}
+    with tempfile.TemporaryDirectory() as tmp:
+        req, res = Path(tmp) / "requests.json", Path(tmp) / "results.json"
+        req.write_text(json.dumps(spec))
+        env = dict(os.environ)
+        tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+        if peer == "vllm" and os.path.exists(tcmalloc):  # vLLM's CPU docs ask for it
+            env["LD_PRELOAD"] = tcmalloc
+        subprocess.run([str(python), str(REPO / "benchmarks" / "peer_worker.py"), peer, str(req), str(res)],
+                       env=env, check=True)
+        return json.loads(res.read_text())
+
+
+# ---- the machine's bounds ----------------------------------------------------------------------------------------
+def machine_rates(dtype: torch.dtype) -> dict:
+    """Measured here: matrix products (GFLOP/s, a prefill-shaped product) and memory reads (GB/s)."""
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    big = torch.randn(256 << 20, dtype=torch.float32)  # 1 GiB: far beyond the caches
+
+    def best(fn, n):
+        fn()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return {"matmul_gflops": 2 * 2048 ** 3 / best(lambda: a @ b, 10) / 1e9,
+            "read_gbps": big.nbytes / best(big.sum, 5) / 1e9}
+
+
+def model_costs(config, dtype: torch.dtype) -> dict:
+    """FLOPs and bytes the forward passes must at least move, from the config."""
+    h, L = config.hidden_size, config.num_hidden_layers
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    layer = h * d * (2 * hq + 2 * hkv) + 3 * h * config.intermediate_size
+    size = torch.finfo(dtype).bits // 8
+    return {"layer_params": L * layer, "head_params": h * config.vocab_size, "L": L, "hq": hq, "d": d,
+            "kv_bytes_per_token": 2 * L * hkv * d * size, "bytes_per_param": size}
+
+
+def prefill_s(c, rates, new: int, before: int) -> float:
+    """Seconds to compute `new` tokens after `before` cached ones at the measured rate (causal attention)."""
+    linear = 2 * c["layer_params"] * new + 2 * c["head_params"]  # the head for the last token only
+    ctx = new * before + new * new / 2  # query-key pairs
+    attention = 4 * c["L"] * c["hq"] * c["d"] * ctx
+    return (linear + attention) / (rates["matmul_gflops"] * 1e9)
+
+
+def decode_tok_s(c, rates, ctx: int) -> float:
+    step = (c["layer_params"] + c["head_params"]) * c["bytes_per_param"] + ctx * c["kv_bytes_per_token"]
+    return rates["read_gbps"] * 1e9 / step
+
+
+# ---- where pc_rag's time goes ------------------------------------------------------------------------------------
+def profile(engine, texts: Texts) -> dict:
+    """Per op kind, milliseconds of a cold 4K-token prefill and of one decode step after it (mean of 16), and what
+    is left of the wall time outside torch's ops (Python, the engine's own work)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    def kinds(prof, wall_s, per):
+        out = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
+        for e in prof.key_averages():
+            if e.key.startswith("aten::") or e.key.startswith("mkldnn"):
+                kind = ("matmul" if e.key in ("aten::mm", "aten::addmm", "aten::bmm") else
+                        "attention" if "scaled_dot_product" in e.key else "other ops")
+                out[kind] += e.self_cpu_time_total / 1e3 / per
+        out["outside ops"] = max(0.0, wall_s * 1e3 / per - sum(out.values()))
+        out["wall"] = wall_s * 1e3 / per
+        return {k: round(v, 2) for k, v in out.items()}
+
+    engine.eos_ids = frozenset()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        g = engine.generate([Text(texts.take(4095))], mode="full", max_new_tokens=1)
+    prefill = kinds(prof, g.ttft_s, 1)
+    runner, n = engine.runner, 4096
+    cache = runner.acquire_cache(n + 32)
+    try:
+        runner.forward(cache, [1] * n, list(range(n)), list(range(n)))
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for i in range(n, n + 16):  # the decode loop's own step, one request
+                runner.decode_batch([cache], [1], [i], [i])
+            wall = time.perf_counter() - t0
+    finally:
+        runner.release_cache(cache)
+    decode = kinds(prof, wall, 16)
+    return {"cold_prefill_4k_ms": prefill, "decode_step_after_4k_ms": decode}
+
+
+# ---- one configuration -------------------------------------------------------------------------------------------
+def measure(model: Path, dtype: str, names, reps: int, peers: Path, work: Path, skip_peers=()) -> dict:
+    engine = pc_rag.Engine.from_pretrained(model, dtype=dtype, store="memory")
+    plan = plan_workloads(engine, names, reps)
+    max_len = min(engine.runner.shape.max_positions, 16384)
+    systems, notes = {"pc_rag": run_pc_rag(engine, plan)}, []
+    for peer in PEERS:
+        python = None if peer in skip_peers else peer_python(peers, peer)
+        if python is None:
+            notes.append(f"{peer}: skipped (no working virtualenv under {peers / peer}; see benchmarks/peers_env.sh)")
+            continue
+        target = str(model) if peer == "vllm" else gguf(peers, model, dtype, work)
+        if target is None:
+            notes.append(f"{peer}: skipped (no GGUF converter under {peers / 'convert'})")
+            continue
+        try:
+            systems[peer] = run_peer(python, peer, str(target), dtype, plan, max_len)
+        except subprocess.CalledProcessError as e:
+            notes.append(f"{peer}: failed ({e})")
+    tdtype = pc_rag.model.parse_dtype(dtype)
+    rates = machine_rates(tdtype)
+    costs = model_costs(engine.model.config, tdtype)
+    rows = summarize(plan, systems, costs, rates)
+    prof = profile(engine, Texts(engine, seed=99))
+    return {"model": str(model), "params": sum(p.numel() for p in engine.model.parameters()), "dtype": dtype,
+            "rates": {k: round(v, 1) for k, v in rates.items()}, "rows": rows, "notes": notes,
+            "profile": prof, "same_greedy_tokens": agreement(plan, systems)}
+
+
+def agreement(plan: Plan, systems: dict) -> dict:
+    """Share of decoded tokens equal to pc_rag's (the same weights and greedy decoding: a sanity check that every
+    system runs the same model, not a quality measure; half precision may diverge after a near tie)."""
+    out = {}
+    for name, res in systems.items():
+        if name == "pc_rag":
+            continue
+        same = total = 0
+        for r, ours, theirs in zip(plan.requests, systems["pc_rag"], res, strict=True):
+            n = min(len(ours["tokens"]), len(theirs["tokens"]))
+            k = next((i for i in range(n) if ours["tokens"][i] != theirs["tokens"][i]), n)
+            same += k
+            total += r.new_tokens
+        out[name] = round(same / total, 3) if total else None
+    return out
+
+
+def summarize(plan: Plan, systems: dict, costs: dict, rates: dict) -> list[dict]:
+    rows = []
+    labels = sorted({r.timed for r in plan.requests if r.timed}, key=lambda s: (WORKLOADS.index(s.split(":")[0]), s))
+    for label in labels:
+        idx = [i for i, r in enumerate(plan.requests) if r.timed == label]
+        base = label.split(":")[0]
+        row = {"workload": label}
+        for name, res in systems.items():
+            if name != "pc_rag" and ":" in label and not label.endswith(":modular"):
+                continue  # pc_rag's second mode has no peer counterpart
+            if base == "decode":
+                row[name] = statistics.median((plan.requests[i].new_tokens - 1) / (res[i]["total_s"] - res[i]["ttft_s"])
+                                              for i in idx)
+            elif base == "e2e_rag":
+                row[name] = statistics.median(res[i]["total_s"] for i in idx) * 1e3
+            else:
+                row[name] = statistics.median(res[i]["ttft_s"] for i in idx) * 1e3
+        r0 = plan.requests[idx[0]]
+        n = len(r0.ids)
+        if base == "decode":
+            row["bound"] = decode_tok_s(costs, rates, n + 64)
+        elif base in ("cold4k", "cold8k"):
+            row["bound"] = prefill_s(costs, rates, n, 0) * 1e3
+        else:  # what a prefix cache must still compute: the tokens after the longest prefix seen before
+            seen = max((_common(r.ids, r0.ids) for r in plan.requests[: idx[0]]), default=0)
+            row["bound"] = prefill_s(costs, rates, n - seen, seen) * 1e3
+            row["bound_note"] = f"{n - seen} of {n} tokens new to a prefix cache"
+        rows.append(row)
+    return rows
+
+
+def _common(a, b) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def markdown(result: dict) -> str:
+    names = ["pc_rag", "vllm", "llamacpp"]
+    title = {"pc_rag": "pc_rag", "vllm": "vLLM CPU", "llamacpp": "llama.cpp"}
+    lines = [f"### {result['params'] / 1e6:.0f}M parameters, {result['dtype']} "
+             f"(matmul {result['rates']['matmul_gflops']:.0f} GFLOP/s, reads {result['rates']['read_gbps']:.0f} GB/s)",
+             "", "| workload | " + " | ".join(title[n] for n in names) + " | pc_rag vs best peer | bound |",
+             "|---|" + "---|" * (len(names) + 2)]
+    for row in result["rows"]:
+        rate = row["workload"].startswith("decode")
+        unit = " tok/s" if rate else " ms"
+        cells = [f"{row[n]:,.0f}{unit}" if n in row else "-" for n in names]
+        peers = [row[n] for n in ("vllm", "llamacpp") if n in row]
+        if peers and "pc_rag" in row:
+            best = max(peers) if rate else min(peers)
+            ratio = row["pc_rag"] / best if rate else best / row["pc_rag"]
+            vs = f"{ratio:.2f}x"
+        else:
+            vs = "-"
+        bound = f"{row['bound']:,.0f}{unit}"
+        lines.append(f"| {row['workload']} | " + " | ".join(cells) + f" | {vs} | {bound} |")
+    lines += ["", "pc_rag vs best peer: above 1 is pc_rag ahead (time: best peer's / ours; tok/s: ours / best peer's).",
+              "Bound: FLOPs of the tokens to compute at the measured matmul rate (reuse rows: the tokens after the "
+              "longest prefix seen before), or weight + KV bytes per decode step at the measured read rate."]
+    for note in result["notes"]:
+        lines.append(f"- {note}")
+    agree = ", ".join(f"{title[k]} {v:.0%}" for k, v in result["same_greedy_tokens"].items() if v is not None)
+    if agree:
+        lines.append(f"- Greedy tokens equal to pc_rag's until the first difference: {agree}.")
+    lines += ["", "Where pc_rag's time goes (ms, torch profiler; 'outside ops' is Python and the engine's own work):",
+              "", "| | " + " | ".join(next(iter(result["profile"].values()))) + " |",
+              "|---|" + "---|" * len(next(iter(result["profile"].values())))]
+    for what, kinds in result["profile"].items():
+        lines.append(f"| {what} | " + " | ".join(f"{v:,.1f}" for v in kinds.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def model_dir(size: str, work: Path) -> Path:
+    path = work / f"{size}-model"
+    if not (path / "config.json").exists():
+        pc_rag.testing.build_tiny_llama(path, size=size, seed=0)
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", default=os.environ.get("PC_RAG_PEERS", "/tmp/peers"),
+                    help="where benchmarks/peers_env.sh built the peers' virtualenvs")
+    ap.add_argument("--size", default="bench", choices=["bench", "large"], help="the offline model's shape")
+    ap.add_argument("--model", help="an HF checkpoint dir instead of --size")
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--skip", nargs="*", default=[], choices=PEERS, help="peers not to run")
+    ap.add_argument("--out", default="bench_out/peers")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model) if args.model else model_dir(args.size, out)
+    results = []
+    for dtype in args.dtype:
+        result = measure(model, dtype, args.workloads, args.reps, Path(args.peers), out, args.skip)
+        results.append(result)
+        print(markdown(result), flush=True)
+    report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                          "torch": torch.__version__}, "results": results}
+    stem = f"peers-{model.name}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    (out / f"{stem}.md").write_text("\n".join(markdown(r) for r in results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""A decoder's linear layers as the forward passes multiply by them: fused and packed by oneDNN on CPU.
+
+torch's `F.linear` on CPU goes to MKL, which on the AMD EPYC we measure on ran far below the machine
+(2 threads, bench model's layer shapes, quiet machine, `benchmarks/peers.py` keeps the figures current):
+
+| product | F.linear (MKL) | oneDNN, weights packed once |
+|---|---|---|
+| fp32, 2048 rows (prefill) | 113-134 GFLOP/s | 191-201 GFLOP/s |
+| fp32, 1 row (decode) | 10 GB/s of weights | 17-19 GB/s |
+| fp32, 8 rows (batched decode) | 6 GB/s | 17 GB/s |
+| bf16, 1 / 8 rows | 9 / 8 GB/s | 13-15 / 14-15 GB/s |
+
+So on CPU each layer's q/k/v projections (and gate/up) are concatenated into one weight and reordered once into
+oneDNN's blocked layout ("packed", without a batch-size hint: measured best across 1 to 2048 rows), and the
+forward calls oneDNN's linear op on them. The cost is memory: the packed weights are a second copy of the
+decoder's linear weights (the model's own modules keep theirs, so the HF model still works as loaded, and
+`LlamaRunner.reference_logits` stays an independent reference). Engines over one model share one packed copy.
+Half precision fp16 (no fast oneDNN path on CPUs without AVX512-FP16), CUDA, and any torch whose oneDNN op fails
+the check below use the modules themselves. Weights changed in place after packing are not seen (nor by the
+model fingerprint, which is computed once).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("pc_rag.weights")
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class Plain:
+    """y = x W^T + b through the model's own modules: one output per module."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = modules
+
+    def __call__(self, x: torch.Tensor):
+        outs = [m(x) for m in self.modules]
+        return outs if len(outs) > 1 else outs[0]
+
+
+class Packed:
+    """The modules' weights concatenated ([out_1 + out_2 + ..., in]) and reordered by oneDNN; the product is split
+    back into one output per module."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+        biases = [m.bias for m in modules]
+        if any(b is not None for b in biases):
+            biases = [b.detach() if b is not None else weight.new_zeros(m.weight.shape[0])
+                      for b, m in zip(biases, modules, strict=True)]
+            self.bias = torch.cat(biases)
+        else:
+            self.bias = None
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.splits = [m.weight.shape[0] for m in modules]
+
+    def __call__(self, x: torch.Tensor):
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
+        y = y.view(*x.shape[:-1], -1)
+        return list(y.split(self.splits, -1)) if len(self.splits) > 1 else y
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer, as the forward passes call it."""
+
+    input_norm: torch.nn.Module
+    qkv: Callable  # x [.., hidden] -> [q, k, v] projections
+    o: Callable
+    post_norm: torch.nn.Module
+    gate_up: Callable  # x -> [gate, up]
+    down: Callable
+    act: Callable
+
+
+@dataclass(frozen=True)
+class Weights:
+    layers: tuple[LayerWeights, ...]
+    lm_head: Callable
+    packed: bool  # whether the products go through oneDNN packed weights
+
+
+def _packs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN's packed linear runs here and agrees with F.linear (one small product, checked once)."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(24, 40, generator=g).to(dtype)
+        b = torch.randn(24, generator=g).to(dtype)
+        x = torch.randn(3, 40, generator=g).to(dtype)
+        m = torch.nn.Linear(40, 24, dtype=dtype)
+        m.weight.data, m.bias.data = w, b
+        got, want = Packed([m])(x).float(), torch.nn.functional.linear(x, w, b).float()
+        return bool(torch.allclose(got, want, rtol=1e-2, atol=1e-2))
+    except (RuntimeError, AttributeError, NotImplementedError) as e:  # a torch without the op: plain products
+        log.info("oneDNN packed linear unavailable (%s); using the model's own linear layers", e)
+        return False
+
+
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Weights, one packed copy per model
+_SHARED_LOCK = threading.Lock()
+
+
+def weights_of(model, num_layers: int) -> Weights:
+    """The layer weights of an HF Llama-family `...ForCausalLM` (its `model.layers[i].self_attn`/`.mlp` modules),
+    packed on CPU where that runs (see the module docstring), built once per model object."""
+    p = next(model.parameters())
+    with _SHARED_LOCK:
+        found = _SHARED.get(model)
+        if found is not None and len(found.layers) == num_layers:
+            return found
+        pack = _packs(p.dtype, p.device)
+        kind = Packed if pack else Plain
+        layers = []
+        for layer in model.model.layers[:num_layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(LayerWeights(
+                input_norm=layer.input_layernorm,
+                qkv=kind([attn.q_proj, attn.k_proj, attn.v_proj]),
+                o=kind([attn.o_proj]),
+                post_norm=layer.post_attention_layernorm,
+                gate_up=kind([mlp.gate_proj, mlp.up_proj]),
+                down=kind([mlp.down_proj]),
+                act=mlp.act_fn,
+            ))
+        found = Weights(tuple(layers), kind([model.lm_head]), pack)
+        _SHARED[model] = found
+        return found
