@@ -244,8 +244,8 @@ def profile(engine, texts: Texts) -> dict:
     def kinds(prof, wall_s, per):
         out = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
         for e in prof.key_averages():
-            if e.key.startswith("aten::") or e.key.startswith("mkldnn"):
-                kind = ("matmul" if e.key in ("aten::mm", "aten::addmm", "aten::bmm") else
+            if e.key.startswith("aten::") or e.key.startswith("mkldnn::"):
+                kind = ("matmul" if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise") else
                         "attention" if "scaled_dot_product" in e.key else "other ops")
                 out[kind] += e.self_cpu_time_total / 1e3 / per
         out["outside ops"] = max(0.0, wall_s * 1e3 / per - sum(out.values()))
@@ -278,7 +278,10 @@ def measure(model: Path, dtype: str, names, reps: int, peers: Path, work: Path, 
     max_len = min(engine.runner.shape.max_positions, 16384)
     systems, notes = {"pc_rag": run_pc_rag(engine, plan)}, []
     for peer in PEERS:
-        python = None if peer in skip_peers else peer_python(peers, peer)
+        if peer in skip_peers:
+            notes.append(f"{peer}: skipped (--skip)")
+            continue
+        python = peer_python(peers, peer)
         if python is None:
             notes.append(f"{peer}: skipped (no working virtualenv under {peers / peer}; see benchmarks/peers_env.sh)")
             continue

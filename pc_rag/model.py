@@ -103,32 +103,34 @@ class Writes:
 
     A token at slot s attends to every slot <= s, so no query sees past the last written slot: keys are read
     from [0, kv). Three layouts, cheapest first:
-    - `causal`: the tokens fill slots [0, n) (a cold prefill, a chunk encoded on its own): they attend only among
+    - "causal": the tokens fill slots [0, n) (a cold prefill, a chunk encoded on its own): they attend only among
       themselves, so sdpa runs on the fresh keys with `is_causal` (its fused kernel skips the masked half);
-    - contiguous slots [start, start + n) ending at kv (a question after a cached prefix, a chat turn, a decode
-      step): one token needs no mask, several get the lower-right causal mask;
-    - any other slots (text between relocated chunks, blend's rows): the mask key slot <= query slot.
+    - "after": contiguous slots [start, start + n) after everything before them (a question after a cached
+      prefix, a chat turn, a decode step). One token needs no mask. Several: on CPU, attention runs in two parts
+      merged by their log-sum-exp (`_attend_after`), the cached keys with no mask and the fresh ones with the
+      causal kernel; elsewhere with the lower-right causal mask. A 4K-token prompt that shared only its first
+      token with an earlier one spent 2.2 s in masked attention against 1.2 s causal (bench model, fp32);
+    - "slots": any other slots (text between relocated chunks, blend's rows): the mask key slot <= query slot.
     """
 
     n: int
     kv: int  # keys [0, kv) are read
-    start: int | None  # the first slot when the slots are contiguous and increasing
-    index: torch.Tensor | None  # the slots, [n] long, when they are not
-    causal: bool
-    mask: torch.Tensor | None  # additive [1, 1, n, kv] in the model's dtype, or None
+    layout: str  # "causal" | "after" | "slots"
+    start: int | None  # the first slot ("causal", "after")
+    index: torch.Tensor | None  # the slots, [n] long ("slots")
+    mask: torch.Tensor | None  # additive [1, 1, n, kv] in the model's dtype, where attention takes one
 
     @classmethod
     def of(cls, slots: list[int], dtype: torch.dtype, device) -> Writes:
         n, first, kv = len(slots), slots[0], max(slots) + 1
         if kv - first == n and slots == list(range(first, kv)):
             if first == 0:
-                return cls(n, kv, 0, None, True, None)
-            if n == 1:
-                return cls(n, kv, first, None, False, None)
-            q_slots = torch.arange(first, kv, device=device)
-            return cls(n, kv, first, None, False, _mask(q_slots, kv, dtype))
+                return cls(n, kv, "causal", 0, None, None)
+            if n == 1 or _splits(device):
+                return cls(n, kv, "after", first, None, None)
+            return cls(n, kv, "after", first, None, _mask(torch.arange(first, kv, device=device), kv, dtype))
         index = torch.tensor(slots, device=device)
-        return cls(n, kv, None, index, False, _mask(index, kv, dtype))
+        return cls(n, kv, "slots", None, index, _mask(index, kv, dtype))
 
     def rows(self, device) -> torch.Tensor:
         """The slots as a tensor [n]."""
@@ -137,7 +139,15 @@ class Writes:
     def keep(self, keep: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> Writes:
         """These writes narrowed to the rows `keep` (indices into this forward's tokens); `rows` is `self.rows()`."""
         mask = self.mask if self.mask is not None else _mask(rows, self.kv, dtype)
-        return Writes(len(keep), self.kv, None, rows[keep], False, mask[:, :, keep])
+        return Writes(len(keep), self.kv, "slots", None, rows[keep], mask[:, :, keep])
+
+
+# sdpa's CPU kernel with its log-sum-exp, which two partial attentions need to be merged (`_attend_after`).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _splits(device) -> bool:
+    return torch.device(device).type == "cpu" and _FLASH_CPU is not None
 
 
 def _mask(q_slots: torch.Tensor, kv: int, dtype: torch.dtype) -> torch.Tensor:
@@ -321,16 +331,20 @@ class LlamaRunner:
     def _attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, attn, q, k, v, w: Writes) -> torch.Tensor:
         """Write the fresh keys and values `k`, `v` [1, H_kv, n, D] into one layer's buffers [1, H_kv, capacity, D]
         at `w`'s slots, then attend: [1, H_q, n, D]."""
-        if w.start is not None:
-            layer_keys[:, :, w.start: w.start + w.n] = k
-            layer_values[:, :, w.start: w.start + w.n] = v
-        else:
+        if w.layout == "slots":
             layer_keys.index_copy_(2, w.index, k)
             layer_values.index_copy_(2, w.index, v)
-        if w.causal:  # nothing before these tokens: the fresh tensors are all the keys there are
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, **_gqa(attn))
-        if w.n == 1:
+        else:
+            layer_keys[:, :, w.start: w.start + w.n] = k
+            layer_values[:, :, w.start: w.start + w.n] = v
+        if w.layout == "causal":  # nothing before these tokens: the fresh tensors are all the keys there are
+            # Laid out [1, H, n, D] first: the kernel ran 8% faster in bf16 on them, copy included (fp32: even).
+            return F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True,
+                                                  scale=attn.scaling, **_gqa(attn))
+        if w.layout == "after" and w.n == 1:
             return _attend_one(q, layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv], attn)
+        if w.layout == "after" and w.mask is None:
+            return _attend_after(q, layer_keys[:, :, : w.start], layer_values[:, :, : w.start], k, v, attn)
         return F.scaled_dot_product_attention(q, layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv],
                                               attn_mask=w.mask, scale=attn.scaling, **_gqa(attn))
 
@@ -356,8 +370,9 @@ class LlamaRunner:
         inner = self.model.model
         dev = self.device
         w = Writes.of(slots, self.dtype, dev)
-        if narrow is not None and w.causal:  # rows may drop out, so attention must read the buffer
-            w = Writes(w.n, w.kv, None, torch.tensor(slots, device=dev), False, _mask(w.rows(dev), w.kv, self.dtype))
+        if narrow is not None and w.layout != "slots":  # rows may drop out: attention by mask over the buffer
+            rows = w.rows(dev)
+            w = Writes(w.n, w.kv, "slots", None, rows, _mask(rows, w.kv, self.dtype))
         cache.length = max(cache.length, w.kv)
         with self._lock:
             hidden = inner.embed_tokens(torch.tensor([ids], device=dev))  # [1, n, hidden]
@@ -463,6 +478,25 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attn)
     b, h, _, d = q.shape
     o = F.scaled_dot_product_attention(q.reshape(b, h // group, group, d), keys, values, scale=attn.scaling)
     return o.reshape(b, h, 1, d)
+
+
+def _attend_after(q: torch.Tensor, old_keys: torch.Tensor, old_values: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor, attn) -> torch.Tensor:
+    """n fresh queries [1, H_q, n, D] at the slots right after `old_keys`/`old_values` [1, H_kv, a, D], their own
+    keys and values `keys`/`values` [1, H_kv, n, D]: attention over all a + n keys, as two attentions merged by
+    their log-sum-exp (flash attention's own merge rule), each run by sdpa's CPU kernel at full speed: the old
+    keys unmasked (every fresh token sees all of them; the query heads sharing a KV head fold into its rows, as
+    in `_attend_one`), the fresh keys causally. Equal to the masked attention within float rounding."""
+    group = attn.num_key_value_groups
+    b, h, n, d = q.shape
+    o1, lse1 = _FLASH_CPU(q.reshape(b, h // group, group * n, d), old_keys, old_values, 0.0, False, scale=attn.scaling)
+    o1, lse1 = o1.reshape(b, h, n, d), lse1.reshape(b, h, n)
+    if group > 1:  # the kernel has no GQA of its own
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    o2, lse2 = _FLASH_CPU(q, keys, values, 0.0, True, scale=attn.scaling)
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - top).exp_().unsqueeze(-1), (lse2 - top).exp_().unsqueeze(-1)  # [b, h, n, 1] fp32
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 
 
 def _gqa(attn) -> dict:
