@@ -160,15 +160,15 @@ def peer_python(peers: Path, peer: str) -> Path | None:
 def gguf(peers: Path, model: Path, dtype: str, work: Path) -> Path | None:
     """The model as GGUF for llama.cpp (converted once with the converter peers_env.sh put under --peers)."""
     kind = GGUF_TYPE[dtype]
-    path = work / f"{model.name}-{kind}.gguf"
+    path = (work / f"{model.name}-{kind}.gguf").resolve()  # the converter runs in its own folder
     if path.exists():
         return path
     convert = peers / "convert"
     if not (convert / "convert_hf_to_gguf.py").exists():
         return None
     env = {**os.environ, "PYTHONPATH": str(convert / "gguf-py")}
-    done = subprocess.run([sys.executable, "convert_hf_to_gguf.py", str(model), "--outtype", kind, "--outfile",
-                           str(path) + ".tmp"], cwd=convert, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "convert_hf_to_gguf.py", str(model.resolve()), "--outtype", kind,
+                           "--outfile", str(path) + ".tmp"], cwd=convert, env=env, capture_output=True, text=True)
     if done.returncode:
         print(f"[peers] GGUF conversion failed: {done.stderr[-2000:]}", file=sys.stderr)
         return None

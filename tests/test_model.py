@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import pc_rag
-from pc_rag.model import Writes, _attend_after, _attend_one, _mask
+from pc_rag.model import SPLIT_MIN_TOKENS, Writes, _attend_after, _attend_one, _mask
 from pc_rag.weights import Packed, Plain, _packs, weights_of
 
 
@@ -35,10 +35,13 @@ def test_writes_pick_the_layout_from_the_slots():
     assert (cold.layout, cold.kv, cold.start, cold.mask) == ("causal", 4, 0, None)
     step = Writes.of([9], dt, "cpu")
     assert (step.layout, step.kv, step.start, step.mask) == ("after", 10, 9, None)
-    after = Writes.of([5, 6, 7], dt, "cpu")
-    assert (after.layout, after.kv, after.start, after.mask) == ("after", 8, 5, None)  # CPU: two-part attention
-    after_meta = Writes.of([5, 6, 7], dt, "meta")  # elsewhere the lower-right causal mask
-    assert after_meta.layout == "after" and after_meta.mask.shape == (1, 1, 3, 8)
+    few = Writes.of([5, 6, 7], dt, "cpu")  # the lower-right causal mask
+    assert (few.layout, few.kv, few.start) == ("after", 8, 5) and few.mask.shape == (1, 1, 3, 8)
+    assert (few.mask[0, 0] == 0).tolist() == [[k <= s for k in range(8)] for s in (5, 6, 7)]
+    many = list(range(5, 5 + SPLIT_MIN_TOKENS))
+    after = Writes.of(many, dt, "cpu")  # on CPU, attention in two parts: no mask
+    assert (after.layout, after.kv, after.start, after.mask) == ("after", many[-1] + 1, 5, None)
+    assert Writes.of(many, dt, "meta").mask is not None  # elsewhere the mask
     gaps = Writes.of([2, 3, 7], dt, "cpu")
     assert gaps.layout == "slots" and gaps.index.tolist() == [2, 3, 7] and gaps.kv == 8
     visible = (gaps.mask[0, 0] == 0).tolist()
@@ -75,10 +78,12 @@ def test_every_layout_equals_hf_forward(engine, docs):
     """A prompt run as: one cold forward (causal); its first token cached then the rest (after, the two-part
     attention); a cached prefix then one token (after, one query); the rest in non-contiguous pieces (slots)."""
     runner = engine.runner
-    ids = [t for s in engine.segmenter.segments([pc_rag.Text(docs[0] + docs[1])]) for t in s.token_ids][:200]
+    ids = [t for s in engine.segmenter.segments([pc_rag.Text("\n".join(docs * 2))]) for t in s.token_ids]
     n = len(ids)
+    assert n > SPLIT_MIN_TOKENS + 10
     want = runner.reference_logits(ids)
-    cuts = {"causal": [list(range(n))], "after": [[0], list(range(1, n))], "after one": [list(range(n - 1)), [n - 1]],
+    cuts = {"causal": [list(range(n))], "after, two parts": [[0], list(range(1, n))],
+            "after, masked": [list(range(n - 9)), list(range(n - 9, n))], "after one": [list(range(n - 1)), [n - 1]],
             "slots": [list(range(0, n, 2)), list(range(1, n, 2))]}
     for name, parts in cuts.items():
         cache = runner.new_cache(n)
