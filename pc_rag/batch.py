@@ -42,8 +42,10 @@ MAX_BATCH = 16
 # How long the decode thread waits for a newcomer once nothing decodes, before it exits (the next request
 # starts a new one). Starting a thread per burst was cheap in time, but a server whose batch emptied between
 # requests (a new decode thread every few requests) grew its resident memory by ~4 KiB per request more than
-# with one long-lived thread (measured over 3,000 requests; the allocator's doing, not traced further).
-IDLE_EXIT_S = 10.0
+# with one long-lived thread (measured over 3,000 requests; the allocator's doing, not traced further). Not
+# longer: while it lives, its OpenMP team slows a lone request decoding on its own thread (Engine._requests).
+# A lone request never starts it, so only bursts of concurrent requests do.
+IDLE_EXIT_S = 2.0
 
 
 class TurnLock:

@@ -132,6 +132,13 @@ class Engine:
         prefetch.watch(self)
         self._decoder: BatchDecoder | None = None  # built on the first batched request (max_batch read then)
         self._decoder_lock = threading.Lock()
+        # Requests between the start of their prefill and their last token. One alone decodes on its own thread:
+        # with the decode loop's thread computing too, two threads hold OpenMP teams, and on the 2-core machine
+        # every parallel op then paid a wake-up (a lone decode ran at 65-70% of its speed with one idle extra
+        # team, bench model, fp32 and bf16). A second request moves both into the shared loop.
+        self._requests = 0
+        self._requests_lock = threading.Lock()
+        self.runner.others_decoding = lambda: self._requests > 1  # long prefills are chunked while others run
         # One prefill at a time, in arrival order (batch.py: a burst's first request answers after one prefill).
         self._prefill_turn = TurnLock()
 
@@ -369,7 +376,21 @@ class Engine:
 
         return f"{len(group)} chunks: " + ", ".join(preview(ids) for ids in group)
 
+    @contextlib.contextmanager
+    def _counted(self):
+        with self._requests_lock:
+            self._requests += 1
+        try:
+            yield
+        finally:
+            with self._requests_lock:
+                self._requests -= 1
+
     def _run(self, prompt, options: GenerationOptions) -> Iterator[str]:
+        with self._counted():
+            return (yield from self._run_counted(prompt, options))
+
+    def _run_counted(self, prompt, options: GenerationOptions) -> Iterator[str]:
         t0 = time.perf_counter()
         mode, max_new_tokens = options.mode, options.max_new_tokens
         sampler = Sampler(Sampling.from_options(options))
@@ -385,7 +406,9 @@ class Engine:
         steps = None
         done = False  # the reply ran to its end (not an abandoned stream)
         try:
-            steps = self._decode_steps(asm, sampler, token, decode_steps_needed(max_new_tokens, room))
+            needed = decode_steps_needed(max_new_tokens, room)
+            if self.batch_decoding and self._requests > 1:
+                steps = self._join_batch(asm.cache, sampler, token, asm.last_position + 1, asm.prompt_tokens, needed)
             for i in range(max_new_tokens):
                 ids.append(token)
                 if token in self.eos_ids:
@@ -402,6 +425,8 @@ class Engine:
                 if steps is None:
                     pos, slot = asm.last_position + 1 + i, asm.prompt_tokens + i
                     token = sampler(self.runner.forward(asm.cache, [token], [pos], [slot]))
+                    if self.batch_decoding and self._requests > 1:  # another request came: decode in one loop
+                        steps = self._join_batch(asm.cache, sampler, token, pos + 1, slot + 1, needed - i - 1)
                 else:
                     token = steps.next()
             done = True
@@ -434,16 +459,14 @@ class Engine:
             prompt_ids=asm.plan.ids,
         )
 
-    def _decode_steps(self, asm: Assembled, sampler: Sampler, token: int, steps: int) -> DecodeStream | None:
-        """The request's place in the shared decode loop (None: it decodes on its own, `batch_decoding=False`).
-        The loop starts computing the next token now, while this thread hands out the first."""
-        if not self.batch_decoding:
-            return None
+    def _join_batch(self, cache, sampler: Sampler, token: int, position: int, slot: int, steps: int) -> DecodeStream:
+        """The request's place in the shared decode loop, after `token` (at `position`, its KV to go to `slot`),
+        for at most `steps` more forward passes. The loop starts computing the next token now, while this thread
+        hands out `token`."""
         with self._decoder_lock:
             if self._decoder is None:
                 self._decoder = BatchDecoder(self.runner.decode_batch, self.eos_ids, self.max_batch)
-                self.runner.others_decoding = self._decoder.busy  # long prefills are chunked while requests decode
-        return self._decoder.join(asm.cache, sampler, token, asm.last_position + 1, asm.prompt_tokens, steps)
+        return self._decoder.join(cache, sampler, token, position, slot, steps)
 
     def _remember_reply(self, prompt, text: str, ids: list[int], asm: Assembled | None = None,
                         saved: frozenset[str] = frozenset()) -> None:
