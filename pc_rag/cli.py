@@ -18,6 +18,7 @@ import os
 import runpy
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 from .errors import PCRagError
@@ -248,7 +249,7 @@ def _serve(args, _extra) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise PCRagError("--api-key is empty; give a key, or leave it out for no auth")
     cache_dir = _cache_dir(args)
-    engine, path, _ = _engine(args, cache_dir)
+    engine, path, _ = _in_own_thread(lambda: _engine(args, cache_dir))
     name = args.served_model_name or (Path(path).name if Path(path).exists() else path)
     settings = ServerSettings(model_id=name, api_key=args.api_key,
                               max_running=args.max_running or engine.max_batch, max_waiting=args.max_waiting,
@@ -260,6 +261,27 @@ def _serve(args, _extra) -> int:
           flush=True)
     run(engine, settings, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _in_own_thread(fn):
+    """fn() run in a thread that exits when it returns. A thread that ran torch's parallel ops keeps an OpenMP
+    team for as long as it lives; the model loaded on the main thread (idle under the event loop afterwards)
+    slowed the request threads' forward passes by a third on the 2-core machine (see Engine._requests)."""
+    result: list = []
+
+    def call():
+        try:
+            result.append((True, fn()))
+        except BaseException as e:  # re-raised on the calling thread
+            result.append((False, e))
+
+    thread = threading.Thread(target=call, name="pc_rag-load")
+    thread.start()
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _bench(_args, extra) -> int:
