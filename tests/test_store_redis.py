@@ -335,9 +335,9 @@ def _big_block(seed: int) -> KVBlock:
 
 def test_a_dripping_server_cannot_hang_a_batch(server, caplog):
     """A server that answers a GET with `$100000000` and then a byte every 0.3 s: each socket read returns well
-    within the 0.3 s timeout, so a per-read bound never fires (before: the request hung, ~1 year for the 10^8
-    bytes). Now the batch has one deadline (0.3 s plus the bytes that arrived at 16 MiB/s): the batch is a miss
-    within about 1 s, the tier is marked down (a warning naming it too slow) and skipped, by the lookup path
+    within the default 0.5 s timeout, so a per-read bound never fires (before: the request hung, ~1 year for the
+    10^8 bytes). Now the batch has one deadline (0.5 s plus the bytes that arrived at 16 MiB/s): the batch is a
+    miss within about 1 s, the tier is marked down (a warning naming it too slow) and skipped, by the lookup path
     (a pipeline of GETs) and by the path that reads into a request buffer (EXISTS, then GETs into slots)."""
     from pc_rag.store import get_many_with_source
     from pc_rag.store.redis_tier import TierSlowError
@@ -348,7 +348,7 @@ def test_a_dripping_server_cannot_hang_a_batch(server, caplog):
     RedisStore(server.url).put(key_of(1), make_block(1))
     proxy = DripProxy(server.port)
     try:
-        tier = RedisStore(proxy.url, timeout_s=0.3)
+        tier = RedisStore(proxy.url)
         store = TieredStore([MemoryStore(), tier], retry_after_s=60)
         assert tier.locate([key_of(1)]) == [True]  # connected, passing through
         proxy.dripping = True
@@ -361,7 +361,7 @@ def test_a_dripping_server_cannot_hang_a_batch(server, caplog):
         assert time.monotonic() - t0 < 0.05
 
         # Into a request buffer's slots (the bytes expected are known): the same bound.
-        direct = RedisStore(proxy.url, timeout_s=0.3)
+        direct = RedisStore(proxy.url)
         proxy.dripping = False
         assert direct.locate([key_of(1)]) == [True]
         proxy.dripping = True
