@@ -1,7 +1,7 @@
 """What bounds one client's hold on the server before its request reaches the engine: the time to send a
 request's head and its body, the body's size, the Host it names, the prompt's size.
 
-    connection -> head within `read_timeout_s` (HeadDeadlineH11; else the connection is closed)
+    connection -> head within `read_timeout_s` (head_deadline_h11; else the connection is closed)
     -> RequestGuard: Host (a key-less loopback server, auth.py) -> 421; Content-Length over `max_body_bytes`
        -> 413 at once, nothing read; a body without a length counted while it is read -> 413 at the limit;
        a body not in within `read_timeout_s` -> 408
@@ -14,7 +14,7 @@ numbers after them are in docs/serve.md, "Security".
 
 uvicorn has no timeout for a request's head: its keep-alive timer runs only between requests, and any byte
 received cancels it, so a client that connects and sends nothing, or a header byte every few seconds, holds
-its connection forever. HeadDeadlineH11 is uvicorn's h11 protocol with one timer more.
+its connection forever. `head_deadline_h11` is uvicorn's h11 protocol with one timer more.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-import h11
 from starlette.exceptions import HTTPException
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .auth import host_name
 from .schema import error_body
@@ -120,46 +118,45 @@ def check_prompt_size(texts: list[str], max_parts: int, max_chars: int) -> str |
     return None
 
 
-class HeadDeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose next request head (request line and headers) has not
-    arrived `head_timeout_s` after the connection was made or the previous response was sent. A head in
-    progress does not count as activity: a header byte every few seconds is cut off like silence.
-    Subclassed with the timeout set (`with_head_timeout`), since uvicorn builds the protocol itself."""
+def head_deadline_h11(head_timeout_s: float) -> type:
+    """uvicorn's h11 protocol class, closing a connection whose next request head (request line and headers) has
+    not arrived `head_timeout_s` after the connection was made or the previous response was sent. A head in
+    progress does not count as activity: a header byte every few seconds is cut off like silence. (A class, as
+    uvicorn's `http=` takes one and builds the protocol itself; uvicorn is imported here, not with the app.)"""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    head_timeout_s = DEFAULT_READ_TIMEOUT_S
-
-    @classmethod
-    def with_head_timeout(cls, seconds: float) -> type[HeadDeadlineH11]:
-        return type(cls.__name__, (cls,), {"head_timeout_s": seconds})
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self._head_timer = None
-        self._arm_head_timer()
-
-    def _arm_head_timer(self) -> None:
-        if getattr(self, "_head_timer", None) is not None:
-            self._head_timer.cancel()
-        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.transport.close()  # nothing is owed to a client that never finished asking
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE and self._head_timer is not None:  # the head is in
-            self._head_timer.cancel()
+    class HeadDeadlineH11(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
             self._head_timer = None
+            self._arm_head_timer()
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm_head_timer()  # the next request on this connection gets the same time
+        def _arm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(head_timeout_s, self._head_timed_out)
 
-    def connection_lost(self, exc) -> None:
-        if getattr(self, "_head_timer", None) is not None:
-            self._head_timer.cancel()
+        def _head_timed_out(self) -> None:
             self._head_timer = None
-        super().connection_lost(exc)
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()  # nothing is owed to a client that never finished asking
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE and self._head_timer is not None:  # the head is in
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_head_timer()  # the next request on this connection gets the same time
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+    return HeadDeadlineH11
