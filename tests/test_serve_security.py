@@ -449,3 +449,23 @@ def test_fuzzed_requests_are_never_a_500(in_process):
         assert "server_error" not in r.text, (raw[:300], r.text[:300])
 
     one()
+
+
+def test_cli_refuses_a_malformed_key_file_and_bad_limits_before_loading_a_model(tmp_path, capsys, monkeypatch):
+    from pc_rag.cli import main
+
+    for name in ("PC_RAG_API_KEY", "PC_RAG_API_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("good-key alpha\n\nbad key with spaces\n")
+    assert main(["serve", "--api-keys", str(keys)]) == 2
+    assert f"{keys}:3: expected 'KEY [TENANT]', got 4 fields" in capsys.readouterr().err
+    monkeypatch.setenv("PC_RAG_API_KEYS", "k\u00e9y")
+    assert main(["serve"]) == 2
+    assert "$PC_RAG_API_KEYS:1: the API key is empty or holds a character outside printable ASCII" in (
+        capsys.readouterr().err)
+    monkeypatch.delenv("PC_RAG_API_KEYS")
+    for flag in ("--max-body-bytes", "--max-prompt-chars", "--max-prompt-parts", "--read-timeout",
+                 "--prefill-timeout"):
+        assert main(["serve", flag, "0"]) == 2
+        assert f"{flag} must be > 0" in capsys.readouterr().err
