@@ -306,21 +306,27 @@ def test_batch_lookup_pays_a_slow_server_once(server):
     assert batch_s < 0.5 and batch_s < per_key_s / 4, (batch_s, per_key_s)
 
 
-def test_server_slower_than_the_timeout_costs_one_timeout_per_batch(server):
+def _batch_through_proxy(server, blocks: list[KVBlock], **proxy) -> tuple[list, float, RedisStore]:
+    """Stores `blocks` (keys 0..), then looks them all up in one batch through a SlowProxy(**proxy), 0.3 s socket
+    timeout: (what the lookup got, its seconds, the Redis tier)."""
     from pc_rag.store import get_many_with_source
 
-    keys = [key_of(i) for i in range(12)]
-    for i, key in enumerate(keys):
-        RedisStore(server.url).put(key, make_block(i))
-    proxy = SlowProxy(server.port, delay_s=1.5)
+    keys = [key_of(i) for i in range(len(blocks))]
+    for key, block in zip(keys, blocks, strict=True):
+        RedisStore(server.url).put(key, block)
+    link = SlowProxy(server.port, **proxy)
     try:
-        tier = RedisStore(proxy.url, timeout_s=0.3)
+        tier = RedisStore(link.url, timeout_s=0.3)
         store = TieredStore([MemoryStore(), tier], retry_after_s=60)
         t0 = time.monotonic()
         got = get_many_with_source(store, keys)
-        elapsed = time.monotonic() - t0
+        return got, time.monotonic() - t0, tier
     finally:
-        proxy.close()
+        link.close()
+
+
+def test_server_slower_than_the_timeout_costs_one_timeout_per_batch(server):
+    got, elapsed, tier = _batch_through_proxy(server, [make_block(i) for i in range(12)], delay_s=1.5)
     assert got == [(None, None)] * 12
     assert elapsed < 3 * 0.3, elapsed  # one 0.3 s timeout for the batch, not one per key
     assert tier.tier_stats()[0].errors == 1
@@ -375,20 +381,8 @@ def test_a_dripping_server_cannot_hang_a_batch(server, caplog):
 def test_a_large_batch_on_a_slow_link_still_completes(server):
     """24 MiB in one batch through a link of 32 MiB/s, 0.3 s per-read timeout: about 0.75 s in all, more than two
     timeouts, yet twice the 16 MiB/s floor, so it completes, equal bit for bit."""
-    from pc_rag.store import get_many_with_source
-
-    keys = [key_of(i) for i in range(6)]
-    for i, key in enumerate(keys):
-        RedisStore(server.url).put(key, _big_block(i))
-    proxy = SlowProxy(server.port, delay_s=0.0, rate_bytes_per_s=32 << 20)
-    try:
-        tier = RedisStore(proxy.url, timeout_s=0.3)
-        store = TieredStore([MemoryStore(), tier], retry_after_s=60)
-        t0 = time.monotonic()
-        got = get_many_with_source(store, keys)
-        elapsed = time.monotonic() - t0
-    finally:
-        proxy.close()
+    got, elapsed, tier = _batch_through_proxy(server, [_big_block(i) for i in range(6)], delay_s=0.0,
+                                              rate_bytes_per_s=32 << 20)
     assert [s for _, s in got] == ["redis"] * 6, (elapsed, tier.tier_stats())
     for i, (block, _) in enumerate(got):
         assert_same(block, _big_block(i))
