@@ -469,3 +469,23 @@ def test_cli_refuses_a_malformed_key_file_and_bad_limits_before_loading_a_model(
                  "--prefill-timeout"):
         assert main(["serve", flag, "0"]) == 2
         assert f"{flag} must be > 0" in capsys.readouterr().err
+
+
+def test_a_cancelled_prefill_raises_on_its_thread_only(engine, docs):
+    """LlamaRunner.cancellable, which the server's workers use: a set flag stops this thread's next forward
+    (Cancelled), leaves other threads' requests alone, and the engine serves the same prompt afterwards
+    (reference: the other thread's greedy reply, equal)."""
+    import pc_rag
+    from pc_rag.errors import Cancelled
+
+    prompt = [pc_rag.Chunk(docs[0]), pc_rag.Text("Question: what is it?")]
+    stop = threading.Event()
+    stop.set()
+    with engine.runner.cancellable(stop), pytest.raises(Cancelled, match="cancelled before its first token"):
+        engine.generate(prompt, max_new_tokens=4)
+    other: dict = {}
+    with engine.runner.cancellable(stop):  # set on this thread: another thread's request runs as usual
+        t = threading.Thread(target=lambda: other.update(g=engine.generate(prompt, max_new_tokens=4)))
+        t.start()
+        t.join(60)
+    assert engine.generate(prompt, max_new_tokens=4).text == other["g"].text
