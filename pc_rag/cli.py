@@ -98,8 +98,27 @@ def _parser() -> argparse.ArgumentParser:
                    help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 for every interface, "
                         "then set --api-key)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("PC_RAG_API_KEY"), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PC_RAG_API_KEY; none: no auth)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: $PC_RAG_API_KEY; none: "
+                        "no auth). Visible to local users in the process list: prefer --api-keys or the environment")
+    p.add_argument("--api-keys", metavar="FILE",
+                   help="keys from a file, one 'KEY [TENANT]' per line, # comments (also: $PC_RAG_API_KEYS, "
+                        "entries separated by newlines or commas)")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="also serve this Host name (repeatable); on loopback without a key only loopback names "
+                        "are served otherwise (DNS rebinding)")
+    p.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                   help="largest request body; more is refused with 413 before it is read (default 4 MiB)")
+    p.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                   help="largest prompt in characters, all its texts together, refused before tokenizing "
+                        "(default: 16 per token of the model's context)")
+    p.add_argument("--max-prompt-parts", type=int, default=None, metavar="N",
+                   help="most messages, content parts, chunks and stop strings in one request (default 1024)")
+    p.add_argument("--read-timeout", type=float, default=None, metavar="S",
+                   help="seconds a client has to send a request's head, and again its body (default 30)")
+    p.add_argument("--prefill-timeout", type=float, default=None, metavar="S",
+                   help="a request without its first token after this long is stopped and answered 503 "
+                        "(default 300)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id /v1/models lists and responses carry (default: the --model folder's name)")
     p.add_argument("--max-running", type=int, default=None, metavar="N",
@@ -238,6 +257,7 @@ def _clear(args, _extra) -> int:
 def _serve(args, _extra) -> int:
     try:
         from .serve import ServerSettings, run
+        from .serve.auth import gather_keys, is_loopback
     except ImportError as e:
         raise ImportError(f"{e.name or e} is missing: pc-rag serve needs the serve extra (pip install "
                           f"\"pc-rag[serve]\")") from e
@@ -246,16 +266,29 @@ def _serve(args, _extra) -> int:
             raise PCRagError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_waiting' else 1}")
     if args.max_running is not None and args.max_running < 1:
         raise PCRagError("--max-running must be >= 1")
-    if args.api_key is not None and not args.api_key.strip():
+    for name in ("max_body_bytes", "max_prompt_chars", "max_prompt_parts", "read_timeout", "prefill_timeout"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            raise PCRagError(f"--{name.replace('_', '-')} must be > 0")
+    if any(not k.strip() for k in args.api_key or ()):
         raise PCRagError("--api-key is empty; give a key, or leave it out for no auth")
+    keys = gather_keys(args.api_key or (), args.api_keys)  # a malformed key file fails before the model loads
+    allowed = None
+    if is_loopback(args.host) and not keys:
+        allowed = ServerSettings.loopback_hosts(tuple(args.allowed_host or ()))
+    elif args.allowed_host:
+        allowed = frozenset(h.lower() for h in args.allowed_host)
     cache_dir = _cache_dir(args)
     engine, path, _ = _in_own_thread(lambda: _engine(args, cache_dir))
     name = args.served_model_name or (Path(path).name if Path(path).exists() else path)
-    settings = ServerSettings(model_id=name, api_key=args.api_key,
+    given = {k: v for k, v in (("max_body_bytes", args.max_body_bytes), ("max_prompt_chars", args.max_prompt_chars),
+                               ("max_prompt_parts", args.max_prompt_parts), ("read_timeout_s", args.read_timeout),
+                               ("prefill_timeout_s", args.prefill_timeout)) if v is not None}
+    settings = ServerSettings(model_id=name, api_keys=tuple(keys), allowed_hosts=allowed,
                               max_running=args.max_running or engine.max_batch, max_waiting=args.max_waiting,
-                              queue_timeout_s=args.queue_timeout, default_max_tokens=args.default_max_tokens)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
-        print(f"pc-rag serve: warning: listening on {args.host} with no --api-key: anyone who can reach this "
+                              queue_timeout_s=args.queue_timeout, default_max_tokens=args.default_max_tokens,
+                              **given)
+    if not is_loopback(args.host) and not keys:
+        print(f"pc-rag serve: warning: listening on {args.host} with no API key: anyone who can reach this "
               f"port can use the model", file=sys.stderr)
     print(f"pc-rag serve: {name} on http://{args.host}:{args.port} (OpenAI API under /v1)", file=sys.stderr,
           flush=True)

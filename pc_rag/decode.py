@@ -10,6 +10,8 @@ from tokenizers.decoders import DecodeStream
 
 from .options import GenerationOptions, checked_sampling
 
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 1.2e-38
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -40,13 +42,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         s = self.sampling
-        if s.temperature == 0:
+        # Below float32's smallest normal number (1e-39, 5e-324: values a client may send) the distribution is
+        # greedy's to the last bit, and dividing by it overflowed to inf and NaN probabilities.
+        if s.temperature < _FLOAT32_TINY:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float().cpu() / s.temperature, dim=-1)
+        logits = logits.float().cpu()
+        # Shifted so the largest is 0 before dividing: near that bound the unshifted quotients overflow (10 / 1e-38);
+        # shifted, the others go to -inf, which softmax takes as 0.
+        probs = torch.softmax((logits - logits.max()) / s.temperature, dim=-1)
         if s.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             # keep the smallest set whose mass reaches top_p (the token that crosses it included)
             drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= s.top_p
+            drop[0] = False  # the most likely token always stays: a top_p below float32's range (1e-300) is 0 here
             sorted_p[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
         return int(torch.multinomial(probs, 1, generator=self.generator))

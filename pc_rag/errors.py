@@ -29,3 +29,8 @@ class OptionError(PCRagError, ValueError):
 
 class OptionTypeError(OptionError, TypeError):
     """An option of the wrong type (`temperature="0.7"`, `seed=True`, `stop=[1]`): also a TypeError."""
+
+
+class Cancelled(PCRagError):
+    """A request stopped by its caller before its first token (`LlamaRunner.cancellable`): a server's client
+    that disconnected, or a deadline that passed."""

@@ -13,12 +13,13 @@ explicit `position_ids`, so slots, positions and the order blocks were fetched i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from transformers.models.llama.modeling_llama import (  # Mistral and Qwen2 copy
 )
 
 from .batch import TurnLock
-from .errors import PCRagError, UnsupportedModelError
+from .errors import Cancelled, PCRagError, UnsupportedModelError
 from .weights import weights_of
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -213,6 +214,8 @@ class LlamaRunner:
         self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS
         # Whether requests are decoding now (set by the engine's batch decoder): long forwards are chunked then.
         self.others_decoding: Callable[[], bool] = lambda: False
+        # Per thread: the Event that stops the forwards of the request this thread is prefilling (`cancellable`).
+        self._cancel = threading.local()
         self._pool: list[SlotCache] = []
         self._pool_lock = threading.Lock()
         context_bytes = self.shape.max_positions * self.shape.kv_bytes_per_token(self.dtype)
@@ -295,6 +298,24 @@ class LlamaRunner:
         request buffer (`relocate` would otherwise move it again for each request)."""
         return _to_device(keys, self.device), _to_device(values, self.device)
 
+    @contextlib.contextmanager
+    def cancellable(self, stop: threading.Event) -> Iterator[None]:
+        """While inside, every forward this thread starts raises `Cancelled` once `stop` is set: a server request
+        whose client left stops at its next chunk encode or prefill chunk instead of running its whole prefill.
+        A forward already running finishes (a prefill alone is one forward: it is not split for this)."""
+        previous = getattr(self._cancel, "stop", None)
+        self._cancel.stop = stop
+        try:
+            yield
+        finally:
+            self._cancel.stop = previous
+
+    def _check_cancelled(self) -> None:
+        stop = getattr(self._cancel, "stop", None)
+        if stop is not None and stop.is_set():
+            raise Cancelled("the request was cancelled before its first token (its client left or its deadline "
+                            "passed)")
+
     @torch.inference_mode()
     def forward(self, cache: SlotCache, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """Run `ids` (at `positions`, written to `slots`) over everything already in `cache`.
@@ -372,6 +393,7 @@ class LlamaRunner:
         all). A dropped row keeps the KV already in its slot from this layer on (CacheBlend's selection: a row
         is dropped once its fresh KV shows it needs no recompute). The last row must stay.
         """
+        self._check_cancelled()
         inner = self.model.model
         dev = self.device
         w = Writes.of(slots, self.dtype, dev)

@@ -258,7 +258,7 @@ def test_api_key_and_a_full_line_answer_401_429_503(tiny_path, tmp_path):
     extra = ["--store", "memory", "--api-key", "s3cret", "--max-running", "1", "--max-waiting", "1",
              "--queue-timeout", "0.5"]
     with ServerProcess(tiny_path, extra=extra, env=worktree_env(tmp_path)) as srv:
-        assert srv.health()["status"] == "ok"  # /health needs no key (load balancers)
+        assert srv.health() == {"status": "ok"}  # /health needs no key (load balancers), and then tells no more
         anonymous = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError, match="API key"):
             anonymous.models.list()
@@ -291,11 +291,11 @@ def test_api_key_and_a_full_line_answer_401_429_503(tiny_path, tmp_path):
             with pytest.raises(httpx.TimeoutException):
                 httpx.post(srv.url + "/v1/completions", headers=keyed, json={"prompt": "gone"}, timeout=0.2)
             time.sleep(0.3)
-            assert srv.health()["waiting"] == 0 and srv.health()["running"] == 1
+            assert srv.health("s3cret")["waiting"] == 0 and srv.health("s3cret")["running"] == 1
         ok = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
         assert ok.completions.create(model="m", prompt="hi", max_tokens=2).usage.completion_tokens == 2
-        _settle(srv)  # a place is given back once the request's worker is done, just after its answer
-        health = srv.health()
+        _settle(srv, "s3cret")  # a place is given back once the request's worker is done, just after its answer
+        health = srv.health("s3cret")
         assert health["rejected"] == 2 and health["served"] == 2  # the long one and this one: not the one that left
 
 
@@ -363,15 +363,15 @@ def test_a_thousand_requests_with_random_disconnects(server):
     assert growth < 12 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB from request 200 to 1000"
 
 
-def _settle(server, timeout_s: float = 30.0) -> None:
+def _settle(server, key: str | None = None, timeout_s: float = 30.0) -> None:
     """Wait until the server has no request running (disconnected ones finish their current token first)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        h = server.health()
+        h = server.health(key)
         if h["running"] == 0 and h["decode"]["active"] == 0:
             return
         time.sleep(0.05)
-    raise AssertionError(f"requests still running: {server.health()}")
+    raise AssertionError(f"requests still running: {server.health(key)}")
 
 
 # ---- several servers, one Redis ------------------------------------------------------------------------------

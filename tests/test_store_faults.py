@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import resource
 import subprocess
@@ -218,6 +219,29 @@ def test_huge_sparse_file_is_refused_without_reading_it(tmp_path, make):
     assert disk.tier_stats()[0].corrupt == 1
     assert not path.exists()
     _tier_stays_up(store, disk)
+
+
+def test_a_huge_sparse_file_is_not_indexed_at_its_size(tmp_path, caplog):
+    """A 64 GiB sparse file under a block's name in the folder a store starts on. Before: indexed at 64 GiB, over
+    the 1 MiB bound, so every valid block was evicted (and deleted). Now: a corrupt entry, removed, never counted;
+    the valid blocks stay and are served."""
+    writer = DiskStore(tmp_path, max_bytes=1 << 20)
+    for i in range(4):
+        writer.put(key_of(i), make_block(i))
+    held = writer.tier_stats()[0].bytes_held
+    sparse = writer.file_for(key_of(99))
+    _sparse_zeros(sparse, 64 << 30)
+    if os.stat(sparse).st_blocks * 512 > (1 << 20):
+        pytest.skip("this filesystem does not make sparse files")
+    now = time.time_ns()
+    os.utime(sparse, ns=(now + 10**9, now + 10**9))  # the newest entry: an LRU bound evicts all others first
+    with caplog.at_level(logging.WARNING, logger="pc_rag.store"):
+        store = DiskStore(tmp_path, max_bytes=1 << 20)
+    s = store.tier_stats()[0]
+    assert (s.bytes_held, s.entries, s.evictions, s.corrupt) == (held, 4, 0, 1)
+    assert not sparse.exists() and "sparse" in caplog.text
+    for i in range(4):
+        assert_same(store.get(key_of(i)), make_block(i))
 
 
 def test_symlink_under_a_block_name_is_not_followed(tmp_path):

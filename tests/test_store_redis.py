@@ -13,7 +13,9 @@ import threading
 import time
 
 import pytest
+import torch
 
+from pc_rag.blocks import KVBlock
 from pc_rag.errors import StoreError
 from pc_rag.store import MemoryStore, RedisStore, TieredStore
 
@@ -67,10 +69,12 @@ class RedisServer:
 class SlowProxy:
     """A TCP proxy in front of a server that delivers every reply `delay_s` late: a slow but alive Redis
     (a loaded server or a long network path). Replies are delayed, not serialised: several replies in flight
-    arrive together, as on a real link with that latency."""
+    arrive together, as on a real link with that latency. `rate_bytes_per_s`: replies also trickle at that
+    rate (a slow link that keeps delivering)."""
 
-    def __init__(self, upstream_port: int, delay_s: float):
+    def __init__(self, upstream_port: int, delay_s: float, rate_bytes_per_s: float | None = None):
         self.delay_s = delay_s
+        self.rate_bytes_per_s = rate_bytes_per_s
         self.upstream_port = upstream_port
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -86,11 +90,15 @@ class SlowProxy:
                 return  # closed
             upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
             self.sockets += [client, upstream]
-            threading.Thread(target=self._pipe, args=(client, upstream, 0.0), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, self.delay_s), daemon=True).start()
+            threading.Thread(target=self._requests, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, self.delay_s, self.rate_bytes_per_s),
+                             daemon=True).start()
+
+    def _requests(self, client: socket.socket, upstream: socket.socket) -> None:
+        self._pipe(client, upstream, 0.0)
 
     @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, delay_s: float) -> None:
+    def _pipe(src: socket.socket, dst: socket.socket, delay_s: float, rate_bytes_per_s: float | None = None) -> None:
         due: list[tuple[float, int, bytes]] = []  # (time to send, sequence, data)
         cond = threading.Condition()
         done = []
@@ -111,6 +119,8 @@ class SlowProxy:
                     dst.sendall(data)
                 except OSError:
                     return
+                if rate_bytes_per_s:
+                    time.sleep(len(data) / rate_bytes_per_s)
 
         threading.Thread(target=sender, daemon=True).start()
         seq = 0
@@ -134,6 +144,36 @@ class SlowProxy:
                 s.close()
             except OSError:
                 pass
+
+
+class DripProxy(SlowProxy):
+    """Passes everything through until `dripping` is set; from then on it answers each request holding a GET
+    itself, as a server gone bad (or a hostile one) would: `$100000000` (a 100 MB value follows) and then one
+    byte every `drip_s`, each well within a socket read timeout, for as long as the client listens."""
+
+    def __init__(self, upstream_port: int, drip_s: float = 0.3):
+        self.dripping = False
+        self.drip_s = drip_s
+        super().__init__(upstream_port, 0.0)
+
+    def _requests(self, client: socket.socket, upstream: socket.socket) -> None:
+        while True:
+            try:
+                data = client.recv(1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            if not (self.dripping and b"GET" in data):
+                upstream.sendall(data)
+                continue
+            try:
+                client.sendall(b"$100000000\r\n")
+                while True:
+                    time.sleep(self.drip_s)
+                    client.sendall(b"x")
+            except OSError:  # the client gave up
+                return
 
 
 @pytest.fixture
@@ -266,21 +306,84 @@ def test_batch_lookup_pays_a_slow_server_once(server):
     assert batch_s < 0.5 and batch_s < per_key_s / 4, (batch_s, per_key_s)
 
 
-def test_server_slower_than_the_timeout_costs_one_timeout_per_batch(server):
+def _batch_through_proxy(server, blocks: list[KVBlock], **proxy) -> tuple[list, float, RedisStore]:
+    """Stores `blocks` (keys 0..), then looks them all up in one batch through a SlowProxy(**proxy), 0.3 s socket
+    timeout: (what the lookup got, its seconds, the Redis tier)."""
     from pc_rag.store import get_many_with_source
 
-    keys = [key_of(i) for i in range(12)]
-    for i, key in enumerate(keys):
-        RedisStore(server.url).put(key, make_block(i))
-    proxy = SlowProxy(server.port, delay_s=1.5)
+    keys = [key_of(i) for i in range(len(blocks))]
+    for key, block in zip(keys, blocks, strict=True):
+        RedisStore(server.url).put(key, block)
+    link = SlowProxy(server.port, **proxy)
     try:
-        tier = RedisStore(proxy.url, timeout_s=0.3)
+        tier = RedisStore(link.url, timeout_s=0.3)
         store = TieredStore([MemoryStore(), tier], retry_after_s=60)
         t0 = time.monotonic()
         got = get_many_with_source(store, keys)
-        elapsed = time.monotonic() - t0
+        return got, time.monotonic() - t0, tier
     finally:
-        proxy.close()
+        link.close()
+
+
+def test_server_slower_than_the_timeout_costs_one_timeout_per_batch(server):
+    got, elapsed, tier = _batch_through_proxy(server, [make_block(i) for i in range(12)], delay_s=1.5)
     assert got == [(None, None)] * 12
     assert elapsed < 3 * 0.3, elapsed  # one 0.3 s timeout for the batch, not one per key
     assert tier.tier_stats()[0].errors == 1
+
+
+def _big_block(seed: int) -> KVBlock:
+    """4 MiB of KV (2 MiB of keys, 2 MiB of values, 256 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (4, 4, 256, 128)
+    return KVBlock(torch.randn(shape, generator=g), torch.randn(shape, generator=g), tuple(range(256)), 0, {})
+
+
+def test_a_dripping_server_cannot_hang_a_batch(server, caplog):
+    """A server that answers a GET with `$100000000` and then a byte every 0.3 s: each socket read returns well
+    within the default 0.5 s timeout, so a per-read bound never fires (before: the request hung, ~1 year for the
+    10^8 bytes). Now the batch has one deadline (0.5 s plus the bytes that arrived at 16 MiB/s): the batch is a
+    miss within about 1 s, the tier is marked down (a warning naming it too slow) and skipped, by the lookup path
+    (a pipeline of GETs) and by the path that reads into a request buffer (EXISTS, then GETs into slots)."""
+    from pc_rag.store import get_many_with_source
+    from pc_rag.store.redis_tier import TierSlowError
+    from pc_rag.store.tier import Sink
+
+    from .test_store_faults import call_bounded
+
+    RedisStore(server.url).put(key_of(1), make_block(1))
+    proxy = DripProxy(server.port)
+    try:
+        tier = RedisStore(proxy.url)
+        store = TieredStore([MemoryStore(), tier], retry_after_s=60)
+        assert tier.locate([key_of(1)]) == [True]  # connected, passing through
+        proxy.dripping = True
+        with caplog.at_level(logging.WARNING, logger="pc_rag.store"):
+            got, elapsed = call_bounded(lambda: get_many_with_source(store, [key_of(1), key_of(2)]), 10.0)
+        assert got == [(None, None)] * 2 and elapsed < 1.5, elapsed
+        assert "too slow" in caplog.text and tier.tier_stats()[0].errors == 1
+        t0 = time.monotonic()
+        assert store.get_with_source(key_of(1)) == (None, None)  # skipped: no second wait
+        assert time.monotonic() - t0 < 0.05
+
+        # Into a request buffer's slots (the bytes expected are known): the same bound.
+        direct = RedisStore(proxy.url)
+        proxy.dripping = False
+        assert direct.locate([key_of(1)]) == [True]
+        proxy.dripping = True
+        keys, values = torch.empty(2, 2, 6, 4), torch.empty(2, 2, 6, 4)
+        with pytest.raises(TierSlowError, match="too slow"):
+            call_bounded(lambda: direct.read_into([key_of(1)], [Sink(lambda b: True, keys, values)]), 10.0)
+    finally:
+        proxy.close()
+
+
+def test_a_large_batch_on_a_slow_link_still_completes(server):
+    """24 MiB in one batch through a link of 32 MiB/s, 0.3 s per-read timeout: about 0.75 s in all, more than two
+    timeouts, yet twice the 16 MiB/s floor, so it completes, equal bit for bit."""
+    got, elapsed, tier = _batch_through_proxy(server, [_big_block(i) for i in range(6)], delay_s=0.0,
+                                              rate_bytes_per_s=32 << 20)
+    assert [s for _, s in got] == ["redis"] * 6, (elapsed, tier.tier_stats())
+    for i, (block, _) in enumerate(got):
+        assert_same(block, _big_block(i))
+    assert elapsed > 0.5, elapsed  # the link was the bottleneck: the deadline was really tested

@@ -14,5 +14,8 @@ def run(engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8
     """Serve `engine` until interrupted (uvicorn, one process: the model and its KV cache are loaded once)."""
     import uvicorn
 
+    from .limits import head_deadline_h11
+
+    # h11 with a deadline on each request's head (limits.py): uvicorn has none of its own.
     uvicorn.run(create_app(engine, settings), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, http=head_deadline_h11(settings.read_timeout_s))

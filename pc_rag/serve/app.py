@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP app over one Engine (FastAPI): routes, the request path, errors.
 
     POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not), GET /v1/models,
-    GET /health (no auth: for load balancers)
+    GET /health (no auth, for load balancers: liveness only, unless the request carries a key)
 
 One path per request, as in the drop-in classes (pc_rag/adapters.py):
-    request JSON -> pydantic schema (schema.py; refused fields -> 400) -> GenerationOptions (checked -> 400)
+    connection, Host, body size and read time (limits.py) -> API key -> tenant (auth.py; 401)
+    -> request JSON -> pydantic schema (schema.py; refused fields -> 400) -> GenerationOptions (checked -> 400)
+    -> prompt parts and characters bounded (limits.check_prompt_size; 400), nothing tokenized yet
     -> a place in the bounded line (admission.py; full -> 429, waited too long -> 503, both with Retry-After)
     -> a worker thread: messages through the model's chat template (`chat_prompt`, `cache_control` parts as
        chunks) or the prompt string (`completion_prompt`) -> `Engine.stream_generation` -> text pieces
@@ -14,22 +16,25 @@ The engine call is blocking, so it runs in a worker thread per request; concurre
 engine's batched decode loop (pc_rag/batch.py), one forward pass per step for all of them. The response
 starts once the first piece (or an error) is out: an unusable prompt (longer than the context, no chat
 template) is a 400 even when streaming was asked for. A client that disconnects (while waiting in line,
-during the prefill, or mid-stream) stops its request: the worker closes the engine's stream at its next
-token, the request leaves the batch and its buffer goes back to the pool.
+during the prefill, or mid-stream) stops its request: during the prefill at its next forward (a chunk encode,
+a prefill chunk: `LlamaRunner.cancellable`), later at its next token; the request leaves the batch and its
+buffer goes back to the pool. A request without its first token `prefill_timeout_s` after it started is
+answered 503 and stopped the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
-import secrets
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -41,6 +46,15 @@ from ..adapters import chat_prompt, completion_prompt
 from ..errors import OptionError, PCRagError, PMLError, PromptError, UnsupportedModelError
 from ..options import GenerationOptions
 from .admission import Admission, QueueFull, QueueTimeout
+from .auth import LOOPBACK_NAMES, APIKey, KeyRing, bearer_token
+from .limits import (
+    CHARS_PER_CONTEXT_TOKEN,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_PROMPT_PARTS,
+    DEFAULT_READ_TIMEOUT_S,
+    RequestGuard,
+    check_prompt_size,
+)
 from .schema import ChatCompletionRequest, CompletionRequest, chat_messages, error_body, usage
 
 log = logging.getLogger("pc_rag.serve")
@@ -61,22 +75,38 @@ class APIError(Exception):
         self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
 
 
+@dataclass
 class ServerSettings:
-    """What `pc-rag serve` was started with (beyond the engine)."""
+    """What `pc-rag serve` was started with (beyond the engine).
 
-    def __init__(self, model_id: str, api_key: str | None = None, max_running: int = 16, max_waiting: int = 64,
-                 queue_timeout_s: float = 60.0, default_max_tokens: int = 1024):
-        self.model_id = model_id
-        self.api_key = api_key
-        self.max_running = max_running
-        self.max_waiting = max_waiting
-        self.queue_timeout_s = queue_timeout_s
-        self.default_max_tokens = default_max_tokens
+    api_keys: the keys accepted, each with its tenant (auth.py); none: no auth. allowed_hosts: the `Host` names
+    served (None: any; `pc-rag serve` on loopback without keys: loopback names, against DNS rebinding).
+    max_prompt_chars: None: CHARS_PER_CONTEXT_TOKEN per token of the model's context.
+    """
+
+    model_id: str
+    api_keys: tuple[APIKey, ...] = ()
+    max_running: int = 16
+    max_waiting: int = 64
+    queue_timeout_s: float = 60.0
+    default_max_tokens: int = 1024
+    allowed_hosts: frozenset[str] | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    max_prompt_parts: int = DEFAULT_MAX_PROMPT_PARTS
+    max_prompt_chars: int | None = None
+    prefill_timeout_s: float = 300.0
+
+    @staticmethod
+    def loopback_hosts(extra: tuple[str, ...] = ()) -> frozenset[str]:
+        return frozenset((*LOOPBACK_NAMES, *(h.lower() for h in extra)))
 
 
 def create_app(engine, settings: ServerSettings) -> FastAPI:
     """The ASGI app serving `engine` (run it with uvicorn, as `pc-rag serve` does)."""
     admission = Admission(settings.max_running, settings.max_waiting)
+    keys = KeyRing(settings.api_keys)
+    max_chars = settings.max_prompt_chars or CHARS_PER_CONTEXT_TOKEN * engine.runner.shape.max_positions
     # One thread per running request (admission bounds them): the engine call blocks until its next token.
     executor = ThreadPoolExecutor(max_workers=settings.max_running, thread_name_prefix="pc_rag-request")
 
@@ -88,6 +118,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="pc_rag", summary="OpenAI-compatible completions over a pc_rag Engine", lifespan=lifespan)
     created = int(time.time())
     app.state.engine, app.state.admission, app.state.settings = engine, admission, settings
+    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s,
+                       allowed_hosts=settings.allowed_hosts)
 
     @app.exception_handler(APIError)
     async def _api_error(_request, e: APIError):
@@ -95,11 +127,13 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        # The deepest error: for a field of several types (`content`: a string or parts) it is the one of the
+        # type the client sent (a bad part), not that the list is not a string.
+        first = max(e.errors(), key=lambda err: len(err.get("loc", ())), default={"loc": (), "msg": "invalid request"})
         if first.get("type") == "json_invalid":
             why = first.get("ctx", {}).get("error", "")
             return JSONResponse(error_body(f"the request body is not valid JSON ({why})"), status_code=400)
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _type_tag(p))
         message = f"{where}: {first['msg']}" if where else first["msg"]
         return JSONResponse(error_body(message, param=where or None), status_code=400)
 
@@ -108,17 +142,28 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), type_), status_code=e.status_code, headers=e.headers)
 
+    def tenant_of(request: Request) -> str | None:
+        """The tenant of the request's bearer token; None for a missing or wrong one, or when no key is set."""
+        token = bearer_token(request.headers.get("authorization", ""))
+        return keys.tenant(token) if keys and token is not None else None
+
     def authorized(request: Request) -> None:
-        if settings.api_key is None:
+        """Every /v1 route: the tenant goes on the request (`request.state.tenant`, None without keys) for the
+        cache namespace that is to come."""
+        request.state.tenant = None
+        if not keys:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), settings.api_key):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the key given to "
-                                "pc-rag serve --api-key)", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+        request.state.tenant = tenant_of(request)
+        log.debug("%s %s: tenant %s", request.method, request.url.path, request.state.tenant)
+        if request.state.tenant is None:
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (a key given to "
+                                "pc-rag serve with --api-key, --api-keys or $PC_RAG_API_KEYS)",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        if keys and tenant_of(request) is None:  # load balancers need liveness only; the rest is for operators
+            return {"status": "ok"}
         return {"status": "ok", "model": settings.model_id, "running": admission.running,
                 "waiting": admission.waiting, "served": admission.served, "rejected": admission.rejected,
                 "decode": engine.stats()["decode"]}
@@ -139,7 +184,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         if not getattr(engine.tokenizer, "chat_template", None):
             raise APIError(400, f"{settings.model_id} has no chat template (its tokenizer defines none): send the "
                                 f"prompt as a string to /v1/completions")
-        options = _options(body, settings)
+        options = _checked(body, settings, max_chars, request)
         messages, marked = chat_messages(body)
         chunks = marked + body.chunks
 
@@ -150,7 +195,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request):
-        options = _options(body, settings)
+        options = _checked(body, settings, max_chars, request)
         text, chunks = body.prompt_text, body.chunks
 
         def make():
@@ -174,11 +219,14 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             raise APIError(503, f"waited {settings.queue_timeout_s:g} s in line without starting; retry later",
                            "server_overloaded", code="queue_timeout",
                            headers={"Retry-After": str(admission.retry_after_s())}) from None
-        worker = _Worker(make)
+        worker = _Worker(make, engine.runner.cancellable)
         worker.start(executor, admission)
         streaming = False
         try:
-            kind, value = await worker.next_or(disconnect)
+            kind, value = await worker.next_or(disconnect, settings.prefill_timeout_s)
+            if kind == "timeout":  # the worker is stopped at its next forward; its place is freed once it is
+                raise APIError(503, f"no first token within {settings.prefill_timeout_s:g} s (--prefill-timeout); "
+                                    f"the request was stopped", "server_overloaded", code="prefill_timeout")
             if kind == "piece" and body.stream:
                 streaming = True  # from here Starlette's StreamingResponse watches for the disconnect
                 return StreamingResponse(_sse(fmt, body, worker, (kind, value)), media_type="text/event-stream",
@@ -204,9 +252,25 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     return app
 
 
+def _type_tag(part) -> bool:
+    """Whether a pydantic error location part names a branch of a union type ("str", "list[ContentPart]",
+    "function-after[...]") rather than a field or an index."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
+
+
 def _model_card(model_id: str, created: int, engine) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "pc_rag",
             "max_model_len": engine.runner.shape.max_positions}
+
+
+def _checked(body, settings: ServerSettings, max_chars: int, request: Request) -> GenerationOptions:
+    """The request's options, once its fields are known to be usable and its prompt small enough to tokenize;
+    its `cache_salt` goes on the request with its tenant."""
+    too_large = check_prompt_size(body.prompt_texts(), settings.max_prompt_parts, max_chars)
+    if too_large:
+        raise APIError(400, too_large, code="prompt_too_large")
+    request.state.cache_salt = body.cache_salt
+    return _options(body, settings)
 
 
 def _options(body, settings: ServerSettings) -> GenerationOptions:
@@ -273,8 +337,9 @@ class _Worker:
     """One request's engine stream, run in a worker thread; what it yields reaches the event loop in order:
     ("piece", str)..., then ("done", Generation) or ("error", exception)."""
 
-    def __init__(self, make: Callable[[], Iterator]):
+    def __init__(self, make: Callable[[], Iterator], cancellable: Callable[[threading.Event], Any]):
         self._make = make
+        self._cancellable = cancellable  # LlamaRunner.cancellable: the prefill's forwards check `stop`
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self.stop = threading.Event()  # set by the event loop: the client is gone or the response is sent
@@ -294,9 +359,15 @@ class _Worker:
 
     def _produce(self) -> None:
         try:
+            if self.stop.is_set():  # the client left, or the deadline passed, while the thread was starting
+                return
             items = self._make()
             try:
-                for item in items:
+                # The first item is the prefill's: its forwards stop once `stop` is set (Cancelled). Later ones
+                # are decode steps, stopped between tokens below.
+                with self._cancellable(self.stop):
+                    first = next(items, None)
+                for item in itertools.chain([first] if first is not None else [], items):
                     self._post(("piece", item) if isinstance(item, str) else ("done", item))
                     if self.stop.is_set():
                         break
@@ -324,17 +395,18 @@ class _Worker:
             value += entry[1]
         return kind, value
 
-    async def next_or(self, disconnect: asyncio.Task) -> tuple[str, Any]:
-        """The next entry, or ("disconnected", None) if the client goes away first (the worker is stopped)."""
+    async def next_or(self, disconnect: asyncio.Task, timeout_s: float | None = None) -> tuple[str, Any]:
+        """The next entry, or ("disconnected", None) if the client goes away first, or ("timeout", None) after
+        `timeout_s` (in both the worker is stopped)."""
         if self._held is not None:
             return await self.next()
         get = asyncio.ensure_future(self._queue.get())
-        done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({get, disconnect}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if get in done:
             return get.result()
         get.cancel()
         self.stop.set()
-        return "disconnected", None
+        return ("disconnected" if disconnect in done else "timeout"), None
 
 
 class _ChatFormat:

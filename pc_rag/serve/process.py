@@ -75,8 +75,10 @@ class ServerProcess:
         raise PCRagError(f"pc-rag serve did not answer /health within {self.startup_timeout_s:g} s:\n"
                          f"{self.log_tail()}")
 
-    def health(self) -> dict:
-        with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+    def health(self, key: str | None = None) -> dict:
+        """/health; with `key` (a server started with API keys), the counts beyond liveness too."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with urllib.request.urlopen(urllib.request.Request(self.url + "/health", headers=headers), timeout=5) as r:
             return json.loads(r.read())
 
     def rss_bytes(self) -> int:

@@ -10,6 +10,10 @@ Extensions (the `openai` client sends them with `extra_body={...}`):
 - `recompute_ratio`: blend's share of reused chunk tokens recomputed.
 - `chunks`: texts to treat as chunks wherever they appear in this request's prompt (the completions
   counterpart of chat content parts marked with `cache_control`).
+- `cache_salt` (vLLM's name): kept on the request for the per-tenant cache namespace that is to narrow with it;
+  checked here (a string of 1 to 256 characters), not used yet.
+Every text that reaches the tokenizer (prompt, message content, parts, chunks, stop strings) must be valid
+Unicode: a lone surrogate (`"\\ud800"` in the JSON) is a 400 naming the field, not a tokenizer error.
 Responses: `usage.prompt_tokens_details.cached_tokens` as OpenAI reports prompt caching (ChatOpenAI maps it to
 `cache_read`) and `cache_write_tokens` (ChatOpenAI: `cache_creation`), plus `usage.pc_rag` with the engine's
 own counts and the time to first token.
@@ -17,12 +21,29 @@ own counts and the time to first token.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from ..assemble import MODES
 from ..options import DEFAULT_RECOMPUTE_RATIO
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _unicode_text(text: str) -> str:
+    """`text` if it encodes as UTF-8; JSON's escapes can carry a lone surrogate, which the tokenizer refuses with
+    a TypeError (a 500) deep inside a request."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds a lone surrogate {text[e.start]!r} at character {e.start}, which is not valid "
+                         f"Unicode text") from None
+    return text
+
+
+# Every text that reaches the chat template or the tokenizer.
+PromptText = Annotated[str, AfterValidator(_unicode_text)]
 
 
 class _Request(BaseModel):
@@ -32,7 +53,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, description="0 = greedy (default 1, as OpenAI's).")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
+    stop: PromptText | list[PromptText] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -44,7 +65,9 @@ class _Request(BaseModel):
     # pc_rag extensions
     mode: str = "modular"
     recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0.0, le=1.0)
-    chunks: list[str] = Field(default_factory=list)
+    chunks: list[PromptText] = Field(default_factory=list)
+    cache_salt: PromptText | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
+                                          description="Kept for the tenant cache namespace (not used yet).")
 
     @field_validator("mode")
     @classmethod
@@ -67,6 +90,11 @@ class _Request(BaseModel):
                 out.append(f"{name}: not supported (use 0)")
         return out
 
+    def prompt_texts(self) -> list[str]:
+        """Every text of the request that is tokenized or searched (for the bounds on parts and characters,
+        checked before any of it is)."""
+        return [*self.chunks, *(self.stop_list or [])]
+
     @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
@@ -80,7 +108,7 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: str
-    text: str | None = None
+    text: PromptText | None = None
     cache_control: dict[str, Any] | None = None
 
 
@@ -88,7 +116,7 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
+    content: PromptText | list[ContentPart] | None = None
     tool_calls: list[Any] | None = None
 
 
@@ -120,13 +148,22 @@ class ChatCompletionRequest(_Request):
                     out.append(f"messages[{i}].content[{j}]: type {part.type!r} (text parts only)")
         return out
 
+    def prompt_texts(self) -> list[str]:
+        texts = super().prompt_texts()
+        for m in self.messages:
+            if isinstance(m.content, list):
+                texts += [p.text or "" for p in m.content]
+            else:
+                texts.append(m.content or "")
+        return texts
+
     @property
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str]
+    prompt: PromptText | list[PromptText]
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -142,6 +179,9 @@ class CompletionRequest(_Request):
         if self.best_of not in (None, 1):
             out.append("best_of: one candidate per request")
         return out
+
+    def prompt_texts(self) -> list[str]:
+        return [*super().prompt_texts(), *([self.prompt] if isinstance(self.prompt, str) else self.prompt)]
 
     @property
     def prompt_text(self) -> str:

@@ -26,11 +26,13 @@ there exactly as `get_many` does, and hands the block to the caller's sink, whic
 KV buffer; so a request from disk faults in no fresh memory (which cost more than the reads themselves).
 
 The byte bound is LRU over an in-memory index (key -> file size) rebuilt from the folder on start and
-ordered by file mtime; a hit touches the file's mtime so the order survives restarts. Several processes
-may share a folder: a get always looks at the file itself, so entries written by another process are
-found. Each process enforces the bound over the files it knows (those present at its start, plus those it
-wrote or read since), so with several writers the folder can exceed the bound by what the others wrote
-since this process started, until they evict too.
+ordered by file mtime (a file whose blocks on disk hold far less than its size, a sparse file, is a corrupt
+entry there, removed, never counted: a 64 GiB sparse file under a block's name evicted every valid block); a
+hit touches the file's mtime so the order survives restarts. Several processes may share a folder: a get
+always looks at the file itself, so entries written by another process are found. Each process enforces the
+bound over the files it knows (those present at its start, plus those it wrote or read since), so with several
+writers the folder can exceed the bound by what the others wrote since this process started, until they evict
+too.
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ BLOCKS_DIR = "pc_rag-kv-v1"  # bump with the file name scheme: an old layout is 
 _BLOCK_NAME = re.compile(rf"kv-({KEY_PATTERN.pattern})\.safetensors")
 _TMP_NAME = re.compile(rf"\.kv-({KEY_PATTERN.pattern})\.\d+\.\d+\.tmp")
 STALE_TMP_S = 3600.0  # a temp file this old belongs to a writer that died
+# A block file is written whole, so the disk holds all its bytes; one holding less than an eighth of its size
+# (and over 1 MiB short) has holes. Compressing filesystems (ZFS, btrfs) store KV at close to its size: float
+# and int8 KV is noise to lz4 and zstd, far from 8x.
+SPARSE_RATIO = 8
+SPARSE_SLACK_BYTES = 1 << 20
 
 # O_NOFOLLOW: a symlink under a block's name is refused, not followed out of the cache. O_NONBLOCK: opening
 # a FIFO returns at once instead of waiting for a writer (no effect on regular files). Both are POSIX only.
@@ -105,6 +112,16 @@ def block_files(path: str | os.PathLike) -> list[tuple[Path, int]]:
         return [(folder / name, st.st_size) for name, st in _scan(folder, _BLOCK_NAME) if stat.S_ISREG(st.st_mode)]
     except OSError:
         return []
+
+
+def _sparse(st: os.stat_result) -> bool:
+    """Whether a file's blocks on disk hold far less than its size (st_blocks counts 512-byte units on Linux and
+    macOS; a platform without it is not checked)."""
+    blocks = getattr(st, "st_blocks", None)
+    if blocks is None:
+        return False
+    on_disk = blocks * 512
+    return st.st_size - on_disk > SPARSE_SLACK_BYTES and on_disk * SPARSE_RATIO < st.st_size
 
 
 def _scan(folder: Path, pattern: re.Pattern) -> Iterator[tuple[str, os.stat_result]]:
@@ -332,6 +349,7 @@ class DiskStore:
         # An unwritable or missing folder is not an error here: the store is built at engine start and must
         # not fail it; get/put then raise StoreError, which the tiered store treats as a miss.
         found = []
+        sparse = 0
         now = time.time()
         try:
             self.blocks_dir.mkdir(parents=True, exist_ok=True)
@@ -339,12 +357,20 @@ class DiskStore:
                 if stat.S_ISREG(st.st_mode) and now - st.st_mtime > STALE_TMP_S:
                     self._remove_entry(self.blocks_dir / name)
             for name, st in _scan(self.blocks_dir, _BLOCK_NAME):
-                if stat.S_ISREG(st.st_mode):  # anything else under a block name is dealt with when read
-                    found.append((st.st_mtime_ns, _BLOCK_NAME.fullmatch(name).group(1), st.st_size))
+                if not stat.S_ISREG(st.st_mode):  # anything else under a block name is dealt with when read
+                    continue
+                if _sparse(st):
+                    log.warning("disk store: removing %s: %d bytes long but %d on disk (a sparse file, not a block "
+                                "this store wrote)", self.blocks_dir / name, st.st_size, st.st_blocks * 512)
+                    self._remove_entry(self.blocks_dir / name)
+                    sparse += 1
+                    continue
+                found.append((st.st_mtime_ns, _BLOCK_NAME.fullmatch(name).group(1), st.st_size))
         except OSError as e:
             log.debug("disk store %s: cannot scan (%s)", self.blocks_dir, e)
             return
         with self._lock:
+            self.stats.corrupt += sparse
             for _, key, size in sorted(found):
                 self._index[key] = size
             self.stats.bytes_held = sum(self._index.values())

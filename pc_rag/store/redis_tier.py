@@ -10,9 +10,16 @@ the client never retries: a down or unreachable server costs one failed call of 
 after which the tiered store skips this tier for a while.
 
 `get_many` fetches a request's blocks in one round trip (a pipeline of GETs, sent as one write and answered
-in one stream), so a slow server costs its latency once per request, not once per block; the wait for the
-server to answer is bounded by one `timeout_s` for the batch. The bound applies to every socket read, not
-to the transfer as a whole: a batch of large blocks that keeps arriving is not cut off. A value of another
+in one stream), so a slow server costs its latency once per request, not once per block. A read (GET or EXISTS
+pipeline) has one deadline for the whole batch, not one per socket read: `timeout_s` for the first byte plus
+the time the bytes that arrived would take at `min_transfer_bytes_per_s` (16 MiB/s, a 130 Mbit/s link), counted
+up to the bytes the batch is expected to hold where the caller says (the request buffer's slots a block is read
+into). So a healthy large batch that keeps arriving is never cut off, while a server that answers
+`$100000000` and then one byte every 0.3 s (each socket read well within its timeout: such a batch used to
+hang the request forever) is cut off after about `timeout_s`. A batch past its deadline is a miss and a
+`TierSlowError`, which the TieredStore treats as an unreachable tier: skipped for reads and writes for its
+`retry_after_s`. The deadline is enforced by the client's socket (`_DeadlineSocket`, a plain TCP or Unix
+socket; a TLS connection, rediss://, keeps the per-read timeout only). A value of another
 Redis type under a block's name (WRONGTYPE) is a corrupt entry for that key only, like a damaged blob.
 `locate` (a pipeline of EXISTS) and `read_into` let a TieredStore read a request's blocks straight into its buffer,
 as the disk tier does: the replies are decoded in the reader threads, compressed blocks into the slots.
@@ -20,11 +27,14 @@ as the disk tier does: the replies are decoded in the reader threads, compressed
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import socket
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..blocks import KVBlock
@@ -33,6 +43,106 @@ from .codec import CorruptBlockError, StaleBlockError, decode_block, encode_bloc
 from .tier import Sink, StoreUsageError, TierStats, TierUnavailableError, add_time, check_key, in_parallel
 
 log = logging.getLogger("pc_rag.store")
+
+
+MIN_TRANSFER_BYTES_PER_S = 16 << 20
+# What a block's blob holds beyond its tensors' bytes: the safetensors header (a few hundred bytes here).
+BLOB_OVERHEAD_BYTES = 64 << 10
+
+
+class TierSlowError(TierUnavailableError):
+    """A batch took longer than its deadline: the tier is answered as down (a miss now, skipped for a while)."""
+
+
+@dataclass
+class _Transfer:
+    """One batch's deadline: `timeout_s` from its first read (the commands are sent by then; connecting, when the
+    pool has no connection ready, keeps its own timeouts), plus the bytes received so far (at most `cap_bytes`,
+    the bytes the batch is expected to hold, when known) at `min_bytes_per_s`."""
+
+    timeout_s: float
+    min_bytes_per_s: float
+    cap_bytes: int | None
+    start: float | None = None
+    received: int = 0
+
+    def left_s(self) -> float:
+        if self.start is None:
+            self.start = time.monotonic()
+        counted = self.received if self.cap_bytes is None else min(self.received, self.cap_bytes)
+        return self.start + self.timeout_s + counted / self.min_bytes_per_s - time.monotonic()
+
+    def describe(self) -> str:
+        took = 0.0 if self.start is None else time.monotonic() - self.start
+        return (f"{self.received} bytes in {took:.2f} s, under {self.timeout_s:g} s plus "
+                f"{self.min_bytes_per_s / 2**20:g} MiB/s")
+
+
+# The batch the current thread is reading, if any: the client's sockets (_DeadlineSocket) bound each read by what
+# is left of it. Per thread because redis-py hands each thread its own connection from the pool for a call.
+_BATCH = threading.local()
+
+
+class _DeadlineSocket(socket.socket):
+    """A client socket whose reads, while its thread reads a batch (`_BATCH.transfer`), wait no longer than the
+    batch's deadline allows and count the bytes that arrive; outside a batch it is a plain socket."""
+
+    @classmethod
+    def adopt(cls, sock: socket.socket) -> socket.socket:
+        if type(sock) is not socket.socket:  # a TLS socket: left as it is (per-read timeouts only)
+            return sock
+        timeout = sock.gettimeout()
+        adopted = cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        adopted.settimeout(timeout)
+        return adopted
+
+    def _bounded(self, read, flags: int) -> int | bytes:
+        transfer = getattr(_BATCH, "transfer", None)
+        timeout = self.gettimeout()
+        if transfer is None or timeout == 0 or flags & socket.MSG_PEEK:
+            return read()
+        left = transfer.left_s()
+        if left <= 0:
+            raise TimeoutError(f"the batch's deadline passed ({transfer.describe()})")
+        if timeout is None or timeout > left:
+            super().settimeout(left)
+        try:
+            got = read()
+        finally:
+            super().settimeout(timeout)
+        transfer.received += got if isinstance(got, int) else len(got)
+        return got
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        return self._bounded(lambda: super(_DeadlineSocket, self).recv(bufsize, flags), flags)
+
+    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
+        return self._bounded(lambda: super(_DeadlineSocket, self).recv_into(buffer, nbytes, flags), flags)
+
+
+@functools.cache
+def _deadline_connections() -> dict[str, type]:
+    """redis-py connection classes whose sockets are `_DeadlineSocket`s, by URL scheme."""
+    from redis.connection import Connection, UnixDomainSocketConnection
+
+    def with_deadline(base: type) -> type:
+        def _connect(self):
+            return _DeadlineSocket.adopt(base._connect(self))
+
+        def outside_batch(method):  # connecting (TCP, HELLO, SELECT) keeps its own per-read timeouts
+            @functools.wraps(method)
+            def call(self, *args, **kwargs):
+                with _reading(None):
+                    return method(self, *args, **kwargs)
+            return call
+
+        methods = {"_connect": _connect}
+        for name in ("connect", "connect_check_health"):  # redis-py 5 has the first only
+            if hasattr(base, name):
+                methods[name] = outside_batch(getattr(base, name))
+        return type(f"Deadline{base.__name__}", (base,), methods)
+
+    return {"redis": with_deadline(Connection), "unix": with_deadline(UnixDomainSocketConnection)}
 
 
 def _connect(url: str, timeout_s: float) -> Any:
@@ -44,12 +154,15 @@ def _connect(url: str, timeout_s: float) -> Any:
         raise StoreError(
             f"the Redis tier ({url}) needs the redis package: pip install 'redis>=5'"
         ) from e
+    scheme = url.split("://", 1)[0].lower()
+    extra = {"connection_class": _deadline_connections()[scheme]} if scheme in ("redis", "unix") else {}
     return redis.Redis.from_url(
         url,
         socket_connect_timeout=timeout_s,
         socket_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),  # redis-py >= 6 retries 3 times with backoff by default
         health_check_interval=0,
+        **extra,
     )
 
 
@@ -72,9 +185,14 @@ class RedisStore:
         timeout_s: float = 0.5,
         client: Any = None,
         compress: str | None = None,
+        min_transfer_bytes_per_s: float = MIN_TRANSFER_BYTES_PER_S,
     ):
         if ttl_s is not None and ttl_s <= 0:
             raise StoreUsageError(f"RedisStore ttl_s must be > 0 or None, got {ttl_s}")
+        if not min_transfer_bytes_per_s > 0:
+            raise StoreUsageError(f"RedisStore min_transfer_bytes_per_s must be > 0, got {min_transfer_bytes_per_s}")
+        self.timeout_s = timeout_s
+        self.min_transfer_bytes_per_s = min_transfer_bytes_per_s
         self.codec = tier_codec(compress)
         self.url = url
         self.ttl_s = ttl_s
@@ -94,6 +212,20 @@ class RedisStore:
             if isinstance(e, self._unreachable):  # no answer at all: reads and writes fail alike
                 raise TierUnavailableError(message) from e
             raise StoreError(message) from e  # the server answered with an error (e.g. OOM on SET)
+
+    def _read_batch(self, what: str, fn, expected_bytes: int | None = None):
+        """`_call` for a read, within one deadline for the whole batch (see the module docstring); past it, a
+        TierSlowError. `expected_bytes`: what the replies should hold, when known."""
+        transfer = _Transfer(self.timeout_s, self.min_transfer_bytes_per_s, expected_bytes)
+        with _reading(transfer):
+            try:
+                return self._call(what, fn)
+            except TierUnavailableError as e:
+                if transfer.start is None or transfer.left_s() > 0:
+                    raise
+                raise TierSlowError(f"redis store {self.url}: {what} was too slow ({transfer.describe()}, "
+                                    f"expected {expected_bytes or 'unknown'} bytes); the tier is skipped for a "
+                                    f"while") from e
 
     def get(self, key: str) -> KVBlock | None:
         return self.get_many([key])[0]
@@ -118,7 +250,7 @@ class RedisStore:
                 pipe.exists(name)
             return pipe.execute()
 
-        held = [bool(n) for n in self._call(f"EXISTS of {len(names)} keys", ask)]
+        held = [bool(n) for n in self._read_batch(f"EXISTS of {len(names)} keys", ask, 64 * len(names))]
         with self._lock:
             self.stats.misses += held.count(False)
         return held
@@ -159,7 +291,10 @@ class RedisStore:
                 pipe.get(name)
             return pipe.execute(raise_on_error=False)  # a per-key error reply comes back as its exception
 
-        replies = self._call(f"GET of {len(names)} keys", fetch)
+        expected = None  # known when every block has slots to go to: a blob holds their bytes, or fewer (int8)
+        if all(out is not None for out in outs):
+            expected = sum(k.nbytes + v.nbytes + BLOB_OVERHEAD_BYTES for k, v in outs)
+        replies = self._read_batch(f"GET of {len(names)} keys", fetch, expected)
         timings = {"read_s": time.perf_counter() - t0}  # the round trip and the transfer
         for name, data in zip(names, replies, strict=True):
             if isinstance(data, Exception) and not str(data).startswith("WRONGTYPE"):
@@ -221,6 +356,16 @@ class RedisStore:
     def tier_stats(self) -> list[TierStats]:
         with self._lock:
             return [replace(self.stats)]
+
+
+@contextlib.contextmanager
+def _reading(transfer: _Transfer | None) -> Iterator[None]:
+    previous = getattr(_BATCH, "transfer", None)
+    _BATCH.transfer = transfer
+    try:
+        yield
+    finally:
+        _BATCH.transfer = previous
 
 
 def _decode(key: str, data, out) -> tuple[KVBlock | None, str, dict[str, float]]:
