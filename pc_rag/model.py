@@ -212,7 +212,8 @@ class LlamaRunner:
         # batch.TurnLock): a decode step waits for at most one prefill chunk.
         self._lock = TurnLock()
         self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS
-        # Whether requests are decoding now (set by the engine's batch decoder): long forwards are chunked then.
+        # Whether other requests are in flight (set by the engine): long forwards are chunked then, so their
+        # decode steps wait for one chunk at a time.
         self.others_decoding: Callable[[], bool] = lambda: False
         # Per thread: the Event that stops the forwards of the request this thread is prefilling (`cancellable`).
         self._cancel = threading.local()
