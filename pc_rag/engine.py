@@ -111,9 +111,9 @@ class Engine:
         # Chunks are encoded after BOS: the first token of a sequence becomes an attention sink, and
         # without a shared sink each chunk's first token would play that role wherever it is placed.
         self.assembler = Assembler(self.runner, self.store, (bos,) if bos is not None else ())
-        set_placement = getattr(self.store, "set_placement", None)
-        if set_placement is not None:  # blocks read from disk or Redis go to the model's device once, when promoted
-            set_placement(self.assembler.place)
+        # Blocks read from disk or Redis go to the model's device once, when promoted (a TieredStore; a store of one
+        # tier places nothing, and lookups place what it returns).
+        self.store.set_placement(self.assembler.place)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:
@@ -198,7 +198,7 @@ class Engine:
         return prefetch.submit(lambda: self._prefetch_now(texts))
 
     def _prefetch_now(self, texts: list[str]) -> int:
-        if not getattr(self.store, "can_prefetch", False):
+        if not self.store.can_prefetch:
             return 0
         segments = [TokenSegment("chunk", ids, 0) for ids in (self.segmenter.ids(t.strip()) for t in texts) if ids]
         return self.store.prefetch(self.assembler.chunk_keys(segments))
