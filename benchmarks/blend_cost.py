@@ -39,7 +39,7 @@ def run(model_path, target_tokens: int, blends: list[str], reps: int, seed: int 
             engine.next_token_logits(w.prompt, mode=mode, recompute_ratio=ratio)
             # Only the text before the first chunk may be reused as a prefix: drop the rest, so every run
             # computes the same (blend never stores past its first chunk; full and modular would).
-            engine.assembler.prefixes.clear()
+            engine.planner.prefixes.clear()
         return fn, None
 
     cases = {"full": case("full"), "modular": case("modular")}

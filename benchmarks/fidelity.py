@@ -94,7 +94,7 @@ def measure(engine, nosink, prompts, new_tokens):
         row = {}
         for v in VARIANTS:
             engine.assembler = nosink if v.nosink else default
-            engine.assembler.reuse_separators = not v.fresh_separators
+            engine.planner.reuse_separators = not v.fresh_separators
             engine.blend_selection = v.select
             if v.scaffold:
                 engine.add_scaffold(chunks)  # the group, declared in this prompt's order
@@ -106,12 +106,12 @@ def measure(engine, nosink, prompts, new_tokens):
                 gen = engine.generate(prompt, mode=v.mode, max_new_tokens=new_tokens, recompute_ratio=v.ratio)
                 lm = engine.next_token_logits(prompt, v.mode, recompute_ratio=v.ratio)
             finally:
-                engine.assembler.reuse_separators = True
+                engine.planner.reuse_separators = True
                 engine.assembler = default
             row[v.name] = {"kl": kl(lf, lm), "top1": int(lf.argmax() == lm.argmax()),
                            "greedy_prefix": greedy_prefix(full.token_ids, gen.token_ids),
                            "cached_tokens": gen.cached_tokens}
-        engine.assembler.scaffolds.clear()
+        engine.planner.scaffolds.clear()
         rows.append(row)
     summary = {}
     for name in rows[0]:

@@ -144,7 +144,7 @@ def fidelity(engines, sets):
         for name, (e, memory) in engines.items():
             e.warm(chunks, progress=False)  # encodes into this engine's tiers (the int8 one stores int8)
             memory.clear()  # so the request reads the chunks back from the persistent tier
-            e.assembler.prefixes.clear()
+            e.planner.prefixes.clear()
             logits[name] = e.next_token_logits(prompt, mode="modular")
         ref = logits["none"]
         for name, lg in logits.items():

@@ -79,7 +79,7 @@ def measure(model, tokenizer, system: str, block: int, reps: int, mode: str) -> 
     try:
         def engine():
             e = pc_rag.Engine(model, tokenizer, store=TieredStore([MemoryStore(), DiskStore(folder)]))
-            e.assembler.block_tokens = block
+            e.planner.block_tokens = block
             return e
 
         warm = engine()

@@ -1,7 +1,11 @@
 """The engine: a prompt in, generated text out, with chunk KV reused across requests.
 
-    prompt -> token segments (segments.py) -> plan: where each slot's KV comes from (assemble.py, prefix.py)
-    -> assembled cache + first logits -> decode loop (decode.py) -> Generation -> prefix blocks stored
+    prompt -> token segments (segments.py)
+    -> plan: where each slot's KV comes from, from the store's answers (plan.py, prefix.py, lookups.py)
+    -> encode the misses, build the cache, forward the fresh slots (assemble.py) -> first logits
+    -> decode loop (decode.py, batch.py) -> Generation -> prefix blocks saved (assemble.save_prefix)
+
+`Engine.explain` runs only the planning step, on answers that read nothing (`Store.where`).
 """
 
 from __future__ import annotations
@@ -17,13 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from . import prefetch
-from .assemble import MODES, Assembled, Assembler, Recompute
+from .assemble import Assembled, Assembler, Recompute
 from .batch import MAX_BATCH, BatchDecoder, DecodeStream, TurnLock, decode_steps_needed
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
 from .find import DISCOVERED, ChunkIndex, ReplyIndex, discovery_enabled, marked, resolve
+from .lookups import WhereLookups
 from .model import LlamaRunner
-from .options import DEFAULT_RECOMPUTE_RATIO, GenerationOptions, check_device
+from .options import DEFAULT_RECOMPUTE_RATIO, MODES, GenerationOptions, check_device
+from .plan import COMPUTE, COPY, ENCODE, READ, STORED, Plan, Planner
 from .pml import PML, Schema, SchemaRegistry
 from .scaffolds import CoRetrievalCounter
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment
@@ -62,6 +68,62 @@ class Generation:
     def decode_tokens_per_s(self) -> float:
         n = len(self.token_ids) - 1
         return n / (self.total_s - self.ttft_s) if n > 0 and self.total_s > self.ttft_s else float("nan")
+
+
+@dataclass(frozen=True)
+class ExplainRow:
+    """One piece of an explained prompt: what its slots hold and where their KV would come from."""
+
+    kind: str  # what the slots hold: "bos" | "text" | "sep" | "chunk" | "scaffold" | "prefix"
+    tokens: int
+    slots: tuple[int, int]  # [first, end) in the request's cache
+    positions: tuple[int, int]  # position ids of its first and last token
+    source: str  # "fresh" | "prefix" | "chunk" | "scaffold" (as `SegmentSource.source`)
+    load: str  # how its KV would be obtained: "compute" | "copy" | "read" | "encode" | "stored" (plan.py)
+    tier: str | None  # the tier holding its block (None: fresh, or not stored yet)
+    kv: str  # the two above in words ("memory hit", "disk hit, read into the buffer", ...)
+    key: str | None  # the store key of its block
+    text: str  # the start of its text
+
+
+# How `explain` words each way a piece's KV is obtained (plan.py, `Piece.load`).
+_LOADS = {COMPUTE: "computed by the forward", COPY: "{tier} hit", READ: "{tier} hit, read into the buffer",
+          ENCODE: "miss: encoded and stored", STORED: "encoded above in this prompt"}
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What a request for this prompt would do, before it runs (`Engine.explain`): the plan, as rows."""
+
+    mode: str
+    plan: Plan
+    rows: tuple[ExplainRow, ...]
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens whose KV would come from the store (before blend's recompute and the prompt's last token,
+        which is always computed for its logits)."""
+        return sum(r.tokens for r in self.rows if r.load in (COPY, READ, STORED))
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(r.tokens for r in self.rows if r.load == COMPUTE)
+
+    @property
+    def encoded_tokens(self) -> int:
+        return sum(r.tokens for r in self.rows if r.load == ENCODE)
+
+    def __str__(self) -> str:
+        head = ("kind", "tokens", "slots", "positions", "kv from", "text")
+        body = [(r.kind, str(r.tokens), f"{r.slots[0]}-{r.slots[1] - 1}", f"{r.positions[0]}-{r.positions[1]}",
+                 r.kv, r.text) for r in self.rows]
+        widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head) - 1)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
+                 for row in [head, *body]]
+        lines.append(f"{self.mode}: {len(self.plan.ids)} prompt tokens; {self.reused_tokens} from the store, "
+                     f"{self.encoded_tokens} to encode, {self.computed_tokens} computed by the forward; "
+                     f"{self.plan.stored_tokens} newly stored")
+        return "\n".join(lines)
 
 
 class Engine:
@@ -110,7 +172,9 @@ class Engine:
         bos = self.segmenter.bos_id
         # Chunks are encoded after BOS: the first token of a sequence becomes an attention sink, and
         # without a shared sink each chunk's first token would play that role wherever it is placed.
-        self.assembler = Assembler(self.runner, self.store, (bos,) if bos is not None else ())
+        self.planner = Planner(self.runner.fingerprint, (bos,) if bos is not None else (),
+                               rope_type=self.runner.rope_type, relocatable=self.runner.relocatable)
+        self.assembler = Assembler(self.runner, self.store, self.planner)
         # Blocks read from disk or Redis go to the model's device once, when promoted (a TieredStore; a store of one
         # tier places nothing, and lookups place what it returns).
         self.store.set_placement(self.assembler.place)
@@ -184,6 +248,26 @@ class Engine:
             if piece:
                 yield piece
 
+    def explain(self, prompt: Prompt | str | PML, mode: str = "modular") -> Explanation:
+        """Where a request for `prompt` would get its KV, piece by piece (tokens, slots, positions, and a memory,
+        disk or Redis hit, an encode, or the forward), without running it: the plan a request would make, from
+        answers that read nothing (`Store.where`). No forward pass runs and the store is left as it is (no block
+        read, counted, promoted or written). A plain-string prompt is split as `generate` splits it. What it
+        cannot know: a block's tokens (checked when a request reads it) and blend's recomputed share."""
+        segments, _ = self._checked_segments(prompt, mode)
+        plan = self.planner.plan(segments, mode, WhereLookups(self.store, self.assembler.direct_loads))
+        rows = []
+        for p in plan.pieces:
+            kv = _LOADS[p.load].format(tier=p.origin)
+            if p.members:
+                kv += f" (an extent of {len(p.members)} blocks)"
+            ids = list(plan.ids[p.slot: p.slot + min(p.n, 16)])
+            text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            rows.append(ExplainRow(p.kind, p.n, (p.slot, p.slot + p.n), (p.position, p.position + p.n - 1),
+                                   p.source, p.load, None if p.load == ENCODE else p.origin, kv, p.key,
+                                   repr(text[:40]) + ("..." if p.n > 16 else "")))
+        return Explanation(mode, plan, tuple(rows))
+
     def register(self, texts: Iterable[str]) -> int:
         """Register document texts: wherever one appears in a plain-string prompt it becomes a `Chunk` (its KV
         cached and reused at any position in modular/blend modes). Returns how many were new."""
@@ -201,7 +285,7 @@ class Engine:
         if not self.store.can_prefetch:
             return 0
         segments = [TokenSegment("chunk", ids, 0) for ids in (self.segmenter.ids(t.strip()) for t in texts) if ids]
-        return self.store.prefetch(self.assembler.chunk_keys(segments))
+        return self.store.prefetch(self.planner.chunk_keys(segments))
 
     def split(self, text: str, chunk_texts: Iterable[str] = (), discovered: bool = True) -> list[Text | Chunk]:
         """A plain-string prompt as segments: registered chunks, `chunk_texts` (marked for this request) and,
@@ -226,7 +310,7 @@ class Engine:
         texts = [(c if isinstance(c, Chunk) else Chunk(c)).text for c in chunks]  # Chunk() checks the text
         group = [self.segmenter.ids(t) for t in texts]
         with self._scaffold_lock:
-            self.assembler.add_scaffold(group)
+            self.planner.add_scaffold(group)
 
     def add_schema(self, pml: str) -> Schema:
         """Register a PML schema; later prompts may be PML `<prompt schema="...">` strings."""
@@ -264,8 +348,8 @@ class Engine:
             c = Chunk(c) if isinstance(c, str) else c
             ids = self.segmenter.ids(c.text)
             if ids:
-                piece = self.assembler.chunk_piece(TokenSegment("chunk", ids, 0, c.encode_position), 0)
-                encoded += piece.origin == "computed"
+                want = self.planner.chunk_wanted(TokenSegment("chunk", ids, 0, c.encode_position))
+                encoded += self.assembler.ensure_stored(want) == "computed"
         return encoded
 
     def stats(self) -> dict:
@@ -274,7 +358,7 @@ class Engine:
         as chunks with this engine and replies it remembers; decode: batched decode steps, the tokens they
         produced, the largest batch seen, requests decoding and waiting for a row now."""
         with self._scaffold_lock:  # a snapshot: background builds may add groups meanwhile
-            groups = list(self.assembler.scaffolds.values())
+            groups = list(self.planner.scaffolds.values())
             failed = self._scaffolds_failed
         decoder = self._decoder
         decode = decoder.stats() if decoder is not None else {
@@ -282,7 +366,7 @@ class Engine:
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
                 "scaffolds": {"groups": sum(len(g) for g in groups), "bytes": self.assembler.scaffold_bytes,
                               "failed": failed},
-                "prefix": {"blocks_indexed": len(self.assembler.prefixes), "block_tokens": self.assembler.block_tokens},
+                "prefix": {"blocks_indexed": len(self.planner.prefixes), "block_tokens": self.planner.block_tokens},
                 "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
                 "decode": decode}
 
@@ -303,7 +387,10 @@ class Engine:
             prompt = self.split(prompt)
         return self.segmenter.segments(prompt)
 
-    def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int, recompute_ratio: float) -> Assembled:
+    def _checked_segments(self, prompt: Prompt | str | PML, mode: str,
+                          extra_capacity: int = 0) -> tuple[list[TokenSegment], int]:
+        """The prompt's token segments, checked against the model's context, and the extra capacity its decoding
+        can use (bounded by the positions left)."""
         if mode not in MODES:
             raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         segments = self._segments(prompt)
@@ -323,11 +410,18 @@ class Engine:
                 f"prompt plus max_new_tokens ({total + extra_capacity} tokens) exceeds the model's sliding "
                 f"window of {shape.sliding_window}; pc_rag assembles full attention only"
             )
+        return segments, extra_capacity
+
+    def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int, recompute_ratio: float) -> Assembled:
+        """The request path up to the first logits, step by step: segments, plan (the store asked once, through
+        lookups that keep what they found), then encode, build and forward (`Assembler.assemble`)."""
+        segments, extra_capacity = self._checked_segments(prompt, mode, extra_capacity)
         recompute = Recompute(recompute_ratio, self.blend_selection) if mode == "blend" else None
-        plan = self.assembler.plan(segments, mode)
+        lookups = self.assembler.lookups()
+        plan = self.planner.plan(segments, mode, lookups)
         if self.co_retrieval is not None and mode in ("modular", "blend"):
             self._count_co_retrieval(segments)
-        return self.assembler.assemble(plan, extra_capacity, recompute)
+        return self.assembler.assemble(plan, lookups.blocks, extra_capacity, recompute)
 
     def _count_co_retrieval(self, segments) -> None:
         idx = [i for i, s in enumerate(segments) if s.kind == "chunk"]
@@ -350,9 +444,9 @@ class Engine:
         request waits for the encode). A failure costs only the speed-up: the group's requests keep using
         each chunk's own KV, so it is logged and counted, never raised into the thread."""
         try:
-            self.assembler.scaffold_piece(span, 0)
+            self.assembler.ensure_stored(self.planner.scaffold_wanted(span))
             with self._scaffold_lock:
-                self.assembler.add_scaffold(group)
+                self.planner.add_scaffold(group)
         except Exception:
             with self._scaffold_lock:
                 self._scaffolds_failed += 1

@@ -187,8 +187,10 @@ class PrefixIndex:
             if not children:
                 del self._children[parent]
 
-    def longest(self, parent: str, ids: Sequence[int], positions: Sequence[int]) -> tuple[str, int] | None:
-        """The stored child of `parent` sharing the longest token prefix with (ids, positions): (key, n), n >= 1."""
+    def longest(self, parent: str, ids: Sequence[int], positions: Sequence[int],
+                touch: bool = True) -> tuple[str, int] | None:
+        """The stored child of `parent` sharing the longest token prefix with (ids, positions): (key, n), n >= 1;
+        `touch`: mark it recently used (planning does not: the engine touches what a plan used, `touch(key)`)."""
         want = _packed(ids, positions)
         with self._lock:
             children = list(self._children.get(parent, {}).items())
@@ -197,12 +199,17 @@ class PrefixIndex:
             n = _common_prefix(want, packed, 16)
             if n and (best is None or n > best[1]):
                 best = (key, n)
-        if best is not None:
-            with self._lock:
-                if best[0] in self._lru:
-                    self._lru.move_to_end(best[0])
-                    self._children[parent].move_to_end(best[0])
+        if best is not None and touch:
+            self.touch(best[0])
         return best
+
+    def touch(self, key: str) -> None:
+        """Mark a block recently used (a no-op for a block the index does not hold)."""
+        with self._lock:
+            parent = self._lru.get(key)
+            if parent is not None:
+                self._lru.move_to_end(key)
+                self._children[parent].move_to_end(key)
 
     def clear(self) -> None:
         with self._lock:

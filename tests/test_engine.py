@@ -211,10 +211,10 @@ def test_a_failing_background_scaffold_is_logged_and_counted(loaded, docs, monke
     crashed = []
     monkeypatch.setattr("threading.excepthook", crashed.append)  # what an uncaught thread exception reaches
 
-    def broken(span, slot):
+    def broken(want):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(engine.assembler, "scaffold_piece", broken)
+    monkeypatch.setattr(engine.assembler, "ensure_stored", broken)
     prompt = [Text("Docs:\n"), Chunk(docs[0]), Text("\n\n"), Chunk(docs[1]), Text("\n\nQ?")]
     with caplog.at_level("ERROR", logger="pc_rag"):
         engine.generate(prompt, max_new_tokens=1)
@@ -237,9 +237,9 @@ def test_stats_while_scaffolds_are_built(loaded, monkeypatch):
 
     model, tok = loaded
     engine = pc_rag.Engine(model, tok, store="memory", auto_scaffold_after=1)
-    monkeypatch.setattr(engine.assembler, "scaffold_piece", lambda span, slot: None)  # no encode: only the dict
+    monkeypatch.setattr(engine.assembler, "ensure_stored", lambda want: None)  # no encode: only the dict
     for i in range(3000):  # a large dict, so one stats() spans many thread switches
-        engine.assembler.scaffolds[(10**6 + i,)] = {((10**6 + i,), (0,))}
+        engine.planner.scaffolds[(10**6 + i,)] = {((10**6 + i,), (0,))}
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as possible: the race shows within a few calls
     errors, done = [], threading.Event()

@@ -36,7 +36,7 @@ def string_prompt(docs) -> str:
 def chunk_keys(engine, docs) -> list[str]:
     from pc_rag.segments import TokenSegment
 
-    return engine.assembler.chunk_keys([TokenSegment("chunk", engine.segmenter.ids(d.strip()), 0) for d in docs])
+    return engine.planner.chunk_keys([TokenSegment("chunk", engine.segmenter.ids(d.strip()), 0) for d in docs])
 
 
 def test_discovered_documents_are_loaded_into_memory(disk_engine, docs):
