@@ -1,4 +1,4 @@
-"""The `pc-rag` command (also `python -m pc_rag`): demo, warm, stats, clear, bench, serve.
+"""The `pc-rag` command (also `python -m pc_rag`): demo, warm, explain, stats, clear, bench, serve.
 
 Cache folder (`--cache-dir`, default $PC_RAG_CACHE_DIR, else $XDG_CACHE_HOME/pc_rag, else ~/.cache/pc_rag):
 
@@ -80,6 +80,21 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warm", parents=[common, model], help="encode the KV of .txt/.md files into the store")
     p.add_argument("paths", nargs="+", metavar="DIR_OR_FILE")
     p.set_defaults(run=_warm)
+
+    p = sub.add_parser("explain", parents=[common, model],
+                       help="where each piece of a prompt's KV would come from, without running the model",
+                       description="Plan a prompt as a request would and print it piece by piece: tokens, slots, "
+                                   "positions, and where its KV would come from (a memory, disk or Redis hit, an "
+                                   "encode, or the forward). Runs no forward pass and leaves the store as it is. "
+                                   "Texts given with --chunk, or the chunks of --docs files (as `warm` cuts them), "
+                                   "become chunks wherever they appear in the prompt.")
+    p.add_argument("prompt", help="the prompt text; '-' reads it from stdin")
+    p.add_argument("--mode", default="modular", help="full, exact, modular (default) or blend")
+    p.add_argument("--chunk", action="append", default=[], metavar="TEXT", help="a document text (repeatable)")
+    p.add_argument("--docs", action="append", default=[], metavar="DIR_OR_FILE",
+                   help=".txt/.md files or folders whose chunks are documents (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the rows and totals as JSON")
+    p.set_defaults(run=_explain)
 
     p = sub.add_parser("stats", parents=[common], help="what the cache folder holds")
     p.add_argument("--json", action="store_true")
@@ -185,6 +200,30 @@ def _warm(args, _extra) -> int:
     engine, _, _ = _engine(args, cache_dir)
     new = engine.warm(chunks, progress=True)
     print(f"{len(chunks)} chunks: {new} encoded and stored, {len(chunks) - new} were already cached")
+    return 0
+
+
+def _explain(args, _extra) -> int:
+    import json
+    from dataclasses import asdict
+
+    from .options import check_mode
+    from .retrieval import read_documents
+
+    check_mode(args.mode)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise PCRagError("the prompt is empty; pass its text, or '-' to read it from stdin")
+    chunks = list(args.chunk) + (read_documents(args.docs) if args.docs else [])  # bad paths fail before the model
+    engine, _, _ = _engine(args, _cache_dir(args))
+    explained = engine.explain(engine.split(prompt, chunk_texts=chunks), args.mode)
+    if args.json:
+        print(json.dumps({"mode": explained.mode, "prompt_tokens": len(explained.plan.ids),
+                          "reused_tokens": explained.reused_tokens, "encoded_tokens": explained.encoded_tokens,
+                          "computed_tokens": explained.computed_tokens, "stored_tokens": explained.plan.stored_tokens,
+                          "rows": [asdict(r) for r in explained.rows]}, indent=2))
+    else:
+        print(explained)
     return 0
 
 
