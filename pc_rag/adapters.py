@@ -16,9 +16,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from .errors import PCRagError
-from .find import discover, discovery_enabled, index_for
 from .options import GenerationOptions
 from .segments import Chunk, Text
+from .text_index import discover, discovery_enabled, index_for
 
 __all__ = ["GenerationOptions", "SamplingOptions", "chat_prompt", "completion_prompt", "discover",
            "discovery_enabled", "register", "render_chat", "shared_engine", "stream_generation", "usage"]

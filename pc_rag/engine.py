@@ -20,20 +20,20 @@ from dataclasses import dataclass
 
 import torch
 
-from . import prefetch
 from .assemble import Assembled, Assembler, Recompute
 from .batch import MAX_BATCH, BatchDecoder, DecodeStream, TurnLock, decode_steps_needed
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
-from .find import DISCOVERED, ChunkIndex, ReplyIndex, discovery_enabled, marked, resolve
 from .lookups import WhereLookups
 from .model import LlamaRunner
 from .options import DEFAULT_RECOMPUTE_RATIO, MODES, GenerationOptions, check_device
 from .plan import COMPUTE, COPY, ENCODE, READ, STORED, Plan, Planner
 from .pml import PML, Schema, SchemaRegistry
-from .scaffolds import CoRetrievalCounter
+from .prefetch import PREFETCHER, Prefetcher
+from .scaffolds import ScaffoldBuilder
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment
 from .store import open_store
+from .text_index import DISCOVERY, ChunkIndex, Discovery, ReplyIndex, marked, resolve
 
 log = logging.getLogger("pc_rag")
 
@@ -154,14 +154,19 @@ class Engine:
     batch_decoding = True
     max_batch = MAX_BATCH  # requests per decode step; more wait for a row to free up
 
-    def __init__(self, model, tokenizer, store=None, auto_scaffold_after: int | None = None):
+    def __init__(self, model, tokenizer, store=None, auto_scaffold_after: int | None = None,
+                 discovery: Discovery | None = None, prefetcher: Prefetcher | None = None):
         """`store`: a store object or spec (see `pc_rag.store.open_store`): "memory", "disk:PATH",
         "redis://host:port/db", or a list of those as tiers. Default: memory over a disk tier in
         $PC_RAG_CACHE_DIR (else ~/.cache/pc_rag).
 
         `auto_scaffold_after`: when the same chunks (in the same order) have come together in this many
         prompts, encode them jointly in the background and reuse the joint KV from then on. Off by default:
-        each group costs its own copy of its chunks' KV (see `stats()["scaffolds"]`)."""
+        each group costs its own copy of its chunks' KV (see `stats()["scaffolds"]`).
+
+        `discovery` and `prefetcher`: where this engine finds the documents the framework hooks discovered, and the
+        worker that prefetches their KV (pc_rag.text_index, pc_rag.prefetch); by default the process's own, which
+        the hooks feed. Give an engine its own to keep it apart from the others in the process."""
         self.runner = LlamaRunner(model, tokenizer)
         self.tokenizer = tokenizer
         self.segmenter = SegmentTokenizer(tokenizer)
@@ -183,17 +188,16 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        self.co_retrieval = CoRetrievalCounter(auto_scaffold_after) if auto_scaffold_after else None
         # Texts a plain-string prompt is cut at: chunks registered with this engine (`register`), replies it
         # generated (given back their generated tokens), and the documents the framework hooks discovered.
         self.chunks = ChunkIndex()
         self.replies = ReplyIndex()
-        self._background: list[threading.Thread] = []
-        # Guards the assembler's scaffold dict against background builders (stats() iterating it while a
-        # build added a group raised "dictionary changed size during iteration"), the thread list and the count:
-        self._scaffold_lock = threading.Lock()
-        self._scaffolds_failed = 0  # automatic scaffold builds that raised (logged on the "pc_rag" logger)
-        prefetch.watch(self)
+        self.scaffolds = ScaffoldBuilder(self.planner, self.assembler, self._describe_group, auto_scaffold_after)
+        # Handed in or the process's own: the documents the framework hooks discovered (this engine splits prompts
+        # at them and prefetches them), and the worker that loads their KV in the background.
+        self.discovery = discovery if discovery is not None else DISCOVERY
+        self.discovery.watch(self)
+        self.prefetcher = prefetcher if prefetcher is not None else PREFETCHER
         self._decoder: BatchDecoder | None = None  # built on the first batched request (max_batch read then)
         self._decoder_lock = threading.Lock()
         # One prefill at a time, in arrival order (batch.py: a burst's first request answers after one prefill).
@@ -279,7 +283,7 @@ class Engine:
         memory (0 when the store has no persistent tier under a memory tier, or holds none of them). A text is
         keyed as a chunk that follows a newline in a prompt string (its stripped text, tokenized on its own)."""
         texts = [t for t in texts if isinstance(t, str) and t.strip()]
-        return prefetch.submit(lambda: self._prefetch_now(texts))
+        return self.prefetcher.submit(lambda: self._prefetch_now(texts))
 
     def _prefetch_now(self, texts: list[str]) -> int:
         if not self.store.can_prefetch:
@@ -295,8 +299,8 @@ class Engine:
         if not isinstance(text, str):
             raise PromptError(f"split takes the prompt as a str, got {type(text).__name__}")
         found = self.chunks.candidates(text) + self.replies.candidates(text) + marked(text, chunk_texts)
-        if discovered and discovery_enabled():
-            found += DISCOVERED.candidates(text)
+        if discovered:
+            found += self.discovery.candidates(text)
         return self.segmenter.split(text, resolve(found))
 
     def pml(self, prompt: str) -> list[Text | Chunk]:
@@ -309,8 +313,7 @@ class Engine:
         each chunk sees the ones before it, as in a full prefill."""
         texts = [(c if isinstance(c, Chunk) else Chunk(c)).text for c in chunks]  # Chunk() checks the text
         group = [self.segmenter.ids(t) for t in texts]
-        with self._scaffold_lock:
-            self.planner.add_scaffold(group)
+        self.scaffolds.declare(group)
 
     def add_schema(self, pml: str) -> Schema:
         """Register a PML schema; later prompts may be PML `<prompt schema="...">` strings."""
@@ -357,9 +360,7 @@ class Engine:
         failed (each logged on the "pc_rag" logger); prefix blocks this process's index knows; texts registered
         as chunks with this engine and replies it remembers; decode: batched decode steps, the tokens they
         produced, the largest batch seen, requests decoding and waiting for a row now."""
-        with self._scaffold_lock:  # a snapshot: background builds may add groups meanwhile
-            groups = list(self.planner.scaffolds.values())
-            failed = self._scaffolds_failed
+        groups, failed = self.scaffolds.snapshot()  # background builds may add groups meanwhile
         decoder = self._decoder
         decode = decoder.stats() if decoder is not None else {
             "active": 0, "waiting": 0, "steps": 0, "tokens": 0, "max_batch": self.max_batch, "max_batch_seen": 0}
@@ -372,12 +373,7 @@ class Engine:
 
     def wait_for_background(self, timeout: float | None = None) -> None:
         """Wait for background work (automatic scaffold encodes) to finish."""
-        with self._scaffold_lock:
-            threads = list(self._background)
-        for t in threads:
-            t.join(timeout)
-        with self._scaffold_lock:
-            self._background = [t for t in self._background if t.is_alive()]
+        self.scaffolds.wait(timeout)
 
     # ---- the request path ------------------------------------------------------------------------------
     def _segments(self, prompt: Prompt | str | PML):
@@ -419,39 +415,9 @@ class Engine:
         recompute = Recompute(recompute_ratio, self.blend_selection) if mode == "blend" else None
         lookups = self.assembler.lookups()
         plan = self.planner.plan(segments, mode, lookups)
-        if self.co_retrieval is not None and mode in ("modular", "blend"):
-            self._count_co_retrieval(segments)
+        if mode in ("modular", "blend"):
+            self.scaffolds.observe(segments)
         return self.assembler.assemble(plan, lookups.blocks, extra_capacity, recompute)
-
-    def _count_co_retrieval(self, segments) -> None:
-        idx = [i for i, s in enumerate(segments) if s.kind == "chunk"]
-        if len(idx) < 2:
-            return
-        span = segments[idx[0]: idx[-1] + 1]
-        if any(b.start != a.end for a, b in zip(span, span[1:], strict=False)):
-            return  # a group is only reusable where its segments sit at consecutive positions
-        group = tuple(s.token_ids for s in span if s.kind == "chunk")
-        if self.co_retrieval.observe(group):
-            t = threading.Thread(target=self._build_scaffold, args=(span, group), name="pc_rag-scaffold",
-                                 daemon=True)
-            with self._scaffold_lock:
-                self._background = [b for b in self._background if b.is_alive()]  # finished ones are dropped
-                self._background.append(t)
-            t.start()
-
-    def _build_scaffold(self, span, group) -> None:
-        """Background: encode a frequent group jointly, then declare it (only once its KV is stored, so no
-        request waits for the encode). A failure costs only the speed-up: the group's requests keep using
-        each chunk's own KV, so it is logged and counted, never raised into the thread."""
-        try:
-            self.assembler.ensure_stored(self.planner.scaffold_wanted(span))
-            with self._scaffold_lock:
-                self.planner.add_scaffold(group)
-        except Exception:
-            with self._scaffold_lock:
-                self._scaffolds_failed += 1
-            log.exception("pc_rag: automatic scaffold of %s failed; requests keep using each chunk's own KV",
-                          self._describe_group(group))
 
     def _describe_group(self, group) -> str:
         def preview(ids):

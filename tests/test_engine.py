@@ -256,7 +256,7 @@ def test_stats_while_scaffolds_are_built(loaded, monkeypatch):
     poller.start()
     try:
         for i in range(300):
-            engine._count_co_retrieval([TokenSegment("chunk", (i, 1), 0), TokenSegment("chunk", (i, 2), 2)])
+            engine.scaffolds.observe([TokenSegment("chunk", (i, 1), 0), TokenSegment("chunk", (i, 2), 2)])
         engine.wait_for_background(timeout=60)
     finally:
         done.set()

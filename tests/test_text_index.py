@@ -6,8 +6,8 @@ import time
 import pytest
 
 from pc_rag.errors import PCRagError
-from pc_rag.find import ChunkIndex, index_for
 from pc_rag.segments import Chunk, Text
+from pc_rag.text_index import ChunkIndex, index_for
 
 DOC_A = "Paris is the capital of France. It lies on the Seine."
 DOC_B = "The Rhine flows through Basel, Strasbourg and Cologne."
