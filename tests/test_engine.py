@@ -264,3 +264,21 @@ def test_stats_while_scaffolds_are_built(loaded, monkeypatch):
         sys.setswitchinterval(old_interval)
     assert errors == []
     assert engine.stats()["scaffolds"]["groups"] == 3000 + 300
+
+
+def test_engines_given_their_own_discovery_share_nothing(loaded):
+    """Reference: the segments each engine cuts the same string into: only the engine watching the Discovery that
+    holds the document makes it a Chunk."""
+    from pc_rag.prefetch import Prefetcher
+    from pc_rag.text_index import Discovery
+
+    model, tok = loaded
+    own = Discovery()
+    mine = pc_rag.Engine(model, tok, store="memory", discovery=own, prefetcher=Prefetcher())
+    shared = pc_rag.Engine(model, tok, store="memory")
+    doc = "A document that only one engine's own discovery registry holds, about owls and lighthouses."
+    own.discover([doc])
+    text = "Context:\n" + doc + "\n\nQuestion: what is it about?"
+    assert [type(s).__name__ for s in mine.split(text)].count("Chunk") == 1
+    assert not any(isinstance(s, Chunk) for s in shared.split(text))
+    assert mine.prefetcher.wait_idle(30)  # its prefetch ran on its own worker (memory only: nothing to load)
