@@ -1,6 +1,6 @@
 """Answer fidelity per mode against `full`: how far does reuse move the model's output?
 
-    python benchmarks/fidelity.py --prompts 12 --chunks 4 --out bench_out
+    python -m benchmarks.fidelity --prompts 12 --chunks 4 --out bench_out
 
 For each prompt (a system text, k chunks, a question) and each mode, against `full` on the same tokens:
 - KL(full || mode) of the next-token distribution after the prompt,
@@ -34,7 +34,7 @@ import pc_rag
 from pc_rag.assemble import Assembler
 from pc_rag.store import MemoryStore
 
-from .ttft import build_prompt, model_or_bench
+from .common import build_prompt, model_or_bench
 
 RATIOS = (0.05, 0.15, 0.3)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from .errors import PCRagError
 
 EXIT_USAGE = 2
-_BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "ttft.py"
+_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"  # in a source checkout, beside pc_rag/
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=_serve)
 
-    p = sub.add_parser("bench", help="run benchmarks/ttft.py (arguments pass through; try `bench -h`)",
+    p = sub.add_parser("bench", help="run python -m benchmarks.ttft (arguments pass through; try `bench -h`)",
                        add_help=False)
     p.set_defaults(run=_bench)
     return parser
@@ -173,8 +173,8 @@ def _check_model(model: str) -> str:
 
 def _demo(args, _extra) -> int:
     from .demo import QUESTIONS, format_report, run_demo
-    from .embeddings import SentenceEmbedder
-    from .retrieval import VectorIndex, corpus_chunks
+    from .demo.embeddings import SentenceEmbedder
+    from .demo.retrieval import VectorIndex, corpus_chunks
 
     questions = list(args.question or QUESTIONS[: args.questions])
     if not questions:
@@ -193,7 +193,7 @@ def _demo(args, _extra) -> int:
 
 
 def _warm(args, _extra) -> int:
-    from .retrieval import read_documents
+    from .demo.retrieval import read_documents
 
     chunks = read_documents(args.paths)  # before loading a model: a bad path fails fast
     cache_dir = _cache_dir(args)
@@ -207,8 +207,8 @@ def _explain(args, _extra) -> int:
     import json
     from dataclasses import asdict
 
+    from .demo.retrieval import read_documents
     from .options import check_mode
-    from .retrieval import read_documents
 
     check_mode(args.mode)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -302,14 +302,16 @@ def _serve(args, _extra) -> int:
 
 
 def _bench(_args, extra) -> int:
-    if not _BENCH.is_file():
-        raise PCRagError(f"{_BENCH} is not in this install; run `pc-rag bench` from a source checkout of pc_rag")
-    saved = sys.argv
-    sys.argv = [str(_BENCH), *extra]
+    """`python -m benchmarks.ttft ARGS` (the benchmarks run as modules of the `benchmarks` package)."""
+    if not (_BENCHMARKS / "ttft.py").is_file():
+        raise PCRagError(f"{_BENCHMARKS} is not in this install; run `pc-rag bench` from a source checkout of pc_rag")
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = ["benchmarks.ttft", *extra]
+    sys.path.insert(0, str(_BENCHMARKS.parent))
     try:
-        runpy.run_path(str(_BENCH), run_name="__main__")
+        runpy.run_module("benchmarks.ttft", run_name="__main__", alter_sys=True)
     finally:
-        sys.argv = saved
+        sys.argv, sys.path[:] = saved_argv, saved_path
     return 0
 
 

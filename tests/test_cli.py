@@ -57,7 +57,7 @@ def test_warm_then_stats_then_clear(tiny_path, tmp_path, capsys):
     (docs / "b.md").write_text(topics["while"])
     (docs / "skip.bin").write_bytes(b"\0\1")  # not .txt/.md: ignored
     cache = ["--cache-dir", str(tmp_path / "cache")]
-    from pc_rag.retrieval import read_documents
+    from pc_rag.demo.retrieval import read_documents
 
     expected = len(read_documents([docs]))
 
@@ -81,8 +81,8 @@ def test_explain_after_warm_shows_disk_hits_without_running_the_model(tiny_path,
     files and their times before the call (unchanged); the model's forward raises if called."""
     from pydoc_data.topics import topics
 
+    from pc_rag.demo.retrieval import read_documents
     from pc_rag.model import LlamaRunner
-    from pc_rag.retrieval import read_documents
     from pc_rag.store import block_files
 
     docs = tmp_path / "docs"
@@ -111,6 +111,15 @@ def test_explain_after_warm_shows_disk_hits_without_running_the_model(tiny_path,
     assert lines[0].split()[:2] == ["kind", "tokens"] and lines[-1].startswith("modular: ")
     assert cli.main(["explain", "  ", *cache]) == cli.EXIT_USAGE
     assert "the prompt is empty" in capsys.readouterr().err
+
+
+def test_bench_runs_the_ttft_benchmark_as_a_module(capsys, monkeypatch, tmp_path):
+    """Reference: benchmarks/ttft.py's own argument parser answering -h (it imports benchmarks.common, so it only
+    runs as a module of the benchmarks package), from any working directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "-h"])
+    assert done.value.code == 0 and "--lengths" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args", [["warm", "/no/such/folder"], ["demo", "--model", "/no/such/model"]])
