@@ -75,7 +75,8 @@ def register(engine, texts) -> int:
     return index_for(engine).add_many(texts)
 
 
-# The generation options every adapter exposes: the engine's own checked options object (one definition).
+# The earlier name of the options the adapters build: the engine's own checked GenerationOptions (one definition;
+# the adapters use that name now).
 SamplingOptions = GenerationOptions
 
 

@@ -28,7 +28,7 @@ from .model import LlamaRunner, SlotCache
 from .options import MODES  # noqa: F401  (pc_rag.assemble.MODES, as before: the serve schema imports it here)
 from .plan import COPY, ENCODE, READ, STORED, Piece, Plan, Planner, Wanted
 from .prefix import EXTENT_BLOCKS, Link, Run, after_link, extents, far_groups, in_groups, run_blocks
-from .store import PendingBlock, Sink, Store
+from .store import PendingBlock, ReadTarget, Store
 
 MAX_KNOWN_EXTENTS = 65536  # extent keys remembered (Assembler.extents_stored): ~5 MB
 SELECTIONS = ("chunk_start", "deviation", "progressive")
@@ -264,7 +264,7 @@ class Assembler:
         starts: dict[str, int] = {}
         reads = list(first.values())
         read = self.store.read_pending([blocks[p.key] for p in reads],
-                                       [self._sink(p, plan.ids, cache, rotations, starts) for p in reads])
+                                       [self._read_target(p, plan.ids, cache, rotations, starts) for p in reads])
         ok = {p.key for p, got in zip(reads, read, strict=True) if got}
         for p in pending:
             src = first[p.key]
@@ -296,8 +296,8 @@ class Assembler:
         in_hand[p.slot] = block
         return replace(p, origin=origin, load=ENCODE if origin == "computed" else COPY)
 
-    def _sink(self, p: Piece, ids: tuple[int, ...], cache: SlotCache, rotations: list[tuple[torch.Tensor, int]],
-              starts: dict[str, int]) -> Sink:
+    def _read_target(self, p: Piece, ids: tuple[int, ...], cache: SlotCache,
+                     rotations: list[tuple[torch.Tensor, int]], starts: dict[str, int]) -> ReadTarget:
         """What takes piece p's block once read and checked (in a reader thread): p's slots, which the disk tier
         reads a bit-exact block straight into (then its tokens are left to check, and a relocated block's keys to
         rotate: noted in `rotations` for the caller), and the copy of any other block (its tensors view a staging
@@ -326,7 +326,7 @@ class Assembler:
                 dv.copy_(block.values)
             return True
 
-        return Sink(take, dk, dv)
+        return ReadTarget(take, dk, dv)
 
     @staticmethod
     def _reused(pieces: Sequence[Piece], slot: int) -> bool:

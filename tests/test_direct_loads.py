@@ -694,7 +694,7 @@ def test_blocks_land_in_the_buffer_bit_for_bit(tiny_path, tmp_path, dtype):
         assert torch.equal(got.keys, ref_k) and torch.equal(got.values, ref_v)
 
 
-def test_the_sink_falls_back_to_relocate_off_the_numpy_path(engine):
+def test_the_read_target_falls_back_to_relocate_off_the_numpy_path(engine):
     """Buffers on an accelerator (no machine with one here) take `runner.relocate`, as does a block of another
     dtype: exercised on the CPU with a float64 block. Reference: the block cast to the buffer's dtype."""
     from pc_rag.plan import Piece
@@ -705,7 +705,7 @@ def test_the_sink_falls_back_to_relocate_off_the_numpy_path(engine):
     k = torch.randn(shape.num_layers, shape.kv_heads, 32, shape.head_dim, generator=g, dtype=torch.float64)
     v = torch.randn(k.shape, generator=g, dtype=torch.float64)
     ids = tuple(range(64))
-    take = engine.assembler._sink(Piece(32, 32, "prefix", "prefix", 32), ids, cache, [], {}).take
+    take = engine.assembler._read_target(Piece(32, 32, "prefix", "prefix", 32), ids, cache, [], {}).take
     assert take(KVBlock(k, v, ids[32:], 32)) is True
     dk, dv = cache.block_views(32, 64)
     assert torch.equal(dk, k.float()) and torch.equal(dv, v.float())

@@ -3,7 +3,8 @@
 Every store subclasses `Store` (tier.py), the one interface the engine calls: `get`, `put`, `clear` and
 `tier_stats`, which a store must define, and, with defaults built on those, the batch lookups
 (`get_many_with_source(keys, tiers=...)`, `find_many_with_source`, which leaves disk and Redis blocks unread as
-PendingBlocks for `read_pending` to read straight into a request's buffer: a `Sink` names the slots),
+PendingBlocks for `read_pending` to read straight into a request's buffer: a `ReadTarget`, alias `Sink`, names
+the slots),
 `where(keys)` (which tier holds each key, reading and counting nothing: `Engine.explain`), `put_volatile` (memory
 only) and `put_persistent` (disk and Redis only: the engine's extents of prefix blocks), `promote`, `prefetch`
 (pc_rag.prefetch) and `set_placement` (TieredStore places blocks read from lower tiers, e.g. on the engine's
@@ -33,6 +34,7 @@ from .tier import (
     ForeignStore,
     Held,
     PendingBlock,
+    ReadTarget,
     Sink,
     Store,
     StoreUsageError,
@@ -57,6 +59,7 @@ __all__ = [
     "Held",
     "MemoryStore",
     "PendingBlock",
+    "ReadTarget",
     "RedisStore",
     "Sink",
     "Store",

@@ -73,15 +73,15 @@ class PendingBlock:
 
 
 @dataclass(frozen=True)
-class Sink:
-    """Where `read_into` hands a block it read for the caller: `take(block) -> bool` (True: used). `keys` and
-    `values`, when given, are where the block belongs: CPU tensors [L, H_kv, T, D] whose [T, D] planes are each
-    contiguous (a request buffer's slots). A block stored bit-exact in their shape and dtype is then read from its
-    file straight into them, verified there, and the block `take` gets views them: nothing is left to copy. A
-    compressed block of their shape and dtype is verified where it was read (a staging buffer, a Redis reply) and
-    dequantized straight into them, and the block `take` gets views them too. (If a block fails its checks they may
-    hold garbage, and `take` is not called.) Any other block (of another dtype or shape) views a staging buffer or
-    the reply, and `take` copies it."""
+class ReadTarget:
+    """Where `read_into` hands a block it read for the caller (the tiers' read calls name it a sink):
+    `take(block) -> bool` (True: used). `keys` and `values`, when given, are where the block belongs: CPU tensors
+    [L, H_kv, T, D] whose [T, D] planes are each contiguous (a request buffer's slots). A block stored bit-exact in
+    their shape and dtype is then read from its file straight into them, verified there, and the block `take` gets
+    views them: nothing is left to copy. A compressed block of their shape and dtype is verified where it was read
+    (a staging buffer, a Redis reply) and dequantized straight into them, and the block `take` gets views them too.
+    (If a block fails its checks they may hold garbage, and `take` is not called.) Any other block (of another
+    dtype or shape) views a staging buffer or the reply, and `take` copies it."""
 
     take: Callable[[KVBlock], bool]
     keys: torch.Tensor | None = None
@@ -93,9 +93,14 @@ class Sink:
         return None if self.keys is None or self.values is None else (self.keys, self.values)
 
     @staticmethod
-    def of(sink: Sink | Callable[[KVBlock], bool]) -> Sink:
-        """A Sink, or a plain `take(block) -> bool` made one (with no slots)."""
-        return sink if isinstance(sink, Sink) else Sink(sink)
+    def of(sink: ReadTarget | Callable[[KVBlock], bool]) -> ReadTarget:
+        """A ReadTarget, or a plain `take(block) -> bool` made one (with no slots)."""
+        return sink if isinstance(sink, ReadTarget) else ReadTarget(sink)
+
+
+# The name the tiers' read calls and earlier versions use. "Sink" also names the attention-sink tokens chunks are
+# encoded after (pc_rag.plan), so code outside the store says ReadTarget.
+Sink = ReadTarget
 
 
 # A request's blocks are read and decoded in parallel: file reads, zstd and the xxh3 checksum release the GIL.
