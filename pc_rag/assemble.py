@@ -44,7 +44,7 @@ class Recompute:
             on only the `ratio` share whose layer-1 keys moved most from the cached ones.
             "progressive" (CacheBlend as published): the same, narrowed layer by layer, from PROGRESSIVE_START
             times the share at layer 1 down to the share at the last layer.
-            `tokens_per_layer` says what each computes; what each recovers and costs: README, "Blend".
+            `tokens_per_layer` says what each computes; what each recovers and costs: docs/results.md, "Blend".
     """
 
     ratio: float
@@ -460,7 +460,7 @@ class Assembler:
 # so a deep model pays little more than the share (token-layers: 0.55 of a full recompute at 4 layers, 0.38 at
 # 8, 0.24 at 32, for ratio 0.2). Measured on the trained retrieval model (two hop, ratio 0.2, 1,000 prompts; at
 # its 4 layers the schedule is 3x, 2x, 1x): starting at 2x recovered 62% / 84% of modular's loss at 3 / 4 chunks,
-# 3x 89% / 89%, 5x 93% / 97%, at a growing cost. README "Blend" has the tables.
+# 3x 89% / 89%, 5x 93% / 97%, at a growing cost. docs/results.md ("Blend") has the tables.
 PROGRESSIVE_START = 3
 
 

@@ -138,11 +138,11 @@ class Engine:
 
     # How blend picks the tokens it recomputes (assemble.Recompute). "progressive" (CacheBlend's layer-by-layer
     # narrowing) at the default ratio 0.2 is the setting that recovers 90% of modular's two-hop accuracy loss on
-    # the trained retrieval model at 3 and 4 chunks (two seeds of 1,000 prompts, pooled; README "Blend"), where
+    # the trained retrieval model at 3 and 4 chunks (two seeds of 1,000 prompts, pooled; docs/results.md), where
     # "deviation" (one selection) recovers about half and "chunk_start" (EPIC, no probe) under half at that
     # ratio. It costs more than the ratio: its probe runs layer 0 over every chunk token and its first layers
     # keep more tokens (token-layers 0.55 of a full recompute at 4 layers, 0.24 at 32); "chunk_start" costs
-    # exactly the ratio. The measured TTFT of each is in the README.
+    # exactly the ratio. The measured TTFT of each is in docs/results.md.
     blend_selection = "progressive"
     # Documents the framework hooks discover are prefetched from disk/Redis into memory (pc_rag.prefetch).
     prefetch_on_discover = True

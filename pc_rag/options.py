@@ -22,7 +22,7 @@ MODES = ("full", "exact", "modular", "blend")
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
-# blend's default share of reused chunk tokens recomputed (with Engine.blend_selection): README, "Blend".
+# blend's default share of reused chunk tokens recomputed (with Engine.blend_selection): docs/results.md, "Blend".
 DEFAULT_RECOMPUTE_RATIO = 0.2
 
 
