@@ -327,9 +327,11 @@ def test_keyless_loopback_serves_only_loopback_host_names(open_loopback, host, s
 
 def test_a_client_that_leaves_during_prefill_frees_its_place_at_once(open_loopback):
     """--max-running 1. Reference: the same-sized prefill (180 distinct chunks, one encode each) run to its end,
-    timed here. A client that leaves 0.5 s into such a prefill (its request seen running by /health first): the
-    next request is done well within a third of that time, because the prefill stops at its next chunk encode.
-    Before: it waited for the whole prefill (a request was stopped only between decode steps)."""
+    timed here. A client that leaves a quarter of the way into such a prefill (its request seen running by /health
+    first; at most 0.5 s in): the next request is done within half of that time, because the prefill stops at its
+    next chunk encode; waiting for the rest of the prefill would take three quarters of it. Before: it waited for
+    the whole prefill (a request was stopped only between decode steps). The prefill took 0.5 to 6 s on the tiny
+    model here, so the time to leave follows it."""
     def heavy_body() -> bytes:
         chunks = [f"n{i} {uuid.uuid4().hex[:6]}" for i in range(180)]
         return json.dumps({"prompt": "\n".join(chunks) + "\nQ?", "chunks": chunks, "max_tokens": 1}).encode()
@@ -346,14 +348,14 @@ def test_a_client_that_leaves_during_prefill_frees_its_place_at_once(open_loopba
     while open_loopback.health()["running"] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert open_loopback.health()["running"] == 1
-    time.sleep(0.5)
+    time.sleep(min(0.5, whole / 4))
     leaving.close()
     t0 = time.monotonic()
     r = httpx.post(open_loopback.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
     after = time.monotonic() - t0
     assert r.status_code == 200
     print(json.dumps({"whole_prefill_s": whole, "next_request_after_leaving_s": after}))
-    assert whole > 1.5 and after < whole / 3, (whole, after)
+    assert whole > 0.3 and after < whole / 2, (whole, after)
 
 
 def test_the_tenant_is_known_to_the_request(loaded, tiny_path, caplog):
