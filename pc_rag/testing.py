@@ -152,3 +152,113 @@ def fresh_engine(path: str):
 
     model, tokenizer = loaded(str(path))
     return Engine(model, tokenizer, store=MemoryStore())
+
+
+class LocalRedisCluster:
+    """A Redis Cluster (or Valkey cluster) of `masters` nodes on free loopback ports, without replicas or
+    persistence, for tests and benchmarks: `start()` launches the servers with `--cluster-enabled yes` and joins
+    them with `<cli> --cluster create ... --cluster-yes`; `stop_node(i)` / `start_node(i)` kill and restart one
+    (it keeps its slots: its nodes.conf stays in `folder`); `spec` is the store spec. `server`: "redis-server" or
+    "valkey-server" (the matching cli is used). `cluster-require-full-coverage no`: the other masters keep
+    serving their slots while one is down (the setting docs/store.md asks for)."""
+
+    def __init__(self, folder, masters: int = 3, server: str = "redis-server", node_timeout_ms: int = 1000):
+        import shutil
+
+        self.folder = Path(folder)
+        self.server = shutil.which(server)
+        self.cli = shutil.which(server.replace("-server", "-cli"))
+        if self.server is None or self.cli is None:
+            raise PCRagError(f"{server} or its cli is not installed (apt-get install {server.split('-')[0]})")
+        self.ports = [_free_cluster_port() for _ in range(masters)]
+        self.node_timeout_ms = node_timeout_ms
+        self.procs: list = [None] * masters
+
+    @property
+    def spec(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start(self) -> LocalRedisCluster:
+        import subprocess
+
+        for i in range(len(self.ports)):
+            self.start_node(i)
+        subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        self.wait_ok()
+        return self
+
+    def start_node(self, i: int) -> None:
+        import subprocess
+
+        port = self.ports[i]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.procs[i] = subprocess.Popen(
+            [self.server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.folder), "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+             "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-require-full-coverage", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for_port(port)
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every running node reports cluster_state:ok."""
+        import subprocess
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            states = [subprocess.run([self.cli, "-p", str(p), "cluster", "info"], capture_output=True, text=True,
+                                     timeout=10).stdout for p, proc in zip(self.ports, self.procs, strict=True) if proc]
+            if all("cluster_state:ok" in s for s in states):
+                return
+            time.sleep(0.1)
+        raise PCRagError(f"the redis cluster on ports {self.ports} did not reach cluster_state:ok")
+
+    def stop_node(self, i: int) -> None:
+        if self.procs[i] is not None:
+            self.procs[i].kill()
+            self.procs[i].wait(timeout=10)
+            self.procs[i] = None
+
+    def stop(self) -> None:
+        for i in range(len(self.procs)):
+            self.stop_node(i)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _free_cluster_port() -> int:
+    """A loopback port that is free with its cluster bus port (port + 10000, which must stay under 65536)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randrange(20000, 50000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise PCRagError("no free pair of loopback ports for a redis cluster node")
+
+
+def _wait_for_port(port: int, timeout_s: float = 10.0) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise PCRagError(f"nothing listens on 127.0.0.1:{port} after {timeout_s:g} s")

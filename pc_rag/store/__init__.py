@@ -18,6 +18,9 @@ any such object. Build stores with `open_store(spec)`:
                    by bytes; never touches a file it did not name; reads a request's files in parallel
     redis_tier.py  RedisStore: safetensors blobs in a shared Redis, TTL; the server bounds the size; one
                    pipelined round trip per batch
+    redis_cluster.py  RedisClusterStore: the Redis tier over a Redis Cluster or Valkey cluster: keys split by
+                   hash slot, one RedisStore (pipeline, deadline) per master, read in parallel; a node down is
+                   misses for its slots
     tiered.py      TieredStore: tiers top to bottom, read-through promotion, write-through; a failing
                    tier is a miss, never an error (reads and writes paused apart)
     codec.py       block <-> safetensors bytes (exact, or int8 with `compress=int8`), with the key, layout,
@@ -28,6 +31,7 @@ any such object. Build stores with `open_store(spec)`:
 from .codec import CorruptBlockError
 from .disk import BLOCKS_DIR, DiskStore, block_files
 from .memory import MemoryStore
+from .redis_cluster import RedisClusterStore
 from .redis_tier import RedisStore
 from .spec import default_cache_dir, open_store, parse_bytes
 from .tier import (
@@ -60,6 +64,7 @@ __all__ = [
     "MemoryStore",
     "PendingBlock",
     "ReadTarget",
+    "RedisClusterStore",
     "RedisStore",
     "Sink",
     "Store",

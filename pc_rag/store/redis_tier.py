@@ -60,6 +60,16 @@ MIN_TRANSFER_BYTES_PER_S = 16 << 20
 BLOB_OVERHEAD_BYTES = 64 << 10
 
 
+class ClusterRedirectError(StoreError):
+    """A cluster node answered MOVED or ASK: the key's slot is served elsewhere (used alone, point the store at the
+    cluster with `redis+cluster://`; RedisClusterStore refreshes its slot map)."""
+
+
+def _redirected(error: BaseException) -> bool:
+    """A MOVED or ASK reply (redis-py parses them as MovedError / AskError, its message without the word)."""
+    return type(error).__name__ in ("MovedError", "AskError") or str(error).startswith(("MOVED ", "ASK "))
+
+
 class TierSlowError(TierUnavailableError):
     """A batch took longer than its deadline: the tier is answered as down (a miss now, skipped for a while)."""
 
@@ -220,6 +230,8 @@ class RedisStore(Store):
             with self._lock:
                 self.stats.errors += 1
             message = f"redis store {self.url}: {what} failed: {type(e).__name__}: {e}"
+            if _redirected(e):
+                raise ClusterRedirectError(message) from e
             if isinstance(e, self._unreachable):  # no answer at all: reads and writes fail alike
                 raise TierUnavailableError(message) from e
             raise StoreError(message) from e  # the server answered with an error (e.g. OOM on SET)
@@ -322,7 +334,8 @@ class RedisStore(Store):
             if isinstance(data, Exception) and not str(data).startswith("WRONGTYPE"):
                 with self._lock:
                     self.stats.errors += 1
-                raise StoreError(f"redis store {self.url}: GET {name} failed: {type(data).__name__}: {data}")
+                message = f"redis store {self.url}: GET {name} failed: {type(data).__name__}: {data}"
+                raise (ClusterRedirectError if _redirected(data) else StoreError)(message)
         # Decoded in the reader threads: checksums and zstd release the GIL, and a compressed prompt's decoding
         # took as long as its transfer in this thread alone.
         decoded = in_parallel(_decode, list(zip(keys, replies, outs, strict=True)))
@@ -353,7 +366,7 @@ class RedisStore(Store):
         bad += stale
         if bad:
             try:  # a second round trip only when something was damaged; a put would overwrite it anyway
-                self._call("UNLINK", self._client.unlink, *bad)
+                self._unlink(bad)
             except StoreError as e:
                 log.debug("redis store: cannot remove corrupt entries %s (%s)", bad, e)
         return blocks
@@ -368,7 +381,18 @@ class RedisStore(Store):
         """Deletes every key under this store's prefix (on the whole server database, all processes)."""
         names = self._call("SCAN", lambda: list(self._client.scan_iter(match=self.prefix + "*", count=1000)))
         for i in range(0, len(names), 1000):
-            self._call("UNLINK", self._client.unlink, *names[i : i + 1000])
+            self._unlink(names[i : i + 1000])
+
+    def _unlink(self, names: list) -> None:
+        """One round trip: a pipeline of single-key UNLINKs (a cluster node refuses one UNLINK of keys in several
+        slots)."""
+        def unlink():
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.unlink(name)
+            return pipe.execute()
+
+        self._call("UNLINK", unlink)
 
     def server_usage(self) -> tuple[int, int]:
         """(used_memory bytes, number of keys) of the server database: one round trip each."""

@@ -6,17 +6,19 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from .disk import DiskStore
 from .memory import MemoryStore
+from .redis_cluster import RedisClusterStore
 from .redis_tier import RedisStore
 from .tier import Store, StoreUsageError, as_store, looks_like_store
 from .tiered import TieredStore
 
 SPEC_HELP = (
     "a store spec is 'memory', 'memory:<size>', 'disk', 'disk:<path>', 'disk:<path>?max_bytes=<size>&compress=int8', "
-    "'redis://host:port/db' (options ?ttl_s=<s>&prefix=<p>&compress=int8), a list of those (top tier first), or a "
+    "'redis://host:port/db' (options ?ttl_s=<s>&prefix=<p>&compress=int8), 'redis+cluster://host:port,host:port' "
+    "(the same options), a list of those (top tier first), or a "
     "store object; sizes are bytes or use KB/MB/GB/TB or KiB/MiB/GiB/TiB"
 )
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -51,6 +53,8 @@ def open_store(spec: str | Store | Sequence[str | Store] | None = None) -> Store
       8-bit keys and values with scales (lossy, about a quarter of float32's bytes; see docs/store.md).
     - "redis://host:6379/0", "redis://host:6379/0?ttl_s=86400&prefix=pc_rag:&compress=int8" (also rediss://); the size
       bound is the server's maxmemory with maxmemory-policy allkeys-lru.
+    - "redis+cluster://host:7000,host:7001" (seed nodes of a Redis Cluster or Valkey cluster; the options of
+      redis://): a request's keys are split by hash slot over the masters, one pipeline per node (redis_cluster.py).
     - a list of the above: tiers, top first, e.g. ["memory:8GiB", "disk:/data/kv", "redis://cache:6379/0"].
 
     Strings and lists give a TieredStore (even for one tier), so a failing tier degrades to a miss.
@@ -71,15 +75,18 @@ def _open_tier(spec: str | Store) -> Store:
         return as_store(spec)
     if not isinstance(spec, str):
         raise StoreUsageError(f"cannot make a store tier from {type(spec).__name__}: {SPEC_HELP}")
-    if spec.startswith(("redis://", "rediss://")):
+    if spec.startswith(("redis://", "rediss://", "redis+cluster://")):
         parts = urlsplit(spec)
         query = dict(parse_qsl(parts.query))
         ttl = query.pop("ttl_s", None)
         kwargs = {"prefix": query.pop("prefix")} if "prefix" in query else {}
         if "compress" in query:
             kwargs["compress"] = query.pop("compress")
+        kwargs["ttl_s"] = _number(ttl, spec) if ttl not in (None, "none") else None
+        if parts.scheme == "redis+cluster":
+            return _cluster(spec, parts, query, kwargs)
         url = urlunsplit(parts._replace(query=urlencode(query)))
-        return RedisStore(url, ttl_s=_number(ttl, spec) if ttl not in (None, "none") else None, **kwargs)
+        return RedisStore(url, **kwargs)
     kind, _, rest = spec.partition(":")
     location, _, query_text = rest.partition("?")
     if "?" in kind:
@@ -101,6 +108,18 @@ def _open_tier(spec: str | Store) -> Store:
         path = Path(location).expanduser() if location else default_cache_dir()
         return DiskStore(path, **({"max_bytes": max_bytes} if max_bytes is not None else {}), compress=compress)
     raise StoreUsageError(f"unknown store spec {spec!r}: {SPEC_HELP}")
+
+
+def _cluster(spec: str, parts, query: dict[str, str], kwargs: dict) -> RedisClusterStore:
+    """redis+cluster://[user:password@]host:port[,host:port...][/0][?options]: a cluster has database 0 only."""
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    if parts.path.strip("/") not in ("", "0"):
+        raise StoreUsageError(f"a Redis Cluster has database 0 only, not {parts.path.strip('/')!r}, in store spec "
+                              f"{spec!r}")
+    if userinfo:
+        user, _, password = userinfo.partition(":")
+        kwargs.update(username=unquote(user) or None, password=unquote(password) or None)
+    return RedisClusterStore(hosts.split(","), query=query, **kwargs)
 
 
 def _number(text: str, spec: str) -> float:

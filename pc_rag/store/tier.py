@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,6 +27,9 @@ KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,199}")
 MAX_META_BYTES = 64 << 10
 
 
+log = logging.getLogger("pc_rag.store")
+
+
 class StoreUsageError(PCRagError, ValueError):
     """The store was called wrongly (bad spec string, key or block); unlike a tier failure this is raised."""
 
@@ -32,6 +37,57 @@ class StoreUsageError(PCRagError, ValueError):
 class TierUnavailableError(StoreError):
     """The whole tier is unreachable (server down or not answering, cache folder not a folder): TieredStore
     then skips it for reads and writes alike, where a plain StoreError pauses only the failing direction."""
+
+
+READ, WRITE = "reads", "writes"
+_DIRECTION = {"get": READ, "put": WRITE, "clear": WRITE}
+
+
+class Pauses:
+    """The rule that a failing part of a store is skipped for a while, reads and writes apart: per part (a tier of a
+    TieredStore, a node of a Redis Cluster) and direction, when to try again. A TierUnavailableError pauses both
+    directions (nothing answers), any other failure only the direction that failed (a full disk still serves
+    reads). The first failure of each direction logs one warning on the "pc_rag.store" logger, recovery one info
+    line."""
+
+    def __init__(self, retry_after_s: float, what: str = "store tier"):
+        self.retry_after_s = retry_after_s
+        self.what = what  # how the log names a part: "store tier 'redis'", "redis cluster node '10.0.0.3:6379'"
+        self._retry_at: dict[Hashable, dict[str, float]] = {}  # part -> {direction: retry at}; absent while working
+        self._lock = threading.Lock()
+
+    def usable(self, part: Hashable, direction: str) -> bool:
+        until = self._retry_at.get(part, {}).get(direction)
+        return until is None or time.monotonic() >= until
+
+    def failed(self, part: Hashable, label: str, op: str, e: Exception) -> None:
+        directions = (READ, WRITE) if isinstance(e, TierUnavailableError) else (_DIRECTION[op],)
+        retry_at = time.monotonic() + self.retry_after_s
+        with self._lock:
+            paused = self._retry_at.setdefault(part, {})
+            newly_down = [d for d in directions if d not in paused]
+            for d in directions:
+                paused[d] = retry_at
+        if newly_down:
+            log.warning(
+                "%s %r failed on %s (%s: %s); its %s are treated as misses, retrying every %.1f s",
+                self.what, label, op, type(e).__name__, e, " and ".join(newly_down), self.retry_after_s,
+            )
+        else:
+            log.debug("%s %r still failing on %s: %s", self.what, label, op, e)
+
+    def succeeded(self, part: Hashable, label: str, direction: str) -> None:
+        if direction not in self._retry_at.get(part, {}):
+            return
+        with self._lock:
+            was_down = self._retry_at.get(part, {}).pop(direction, None) is not None
+        if was_down:
+            log.info("%s %r: %s work again", self.what, label, direction)
+
+    def clear(self) -> None:
+        """Ends every pause: each part is tried on the next call."""
+        with self._lock:
+            self._retry_at.clear()
 
 
 @dataclass

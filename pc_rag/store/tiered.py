@@ -41,23 +41,21 @@ from collections.abc import Callable, Sequence
 from ..blocks import KVBlock
 from ..errors import StoreError
 from .tier import (
+    READ,
     TIERS,
+    WRITE,
     Held,
+    Pauses,
     PendingBlock,
     Store,
     StoreUsageError,
     TierStats,
-    TierUnavailableError,
     as_store,
     check_block,
     check_key,
 )
 
 log = logging.getLogger("pc_rag.store")
-
-READ, WRITE = "reads", "writes"
-_DIRECTION = {"get": READ, "put": WRITE, "clear": WRITE}
-
 
 class TieredStore(Store):
     name = "tiered"
@@ -66,9 +64,7 @@ class TieredStore(Store):
         if not tiers:
             raise StoreUsageError("TieredStore needs at least one tier")
         self.tiers = [as_store(t) for t in tiers]  # a user's duck-typed tier is seen through the Store interface
-        self.retry_after_s = retry_after_s
-        # Per tier and direction: when to try again after a failure; None while working.
-        self._retry_at: list[dict[str, float | None]] = [{READ: None, WRITE: None} for _ in self.tiers]
+        self._pauses = Pauses(retry_after_s)  # per tier index and direction
         self._lock = threading.Lock()
         self._placement: Callable[[KVBlock], KVBlock] | None = None
         self._loading: dict[str, threading.Event] = {}  # keys a prefetch is loading -> set when done
@@ -309,39 +305,22 @@ class TieredStore(Store):
         else:
             self._succeeded(i, WRITE)
 
+    @property
+    def retry_after_s(self) -> float:
+        return self._pauses.retry_after_s
+
     def retry_now(self) -> None:
         """Ends every pause: each tier is tried on the next call (e.g. once a server is known to be back)."""
-        with self._lock:
-            for health in self._retry_at:
-                health[READ] = health[WRITE] = None
+        self._pauses.clear()
 
     def _usable(self, i: int, direction: str) -> bool:
-        until = self._retry_at[i][direction]
-        return until is None or time.monotonic() >= until
+        return self._pauses.usable(i, direction)
 
     def _failed(self, i: int, op: str, e: Exception) -> None:
-        directions = (READ, WRITE) if isinstance(e, TierUnavailableError) else (_DIRECTION[op],)
-        retry_at = time.monotonic() + self.retry_after_s
-        with self._lock:
-            newly_down = [d for d in directions if self._retry_at[i][d] is None]
-            for d in directions:
-                self._retry_at[i][d] = retry_at
-        tier = self.tiers[i].name
-        if newly_down:
-            log.warning(
-                "store tier %r failed on %s (%s: %s); its %s are treated as misses, retrying every %.1f s",
-                tier, op, type(e).__name__, e, " and ".join(newly_down), self.retry_after_s,
-            )
-        else:
-            log.debug("store tier %r still failing on %s: %s", tier, op, e)
+        self._pauses.failed(i, self.tiers[i].name, op, e)
 
     def _succeeded(self, i: int, direction: str) -> None:
-        if self._retry_at[i][direction] is None:
-            return
-        with self._lock:
-            was_down, self._retry_at[i][direction] = self._retry_at[i][direction] is not None, None
-        if was_down:
-            log.info("store tier %r: %s work again", self.tiers[i].name, direction)
+        self._pauses.succeeded(i, self.tiers[i].name, direction)
 
     def clear(self) -> None:
         for i, tier in enumerate(self.tiers):
