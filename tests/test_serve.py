@@ -254,11 +254,12 @@ def test_llama_index_openai_like(server, reference, tiny_path):
 
 
 # ---- auth, the bounded line ------------------------------------------------------------------------------------
-def test_api_key_and_a_full_line_answer_401_429_503(tiny_path, tmp_path):
+def test_api_key_and_a_full_line_answer_401_429_503_and_ready_follows_the_line(tiny_path, tmp_path):
     extra = ["--store", "memory", "--api-key", "s3cret", "--max-running", "1", "--max-waiting", "1",
-             "--queue-timeout", "0.5"]
+             "--queue-timeout", "0.8"]
     with ServerProcess(tiny_path, extra=extra, env=worktree_env(tmp_path)) as srv:
         assert srv.health() == {"status": "ok"}  # /health needs no key (load balancers), and then tells no more
+        assert httpx.get(srv.url + "/ready", timeout=5).json() == {"status": "ready"}  # readiness: no key either
         anonymous = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError, match="API key"):
             anonymous.models.list()
@@ -280,7 +281,13 @@ def test_api_key_and_a_full_line_answer_401_429_503(tiny_path, tmp_path):
             t = threading.Thread(target=wait_in_line)
             t.start()
             time.sleep(0.2)
-            # ... one waits for it: the line (1) is full, so the next is refused at once ...
+            # ... one waits for it: the line (1) is full. Readiness says so before a request is sent (a router or
+            # load balancer takes this server out while it stays alive) ...
+            busy = httpx.get(srv.url + "/ready", timeout=5)
+            assert busy.status_code == 503 and busy.json() == {"status": "busy"}
+            assert int(busy.headers["retry-after"]) >= 1
+            assert srv.health() == {"status": "ok"}  # while still alive
+            # ... and the next request is refused at once ...
             full = httpx.post(srv.url + "/v1/completions", headers=keyed, json={"prompt": "hi"}, timeout=30)
             assert full.status_code == 429 and int(full.headers["retry-after"]) >= 1
             assert full.json()["error"]["code"] == "queue_full"
@@ -294,6 +301,7 @@ def test_api_key_and_a_full_line_answer_401_429_503(tiny_path, tmp_path):
             assert srv.health("s3cret")["waiting"] == 0 and srv.health("s3cret")["running"] == 1
         ok = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
         assert ok.completions.create(model="m", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(srv.url + "/ready", timeout=5).status_code == 200  # a place in line again
         _settle(srv, "s3cret")  # a place is given back once the request's worker is done, just after its answer
         health = srv.health("s3cret")
         assert health["rejected"] == 2 and health["served"] == 2  # the long one and this one: not the one that left

@@ -35,6 +35,11 @@ class Admission:
     def waiting(self) -> int:
         return sum(1 for f in self._waiters if not f.done())
 
+    @property
+    def has_room(self) -> bool:
+        """Whether a request arriving now would be taken (run or put in line) rather than refused with a 429."""
+        return self.running < self.max_running or self.waiting < self.max_waiting
+
     async def acquire(self, timeout_s: float | None) -> None:
         """Take a running place, waiting in line if need be. Raises QueueFull at once when the line is full,
         QueueTimeout after `timeout_s` in line; a cancelled wait (the client went away) leaves the line."""

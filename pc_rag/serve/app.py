@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP app over one Engine (FastAPI): routes, the request path, errors.
 
     POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not), GET /v1/models,
-    GET /health (no auth, for load balancers: liveness only, unless the request carries a key)
+    GET /health (no auth, for load balancers: liveness only, unless the request carries a key),
+    GET /ready (no auth: 200 while a request would be taken, 503 + Retry-After while the line is full or the
+    server is shutting down: readiness for a load balancer or a router)
 
 One path per request, as in the drop-in classes (pc_rag/adapters.py):
     connection, Host, body size and read time (limits.py) -> API key -> tenant (auth.py; 401)
@@ -112,7 +114,9 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        _app.state.stopping = False
         yield
+        _app.state.stopping = True  # /ready answers 503 from here on
         executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pc_rag", summary="OpenAI-compatible completions over a pc_rag Engine", lifespan=lifespan)
@@ -167,6 +171,18 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         return {"status": "ok", "model": settings.model_id, "running": admission.running,
                 "waiting": admission.waiting, "served": admission.served, "rejected": admission.rejected,
                 "decode": engine.stats()["decode"]}
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness, distinct from liveness (/health): the model is loaded by the time the app serves, so what can
+        make a live server unready is a full line (the next request would be a 429) or a shutdown under way. No key
+        is needed and nothing beyond the state is told."""
+        if getattr(app.state, "stopping", False):
+            return JSONResponse({"status": "stopping"}, status_code=503, headers={"Retry-After": "5"})
+        if not admission.has_room:
+            return JSONResponse({"status": "busy"}, status_code=503,
+                                headers={"Retry-After": str(admission.retry_after_s())})
+        return {"status": "ready"}
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
