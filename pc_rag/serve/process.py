@@ -1,4 +1,5 @@
-"""A `pc-rag serve` child process on a free loopback port: started, waited for until healthy, stopped.
+"""A `pc-rag serve` child process on a free loopback port: started, waited for until healthy, stopped; and
+SGLang's router in front of several (`RouterProcess`).
 
 For tests and benchmarks that drive a real server with the clients users have.
 """
@@ -87,6 +88,75 @@ class ServerProcess:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         raise PCRagError("VmRSS not found")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+        if os.environ.get("PC_RAG_KEEP_SERVER_LOG") != "1":
+            self.log_path.unlink(missing_ok=True)
+
+
+class RouterProcess:
+    """SGLang's router (`python -m sglang_router.launch_router`, the `router` extra: a Rust binary in a wheel) in
+    front of `workers` (their base URLs), on a free loopback port, with `policy` (round_robin, cache_aware, ...).
+    `python`: the interpreter that has sglang_router (default: this one). `ready_key`: an API key the workers
+    require, sent while waiting for the first request to go through. Its output goes to `log_path`."""
+
+    def __init__(self, workers, policy: str = "cache_aware", extra=(), python: str | None = None,
+                 startup_timeout_s: float = 60.0, ready_key: str | None = None):
+        self.workers = list(workers)
+        self.policy = policy
+        self.extra = [str(x) for x in extra]
+        self.python = python or sys.executable
+        self.startup_timeout_s = startup_timeout_s
+        self.ready_key = ready_key
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="pc_rag_router_", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> RouterProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cmd = [self.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+               "--worker-urls", *self.workers, "--policy", self.policy, "--log-level", "warn",
+               # its metrics listen on a fixed port by default (29000): two routers on one machine would clash
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *self.extra]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        # Ready once a request goes through to a worker: the router registers its workers in the background.
+        headers = {"Authorization": f"Bearer {self.ready_key}"} if self.ready_key else {}
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise PCRagError(f"the router exited with status {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                request = urllib.request.Request(self.url + "/v1/models", headers=headers)
+                with urllib.request.urlopen(request, timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise PCRagError(f"the router did not pass a request within {self.startup_timeout_s:g} s:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
