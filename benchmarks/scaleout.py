@@ -150,11 +150,12 @@ def run_config(model, policy: str, cluster_spec: str | None, args, passages: lis
             w.wait_ready()
         for w in workers:  # untimed: each worker's first forward (kernels, allocator), with nothing the trace sends
             _warm_up(w.url, "bench-key")
+        before = [w.health("bench-key")["served"] for w in workers]
         with RouterProcess([w.url for w in workers], policy, ready_key="bench-key",
                            python=args.router_python) as router:
             results, wall = run_trace(router.url, args.users, args.turns, passages, SYSTEM, args.max_tokens,
                                       "bench-key")
-        served = [w.health("bench-key")["served"] for w in workers]
+        served = [w.health("bench-key")["served"] - b for w, b in zip(workers, before, strict=True)]
     finally:
         for w in workers:
             w.stop()
