@@ -151,7 +151,9 @@ def run_config(model, policy: str, cluster_spec: str | None, args, passages: lis
         for w in workers:  # untimed: each worker's first forward (kernels, allocator), with nothing the trace sends
             _warm_up(w.url, "bench-key")
         before = [w.health("bench-key")["served"] for w in workers]
-        with RouterProcess([w.url for w in workers], policy, ready_key="bench-key",
+        name, *options = policy.split(":")  # "cache_aware:balance-abs-threshold=2": router options after the name
+        extra = [x for o in options for x in (f"--{o.split('=')[0]}", o.split("=", 1)[1])]
+        with RouterProcess([w.url for w in workers], name, extra=extra, ready_key="bench-key",
                            python=args.router_python) as router:
             results, wall = run_trace(router.url, args.users, args.turns, passages, SYSTEM, args.max_tokens,
                                       "bench-key")
@@ -219,7 +221,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--passage-tokens", type=int, default=160)
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each worker")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES),
+                    help="router policies, each optionally with router options: cache_aware:balance-abs-threshold=2")
     ap.add_argument("--router-python", help="a python with sglang_router (default: this one)")
     ap.add_argument("--no-cluster", action="store_true", help="only the configurations without a shared store")
     ap.add_argument("--out", default="bench_out")
@@ -235,7 +238,7 @@ def main(argv=None) -> dict:
     try:
         for spec in ([None, cluster.spec] if cluster else [None]):
             for policy in args.policies:
-                rows.append(run_config(model, policy, spec, args, passages, f"{policy}-{len(rows)}"))
+                rows.append(run_config(model, policy, spec, args, passages, f"{policy.split(':')[0]}-{len(rows)}"))
     finally:
         if cluster:
             cluster.stop()
