@@ -11,7 +11,8 @@ Cluster this script starts (`pc_rag.testing.LocalRedisCluster`; its own key pref
 Trace: `--users` users at once, each a conversation of `--turns` turns sent one after another (the next turn
 once the reply is in, with the reply in the history): half are chats (a shared system prompt, the user's own
 questions), half RAG (the same system prompt, each turn two passages of a shared corpus marked as chunks with
-`cache_control`, and a question). Requests stream (`stream_options.include_usage`), greedy, `--max-tokens` each;
+`cache_control`, and a question). Requests stream (`stream_options.include_usage`), greedy, `--max-tokens` each,
+with header `x-smg-routing-key: conversation-<user>` (what the router's `manual` policy is sticky by);
 every worker answers one unrelated warm-up request first, untimed.
 Reported per configuration: reuse share (cached / prompt tokens, all turns and turns 2+), TTFT p50 / p95 at the
 client (through the router), requests/s over the whole trace, and how many requests each worker served.
@@ -32,7 +33,7 @@ from pathlib import Path
 
 SYSTEM = ("You are the support assistant of the Python documentation team. Answer in one or two sentences, cite "
           "the passage you used, and say when the passages do not answer the question. ")
-POLICIES = ("round_robin", "cache_aware")
+POLICIES = ("round_robin", "cache_aware", "cache_aware:balance-abs-threshold=2", "manual")
 
 
 def corpus(tokenizer, n: int, tokens: int) -> list[str]:
@@ -67,7 +68,9 @@ def run_trace(url: str, users: int, turns: int, passages: list[str], system: str
     errors: list[str] = []
 
     def user(u: int) -> None:
-        client = OpenAI(base_url=url + "/v1", api_key=key, max_retries=2, timeout=600)
+        # The conversation's id as the routing key of the router's `manual` policy (other policies ignore it).
+        client = OpenAI(base_url=url + "/v1", api_key=key, max_retries=2, timeout=600,
+                        default_headers={"x-smg-routing-key": f"conversation-{u}"})
         history = [{"role": "system", "content": system}]
         for turn, message in enumerate(conversation(u, turns, passages)):
             history.append(message)
