@@ -26,29 +26,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
+class _ChildProcess:
+    """A child process on a free loopback port whose output goes to a temporary log (removed at `stop` unless
+    $PC_RAG_KEEP_SERVER_LOG=1); used as a context manager, it is started and stopped."""
+
+    log_prefix = "pc_rag_child_"
+
+    def __init__(self):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix=self.log_prefix, suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+        if os.environ.get("PC_RAG_KEEP_SERVER_LOG") != "1":
+            self.log_path.unlink(missing_ok=True)
+
+
+class ServerProcess(_ChildProcess):
     """`python -m pc_rag serve --model MODEL --port <free> *extra` in a child process.
 
     `env`: the child's environment (default: this one). Its output goes to `log_path`; the error raised when it
     does not come up quotes the end of it.
     """
 
+    log_prefix = "pc_rag_serve_"
+
     def __init__(self, model, extra=(), env: dict | None = None, startup_timeout_s: float = 180.0):
+        super().__init__()
         self.model = str(model)
         self.extra = [str(x) for x in extra]
         self.env = env
         self.startup_timeout_s = startup_timeout_s
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="pc_rag_serve_", suffix=".log")[1])
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> ServerProcess:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def start(self) -> None:
         self.launch()
@@ -89,50 +122,25 @@ class ServerProcess:
                 return int(line.split()[1]) * 1024
         raise PCRagError("VmRSS not found")
 
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.proc = None
-        if os.environ.get("PC_RAG_KEEP_SERVER_LOG") != "1":
-            self.log_path.unlink(missing_ok=True)
 
 
-class RouterProcess:
+class RouterProcess(_ChildProcess):
     """SGLang's router (`python -m sglang_router.launch_router`, the `router` extra: a Rust binary in a wheel) in
     front of `workers` (their base URLs), on a free loopback port, with `policy` (round_robin, cache_aware, ...).
     `python`: the interpreter that has sglang_router (default: this one). `ready_key`: an API key the workers
     require, sent while waiting for the first request to go through. Its output goes to `log_path`."""
 
+    log_prefix = "pc_rag_router_"
+
     def __init__(self, workers, policy: str = "cache_aware", extra=(), python: str | None = None,
                  startup_timeout_s: float = 60.0, ready_key: str | None = None):
+        super().__init__()
         self.workers = list(workers)
         self.policy = policy
         self.extra = [str(x) for x in extra]
         self.python = python or sys.executable
         self.startup_timeout_s = startup_timeout_s
         self.ready_key = ready_key
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="pc_rag_router_", suffix=".log")[1])
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> RouterProcess:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def start(self) -> None:
         cmd = [self.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
@@ -158,20 +166,3 @@ class RouterProcess:
         self.stop()
         raise PCRagError(f"the router did not pass a request within {self.startup_timeout_s:g} s:\n{self.log_tail()}")
 
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.proc = None
-        if os.environ.get("PC_RAG_KEEP_SERVER_LOG") != "1":
-            self.log_path.unlink(missing_ok=True)
