@@ -61,7 +61,9 @@ def workers(tiny_path, tmp_path_factory, cluster):
 
 
 def test_cache_aware_routing_keeps_each_chat_on_a_worker_that_reuses_it(workers):
-    with RouterProcess([w.url for w in workers], "cache_aware", ready_key="k-alice") as router:
+    # As docs/serve.md runs it: health checks on /ready, so a worker with a full line leaves the rotation.
+    with RouterProcess([w.url for w in workers], "cache_aware", extra=["--health-check-endpoint", "/ready"],
+                       ready_key="k-alice") as router:
         wrong = httpx.post(router.url + "/v1/chat/completions", headers={"Authorization": "Bearer nope"},
                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
         assert wrong.status_code == 401  # the router forwards the bearer token; the worker checks it
