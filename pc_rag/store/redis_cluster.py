@@ -51,8 +51,8 @@ def key_slot(name: str) -> int:
 class RedisClusterStore(Store):
     """`seeds`: "host:port" of one or more cluster nodes (any role); the masters are found from them. The other
     arguments are RedisStore's, applied to every node; `username`/`password` authenticate to each node;
-    `retry_after_s` is how long a failing node is skipped. `nodes` (tests): a function address -> RedisStore
-    that replaces the client built for each node."""
+    `retry_after_s` is how long a failing node is skipped; `query`: other options of the spec's URL, passed to
+    each node's connection as a `redis://` URL's are."""
 
     name = "redis"
     persistent = True
@@ -118,7 +118,7 @@ class RedisClusterStore(Store):
         for address in dict.fromkeys([*self.seeds, *self._nodes]):
             host, port = _split_address(address)
             try:
-                client = _connect(f"redis://{self._auth}{address}/0", self.timeout_s)
+                client = _connect(f"redis://{self._auth}{address}/0{self._query}", self.timeout_s)
                 try:
                     reply = client.execute_command("CLUSTER SLOTS")
                 finally:
