@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .assemble import Assembled, Assembler, Recompute
-from .batch import MAX_BATCH, BatchDecoder, DecodeStream, TurnLock, decode_steps_needed
+from .batch import MAX_BATCH, BatchDecoder, RowTokens, TurnLock, decode_steps_needed
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
 from .lookups import WhereLookups
@@ -544,7 +544,7 @@ class Engine:
             prompt_ids=asm.plan.ids,
         )
 
-    def _join_batch(self, cache, sampler: Sampler, token: int, position: int, slot: int, steps: int) -> DecodeStream:
+    def _join_batch(self, cache, sampler: Sampler, token: int, position: int, slot: int, steps: int) -> RowTokens:
         """The request's place in the shared decode loop, after `token` (at `position`, its KV to go to `slot`),
         for at most `steps` more forward passes. The loop starts computing the next token now, while this thread
         hands out `token`."""
