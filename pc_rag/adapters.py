@@ -9,6 +9,7 @@ Completion-style calls skip the chat template and split the prompt string as it 
 automatic prefix reuse works on any prompt, and the framework hooks (`discover`) register retrieved documents.
 `GenerationOptions.cache_salt` (the classes' `cache_salt` field, or a per-call keyword) keeps one user's cache
 apart from another's in a multi-user app: it goes to the split (replies) and to the engine call (every key).
+Documents registered with `register(engine, texts, public=True)` are shared by every namespace.
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ def completion_prompt(engine, prompt_text: str, chunk_texts: Sequence[str] = (),
     return index_for(engine).split(prompt_text)
 
 
-def register(engine, texts) -> int:
-    """Register document texts as chunks of `engine`'s prompts; return how many were new."""
-    return index_for(engine).add_many(texts)
+def register(engine, texts, public: bool = False) -> int:
+    """Register document texts as chunks of `engine`'s prompts; return how many were new. `public=True`: shared
+    by every cache namespace (`Engine.register`): only for documents any user may know are in use."""
+    return index_for(engine).add_many(texts, public=bool(public))
 
 
 # The earlier name of the options the adapters build: the engine's own checked GenerationOptions (one definition;
