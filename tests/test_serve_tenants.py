@@ -213,13 +213,20 @@ def test_a_prompt_another_tenant_sent_is_computed_and_timed_like_one_nobody_sent
                 out[kind].append((time.perf_counter() - t0, u["pc_rag"]["computed_tokens"], u["prompt_tokens"]))
         return out
 
-    trials(isolated, 4)  # warm-up: the first requests of a process are slower
+    trials(isolated, 4), trials(shared, 4)  # warm-up: the first requests of a process are slower
     kept, leaked = trials(isolated), trials(shared)
 
     def gap(t):
         return statistics.median(x[0] for x in t["unmatched"]) - statistics.median(x[0] for x in t["matched"])
 
+    def told_apart(t) -> float:
+        """Share of requests a threshold halfway between the two medians classifies right (0.5: chance)."""
+        cut = (statistics.median(x[0] for x in t["unmatched"]) + statistics.median(x[0] for x in t["matched"])) / 2
+        right = sum(x[0] < cut for x in t["matched"]) + sum(x[0] >= cut for x in t["unmatched"])
+        return right / (len(t["matched"]) + len(t["unmatched"]))
+
     print(json.dumps({"isolated_gap_s": gap(kept), "shared_gap_s": gap(leaked),
+                      "isolated_told_apart": told_apart(kept), "shared_told_apart": told_apart(leaked),
                       "isolated_median_s": {k: statistics.median(x[0] for x in v) for k, v in kept.items()},
                       "shared_median_s": {k: statistics.median(x[0] for x in v) for k, v in leaked.items()}}))
     # the route: every prompt token computed, matched or not, but the few first ones beta's own earlier prompts
