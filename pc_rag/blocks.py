@@ -73,7 +73,7 @@ def tenant_namespace(tenant: str | None, salt: str | None = None) -> str | None:
     request's `cache_salt`, never widened: every (tenant, salt) pair is a namespace of its own, and no salt reaches
     another tenant's. Without a tenant (a server without keys, or `--shared-cache`): None without a salt (the
     namespace of `pc-rag warm` and of engine calls without one), else the salt's own. Digests, so that no salt a
-    client sends equals a tenant's namespace, and every namespace is 47 characters whatever the names' lengths."""
+    client sends equals a tenant's namespace, and every namespace is 45 or 47 characters whatever the names' lengths."""
     if tenant is None:
         return None if salt is None else "salt-" + _digest(b"salt", salt.encode())
     return "tenant-" + _digest(b"tenant", tenant.encode(), *(() if salt is None else (b"salt", salt.encode())))

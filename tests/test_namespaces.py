@@ -63,6 +63,20 @@ def test_a_namespace_changes_every_key_and_two_namespaces_differ():
     assert len(everything) == len(set(everything))  # no key is shared by two namespaces
 
 
+def test_a_servers_namespaces_are_its_tenants_narrowed_by_salts():
+    """`tenant_namespace`: one namespace per (tenant, salt) pair, none equal to a salt as a client sends it or to
+    another pair's; no tenant and no salt: no namespace (what `pc-rag warm` and salt-less engine calls use)."""
+    from pc_rag.blocks import tenant_namespace
+
+    assert tenant_namespace(None) is None and tenant_namespace(None, None) is None
+    pairs = [(t, s) for t in (None, "alpha", "beta", "alpha-x") for s in (None, "s1", "s2", "alpha", "x" * 256)]
+    names = [tenant_namespace(t, s) for t, s in pairs if (t, s) != (None, None)]
+    assert len(set(names)) == len(names)
+    assert not {s for _, s in pairs} & set(names)  # a client's salt is never used as it is
+    assert {len(n) for n in names} <= {45, 47} and all(pc_rag.GenerationOptions(cache_salt=n) for n in names)
+    assert tenant_namespace("alpha", "s1") == tenant_namespace("alpha", "s1")
+
+
 def test_a_salt_is_checked_at_the_call(engine):
     for bad, error in (("", OptionError), ("x" * 257, OptionError), ("a\ud800", OptionError), (5, OptionTypeError),
                        (b"alpha", OptionTypeError)):
