@@ -7,6 +7,9 @@ The one path every adapter request takes:
     `cached_tokens`, `stored_tokens`) -> `usage`.
 Completion-style calls skip the chat template and split the prompt string as it is. Nothing needs wiring: the
 automatic prefix reuse works on any prompt, and the framework hooks (`discover`) register retrieved documents.
+`GenerationOptions.cache_salt` (the classes' `cache_salt` field, or a per-call keyword) keeps one user's cache
+apart from another's in a multi-user app: it goes to the split (replies) and to the engine call (every key).
+Documents registered with `register(engine, texts, public=True)` are shared by every namespace.
 """
 
 from __future__ import annotations
@@ -54,25 +57,27 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, str]]) -> str:
 
 
 def chat_prompt(engine, messages: Sequence[Mapping[str, str]], chunk_texts: Sequence[str] = (),
-                discovered: bool = True) -> list[Text | Chunk]:
+                discovered: bool = True, cache_salt: str | None = None) -> list[Text | Chunk]:
     """Chat messages as prompt segments: registered and discovered documents (unless `discovered=False`) and
-    `chunk_texts` (content marked with `cache_control`) inside any message become `Chunk`s."""
-    return completion_prompt(engine, render_chat(engine.tokenizer, messages), chunk_texts, discovered)
+    `chunk_texts` (content marked with `cache_control`) inside any message become `Chunk`s; earlier replies of
+    the namespace `cache_salt` keep their generated tokens."""
+    return completion_prompt(engine, render_chat(engine.tokenizer, messages), chunk_texts, discovered, cache_salt)
 
 
 def completion_prompt(engine, prompt_text: str, chunk_texts: Sequence[str] = (),
-                      discovered: bool = True) -> list[Text | Chunk]:
+                      discovered: bool = True, cache_salt: str | None = None) -> list[Text | Chunk]:
     """A plain prompt string as segments (no chat template)."""
     split = getattr(engine, "split", None)
     if split is not None:
-        return split(prompt_text, chunk_texts=chunk_texts, discovered=discovered)
+        return split(prompt_text, chunk_texts=chunk_texts, discovered=discovered, cache_salt=cache_salt)
     index_for(engine).add_many(chunk_texts)  # an engine stand-in without Engine.split (tests)
     return index_for(engine).split(prompt_text)
 
 
-def register(engine, texts) -> int:
-    """Register document texts as chunks of `engine`'s prompts; return how many were new."""
-    return index_for(engine).add_many(texts)
+def register(engine, texts, public: bool = False) -> int:
+    """Register document texts as chunks of `engine`'s prompts; return how many were new. `public=True`: shared
+    by every cache namespace (`Engine.register`): only for documents any user may know are in use."""
+    return index_for(engine).add_many(texts, public=bool(public))
 
 
 # The earlier name of the options the adapters build: the engine's own checked GenerationOptions (one definition;
@@ -85,7 +90,7 @@ def stream_generation(engine, prompt: Sequence[Text | Chunk], options: Generatio
     return engine.stream_generation(
         prompt, mode=options.mode, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
         top_p=options.top_p, stop=list(options.stop) or None, seed=options.seed,
-        recompute_ratio=options.recompute_ratio,
+        recompute_ratio=options.recompute_ratio, cache_salt=options.cache_salt,
     )
 
 

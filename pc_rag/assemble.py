@@ -408,7 +408,7 @@ class Assembler:
                                                  + len(generated)))
         last = plan.layout[-1]
         replied = isinstance(last, Run) and last.end == total  # the reply continues the layout's last run
-        parent = planner.root
+        parent = planner.root_for(plan.namespace)
         for item in plan.layout:
             if isinstance(item, Link):
                 parent = after_link(parent, item)

@@ -6,6 +6,8 @@ Cache folder (`--cache-dir`, default $PC_RAG_CACHE_DIR, else $XDG_CACHE_HOME/pc_
                         the default store; `stats` and `clear` see only these names, nothing else there)
     embeddings/         chunk embedding matrices of the demo's FAISS index, keyed by the chunk texts
     models/bench/       the offline demo Llama (random weights), built on first use when no --model is given
+    public-documents.jsonl  the chunks `warm --public` declared public (one JSON string a line): `serve` with
+                        this folder registers them as shared by every tenant (docs/serve.md, "Security")
 
 Errors a user can cause (a bad path, a model that is not a Llama, a missing optional package) print one line
 on stderr and exit with status 2.
@@ -78,8 +80,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_demo)
 
-    p = sub.add_parser("warm", parents=[common, model], help="encode the KV of .txt/.md files into the store")
+    p = sub.add_parser("warm", parents=[common, model], help="encode the KV of .txt/.md files into the store",
+                       description="Encode and store the KV of the chunks of .txt/.md files. By default in no cache "
+                                   "namespace: what engine calls without a cache_salt and a `pc-rag serve` without "
+                                   "keys (or with --shared-cache) reuse. A server with keys keeps each tenant's "
+                                   "cache apart: warm for one tenant (--tenant) or declare the documents public.")
     p.add_argument("paths", nargs="+", metavar="DIR_OR_FILE")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--public", action="store_true",
+                       help="declare these documents public: recorded in the cache folder, `pc-rag serve` with the "
+                            "same folder shares their KV with every tenant (a tenant can learn whether a public "
+                            "document is cached, nothing else)")
+    scope.add_argument("--tenant", metavar="NAME",
+                       help="warm into this tenant's namespace (its name in the server's key file)")
     p.set_defaults(run=_warm)
 
     p = sub.add_parser("explain", parents=[common, model],
@@ -102,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_stats)
 
     p = sub.add_parser("clear", parents=[common], help="remove the cached KV blocks")
-    p.add_argument("--all", action="store_true", help="also remove cached embeddings and the built demo model")
+    p.add_argument("--all", action="store_true", help="also remove cached embeddings, the built demo model and "
+                                                      "the list of public documents")
     p.set_defaults(run=_clear)
 
     p = sub.add_parser("serve", parents=[common, model], help="an OpenAI-compatible HTTP server (docs/serve.md)",
@@ -144,6 +158,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds a request may wait for a place; then 503 with Retry-After (default 60)")
     p.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",
                    help="max_tokens of a request that sets none (default 1024)")
+    p.add_argument("--shared-cache", action="store_true",
+                   help="one cache for every tenant (a single trusted tenant: users who may read each other's "
+                        "prompts); default: each tenant's cache is its own, public documents shared")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=_serve)
 
@@ -213,14 +230,60 @@ def _demo(args, _extra) -> int:
 
 
 def _warm(args, _extra) -> int:
+    from . import Chunk
+    from .blocks import tenant_namespace
     from .demo.retrieval import read_documents
 
+    if args.tenant is not None and not args.tenant.strip():
+        raise PCRagError("--tenant is empty; give the tenant's name as in the server's key file")
     chunks = read_documents(args.paths)  # before loading a model: a bad path fails fast
     cache_dir = _cache_dir(args)
     engine, _, _ = _engine(args, cache_dir)
-    new = engine.warm(chunks, progress=True)
-    print(f"{len(chunks)} chunks: {new} encoded and stored, {len(chunks) - new} were already cached")
+    namespace = tenant_namespace(args.tenant) if args.tenant else None
+    new = engine.warm([Chunk(c, public=args.public) for c in chunks], progress=True, cache_salt=namespace)
+    where = f" for tenant {args.tenant}" if args.tenant else ""
+    print(f"{len(chunks)} chunks{where}: {new} encoded and stored, {len(chunks) - new} were already cached")
+    if args.public:
+        added = add_public_documents(cache_dir, chunks)
+        print(f"{added} newly declared public in {cache_dir / PUBLIC_DOCUMENTS} (read by pc-rag serve at start)")
     return 0
+
+
+PUBLIC_DOCUMENTS = "public-documents.jsonl"
+
+
+def public_documents(cache_dir: Path) -> list[str]:
+    """The texts `warm --public` declared public in this cache folder, in order, each once."""
+    import json
+
+    path = cache_dir / PUBLIC_DOCUMENTS
+    if not path.is_file():
+        return []
+    texts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                text = json.loads(line)
+            except ValueError:
+                raise PCRagError(f"{path}:{n}: not a JSON string; rerun pc-rag warm --public, or remove the "
+                                 f"line") from None
+            if not isinstance(text, str):
+                raise PCRagError(f"{path}:{n}: not a JSON string")
+            texts.append(text)
+    return list(dict.fromkeys(texts))
+
+
+def add_public_documents(cache_dir: Path, texts: list[str]) -> int:
+    """Append the texts not declared yet; return how many were new."""
+    import json
+
+    known = set(public_documents(cache_dir))
+    new = [t for t in dict.fromkeys(texts) if t not in known]
+    if new:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with open(cache_dir / PUBLIC_DOCUMENTS, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(t, ensure_ascii=False) + "\n" for t in new))
+    return len(new)
 
 
 def _explain(args, _extra) -> int:
@@ -290,6 +353,9 @@ def _clear(args, _extra) -> int:
             if (cache_dir / sub).is_dir():
                 shutil.rmtree(cache_dir / sub)
                 print(f"removed {cache_dir / sub}")
+        if (cache_dir / PUBLIC_DOCUMENTS).is_file():
+            (cache_dir / PUBLIC_DOCUMENTS).unlink()
+            print(f"removed {cache_dir / PUBLIC_DOCUMENTS}")
     return 0
 
 
@@ -317,7 +383,9 @@ def _serve(args, _extra) -> int:
     elif args.allowed_host:
         allowed = frozenset(h.lower() for h in args.allowed_host)
     cache_dir = _cache_dir(args)
+    public = public_documents(cache_dir)  # a damaged list stops the server before the model loads
     engine, path, _ = _in_own_thread(lambda: _engine(args, cache_dir))
+    engine.register(public, public=True)
     name = args.served_model_name or (Path(path).name if Path(path).exists() else path)
     given = {k: v for k, v in (("max_body_bytes", args.max_body_bytes), ("max_prompt_chars", args.max_prompt_chars),
                                ("max_prompt_parts", args.max_prompt_parts), ("read_timeout_s", args.read_timeout),
@@ -325,12 +393,14 @@ def _serve(args, _extra) -> int:
     settings = ServerSettings(model_id=name, api_keys=tuple(keys), allowed_hosts=allowed,
                               max_running=args.max_running or engine.max_batch, max_waiting=args.max_waiting,
                               queue_timeout_s=args.queue_timeout, default_max_tokens=args.default_max_tokens,
-                              **given)
+                              shared_cache=args.shared_cache, **given)
     if not is_loopback(args.host) and not keys:
         print(f"pc-rag serve: warning: listening on {args.host} with no API key: anyone who can reach this "
               f"port can use the model", file=sys.stderr)
-    print(f"pc-rag serve: {name} on http://{args.host}:{args.port} (OpenAI API under /v1)", file=sys.stderr,
-          flush=True)
+    cache = ("no keys: one tenant, one cache" if not keys else "one cache for every tenant (--shared-cache)"
+             if args.shared_cache else "each tenant's cache its own")
+    print(f"pc-rag serve: {name} on http://{args.host}:{args.port} (OpenAI API under /v1); {cache}, "
+          f"{len(public)} public documents", file=sys.stderr, flush=True)
     run(engine, settings, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -6,6 +6,11 @@
     -> decode loop (decode.py, batch.py) -> Generation -> prefix blocks saved (assemble.save_prefix)
 
 `Engine.explain` runs only the planning step, on answers that read nothing (`Store.where`).
+
+Cache namespaces: every call that plans, stores or splits a prompt takes `cache_salt=` (None: no namespace, the
+keys of earlier versions). A request reuses only what requests with the same salt stored, plus public chunks
+(`register(texts, public=True)`, `Chunk(public=True)`); the reply index, the tokenizer's memo and automatic
+scaffolds are kept per namespace too (blocks.py says how keys carry it).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
 from .lookups import WhereLookups
 from .model import LlamaRunner
-from .options import DEFAULT_RECOMPUTE_RATIO, MODES, GenerationOptions, check_device
+from .options import DEFAULT_RECOMPUTE_RATIO, MODES, GenerationOptions, check_device, checked_cache_salt
 from .plan import COMPUTE, COPY, ENCODE, READ, STORED, Plan, Planner
 from .pml import PML, Schema, SchemaRegistry
 from .prefetch import PREFETCHER, Prefetcher
@@ -223,29 +228,30 @@ class Engine:
     # ---- public API ------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
-                 recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO) -> Generation:
-        """Generate a reply; the arguments are those of `GenerationOptions` (checked before any work)."""
-        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio)
+                 recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, cache_salt: str | None = None) -> Generation:
+        """Generate a reply; the arguments are those of `GenerationOptions` (checked before any work).
+        `cache_salt`: the request's cache namespace (see the module docstring)."""
+        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt)
         *_, generation = self._stream_generation(prompt, options)
         return generation
 
     def stream(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
-               recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO) -> Iterator[str]:
+               recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, cache_salt: str | None = None) -> Iterator[str]:
         """Text pieces as they are decoded; never splits a multi-byte character or emits part of a stop string.
 
         Not a generator function: the options are checked here, at the call, so a bad argument raises before
         the first `next()`."""
-        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio)
+        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt)
         return (item for item in self._stream_generation(prompt, options) if isinstance(item, str))
 
     def stream_generation(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32,
                           temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] | None = None,
                           seed: int | None = None, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
-                          ) -> Iterator[str | Generation]:
+                          cache_salt: str | None = None) -> Iterator[str | Generation]:
         """Like `stream`, then the final `Generation` (token counts, TTFT) as the last item; options are
         checked at the call, as in `stream`."""
-        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio)
+        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt)
         return self._stream_generation(prompt, options)
 
     def _stream_generation(self, prompt: Prompt, options: GenerationOptions) -> Iterator[str | Generation]:
@@ -259,14 +265,16 @@ class Engine:
             if piece:
                 yield piece
 
-    def explain(self, prompt: Prompt | str | PML, mode: str = "modular") -> Explanation:
+    def explain(self, prompt: Prompt | str | PML, mode: str = "modular", cache_salt: str | None = None) -> Explanation:
         """Where a request for `prompt` would get its KV, piece by piece (tokens, slots, positions, and a memory,
         disk or Redis hit, an encode, or the forward), without running it: the plan a request would make, from
         answers that read nothing (`Store.where`). No forward pass runs and the store is left as it is (no block
-        read, counted, promoted or written). A plain-string prompt is split as `generate` splits it. What it
-        cannot know: a block's tokens (checked when a request reads it) and blend's recomputed share."""
-        segments, _ = self._checked_segments(prompt, mode)
-        plan = self.planner.plan(segments, mode, WhereLookups(self.store, self.assembler.direct_loads))
+        read, counted, promoted or written). A plain-string prompt is split as `generate` splits it; `cache_salt`:
+        the namespace of the request explained (it sees what that request would). What it cannot know: a
+        block's tokens (checked when a request reads it) and blend's recomputed share."""
+        namespace = checked_cache_salt(cache_salt)
+        segments, _ = self._checked_segments(prompt, mode, namespace=namespace)
+        plan = self.planner.plan(segments, mode, WhereLookups(self.store, self.assembler.direct_loads), namespace)
         rows = []
         for p in plan.pieces:
             kv = _LOADS[p.load].format(tier=p.origin)
@@ -279,33 +287,43 @@ class Engine:
                                    repr(text[:40]) + ("..." if p.n > 16 else "")))
         return Explanation(mode, plan, tuple(rows))
 
-    def register(self, texts: Iterable[str]) -> int:
+    def register(self, texts: Iterable[str], public: bool = False) -> int:
         """Register document texts: wherever one appears in a plain-string prompt it becomes a `Chunk` (its KV
-        cached and reused at any position in modular/blend modes). Returns how many were new."""
-        return self.chunks.add_many(texts)
+        cached and reused at any position in modular/blend modes). Returns how many were new.
 
-    def prefetch(self, texts: Iterable[str]) -> Future:
+        `public=True`: documents shared across cache namespaces (`cache_salt`): their KV is keyed in no namespace,
+        so a request of any namespace reuses what any other stored for them, while the prompt around them stays
+        in its own namespace. What a request can learn from them: whether a public document is cached."""
+        return self.chunks.add_many(texts, public=bool(public))
+
+    def prefetch(self, texts: Iterable[str], cache_salt: str | None = None) -> Future:
         """Start loading the cached KV of these document texts from the persistent tiers (disk, Redis) into
         memory, in the background; returns at once. The future resolves to the number of blocks brought into
         memory (0 when the store has no persistent tier under a memory tier, or holds none of them). A text is
-        keyed as a chunk that follows a newline in a prompt string (its stripped text, tokenized on its own)."""
+        keyed as a chunk that follows a newline in a prompt string (its stripped text, tokenized on its own), in
+        the namespace `cache_salt` (public documents in none)."""
+        namespace = checked_cache_salt(cache_salt)
         texts = [t for t in texts if isinstance(t, str) and t.strip()]
-        return self.prefetcher.submit(lambda: self._prefetch_now(texts))
+        return self.prefetcher.submit(lambda: self._prefetch_now(texts, namespace))
 
-    def _prefetch_now(self, texts: list[str]) -> int:
+    def _prefetch_now(self, texts: list[str], namespace: str | None = None) -> int:
         if not self.store.can_prefetch:
             return 0
-        segments = [TokenSegment("chunk", ids, 0) for ids in (self.segmenter.ids(t.strip()) for t in texts) if ids]
-        return self.store.prefetch(self.planner.chunk_keys(segments))
+        segments = [TokenSegment("chunk", ids, 0, public=self.chunks.is_public(t))
+                    for t, ids in ((t, self.segmenter.ids(t.strip(), namespace)) for t in texts) if ids]
+        return self.store.prefetch(self.planner.chunk_keys(segments, namespace))
 
-    def split(self, text: str, chunk_texts: Iterable[str] = (), discovered: bool = True) -> list[Text | Chunk]:
-        """A plain-string prompt as segments: registered chunks, `chunk_texts` (marked for this request) and,
-        unless `discovered=False` or PC_RAG_DISCOVERY=0, documents the framework hooks discovered become
-        `Chunk`s; replies this engine generated keep their generated tokens; the rest is `Text`. The tokens
-        are those of the whole string (see `SegmentTokenizer.split`)."""
+    def split(self, text: str, chunk_texts: Iterable[str] = (), discovered: bool = True,
+              cache_salt: str | None = None) -> list[Text | Chunk]:
+        """A plain-string prompt as segments: registered chunks (public ones as public `Chunk`s), `chunk_texts`
+        (marked for this request) and, unless `discovered=False` or PC_RAG_DISCOVERY=0, documents the framework
+        hooks discovered become `Chunk`s; replies this engine generated in namespace `cache_salt` (pass the
+        request's) keep their generated tokens; the rest is `Text`. The tokens are those of the whole string
+        (see `SegmentTokenizer.split`)."""
         if not isinstance(text, str):
             raise PromptError(f"split takes the prompt as a str, got {type(text).__name__}")
-        found = self.chunks.candidates(text) + self.replies.candidates(text) + marked(text, chunk_texts)
+        namespace = checked_cache_salt(cache_salt)
+        found = self.chunks.candidates(text) + self.replies.candidates(text, namespace) + marked(text, chunk_texts)
         if discovered:
             found += self.discovery.candidates(text)
         return self.segmenter.split(text, resolve(found))
@@ -330,23 +348,26 @@ class Engine:
                 self.add_scaffold(texts)
         return schema
 
-    def next_token_logits(self, prompt: Prompt, mode: str = "modular",
-                          recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO) -> torch.Tensor:
+    def next_token_logits(self, prompt: Prompt, mode: str = "modular", recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
+                          cache_salt: str | None = None) -> torch.Tensor:
         """Next-token logits after the prompt, [vocab] float32. Like `generate`, it leaves the prompt's prefix
-        blocks behind (stored after the logits are computed), so scoring many continuations of one long
-        context computes the context once."""
-        options = GenerationOptions(mode=mode, recompute_ratio=recompute_ratio)
-        asm = self._prefill(prompt, options.mode, extra_capacity=0, recompute_ratio=options.recompute_ratio)
+        blocks behind (stored after the logits are computed, in namespace `cache_salt`), so scoring many
+        continuations of one long context computes the context once."""
+        options = GenerationOptions(mode=mode, recompute_ratio=recompute_ratio, cache_salt=cache_salt)
+        asm = self._prefill(prompt, options.mode, extra_capacity=0, recompute_ratio=options.recompute_ratio,
+                            namespace=options.cache_salt)
         try:
             self.assembler.save_prefix(asm)
         finally:
             self.runner.release_cache(asm.cache)
         return asm.logits
 
-    def warm(self, chunks: Iterable[Chunk | str], progress: bool = True) -> int:
-        """Encode and store chunk KV ahead of time; returns how many chunks were newly encoded."""
+    def warm(self, chunks: Iterable[Chunk | str], progress: bool = True, cache_salt: str | None = None) -> int:
+        """Encode and store chunk KV ahead of time, in namespace `cache_salt` (public chunks, `Chunk(public=True)`,
+        in none); returns how many chunks were newly encoded."""
         from tqdm.auto import tqdm
 
+        namespace = checked_cache_salt(cache_salt)
         if isinstance(chunks, (str, Chunk)):  # a lone string would be warmed character by character
             raise PromptError("warm takes a list of chunks (str or pc_rag.Chunk), not a single one: warm([chunk])")
         chunks = list(chunks)
@@ -356,9 +377,10 @@ class Engine:
         encoded = 0
         for c in tqdm(chunks, desc="pc_rag: encoding chunks", unit="chunk", disable=not progress):
             c = Chunk(c) if isinstance(c, str) else c
-            ids = self.segmenter.ids(c.text)
+            ids = self.segmenter.ids(c.text, namespace)
             if ids:
-                want = self.planner.chunk_wanted(TokenSegment("chunk", ids, 0, c.encode_position))
+                segment = TokenSegment("chunk", ids, 0, c.encode_position, public=c.public)
+                want = self.planner.chunk_wanted(segment, 0, namespace)
                 encoded += self.assembler.ensure_stored(want) == "computed"
         return encoded
 
@@ -383,20 +405,20 @@ class Engine:
         self.scaffolds.wait(timeout)
 
     # ---- the request path ------------------------------------------------------------------------------
-    def _segments(self, prompt: Prompt | str | PML):
+    def _segments(self, prompt: Prompt | str | PML, namespace: str | None = None):
         if isinstance(prompt, PML):
             prompt = self.schemas.segments(prompt.text)
         elif isinstance(prompt, str):
-            prompt = self.split(prompt)
-        return self.segmenter.segments(prompt)
+            prompt = self.split(prompt, cache_salt=namespace)
+        return self.segmenter.segments(prompt, namespace)
 
-    def _checked_segments(self, prompt: Prompt | str | PML, mode: str,
-                          extra_capacity: int = 0) -> tuple[list[TokenSegment], int]:
+    def _checked_segments(self, prompt: Prompt | str | PML, mode: str, extra_capacity: int = 0,
+                          namespace: str | None = None) -> tuple[list[TokenSegment], int]:
         """The prompt's token segments, checked against the model's context, and the extra capacity its decoding
         can use (bounded by the positions left)."""
         if mode not in MODES:
             raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        segments = self._segments(prompt)
+        segments = self._segments(prompt, namespace)
         last = max(s.end for s in segments)
         shape = self.runner.shape
         if last > shape.max_positions:
@@ -415,15 +437,17 @@ class Engine:
             )
         return segments, extra_capacity
 
-    def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int, recompute_ratio: float) -> Assembled:
+    def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int, recompute_ratio: float,
+                 namespace: str | None = None) -> Assembled:
         """The request path up to the first logits, step by step: segments, plan (the store asked once, through
-        lookups that keep what they found), then encode, build and forward (`Assembler.assemble`)."""
-        segments, extra_capacity = self._checked_segments(prompt, mode, extra_capacity)
+        lookups that keep what they found), then encode, build and forward (`Assembler.assemble`); every key in
+        the request's cache `namespace`."""
+        segments, extra_capacity = self._checked_segments(prompt, mode, extra_capacity, namespace)
         recompute = Recompute(recompute_ratio, self.blend_selection) if mode == "blend" else None
         lookups = self.assembler.lookups()
-        plan = self.planner.plan(segments, mode, lookups)
+        plan = self.planner.plan(segments, mode, lookups, namespace)
         if mode in ("modular", "blend"):
-            self.scaffolds.observe(segments)
+            self.scaffolds.observe(segments, namespace)
         return self.assembler.assemble(plan, lookups.blocks, extra_capacity, recompute)
 
     def _describe_group(self, group) -> str:
@@ -455,7 +479,8 @@ class Engine:
         mode, max_new_tokens = options.mode, options.max_new_tokens
         sampler = Sampler(Sampling.from_options(options))
         with self._prefill_turn if self.batch_decoding else contextlib.nullcontext():
-            asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=options.recompute_ratio)
+            asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=options.recompute_ratio,
+                                namespace=options.cache_salt)
         token = sampler(asm.logits)
         ttft = time.perf_counter() - t0
 
@@ -500,7 +525,7 @@ class Engine:
                 # slower exact-mode decoding). Every token but the last was fed back, so its KV is in the
                 # cache: the next turn of a chat reuses the prompt and the reply.
                 saved = self.assembler.save_prefix(asm, ids[:-1])
-                self._remember_reply(prompt, text.text, ids, asm if done else None, saved)
+                self._remember_reply(prompt, text.text, ids, asm if done else None, saved, options.cache_salt)
             finally:
                 self.runner.release_cache(asm.cache)
         return Generation(
@@ -529,9 +554,10 @@ class Engine:
         return self._decoder.join(cache, sampler, token, position, slot, steps)
 
     def _remember_reply(self, prompt, text: str, ids: list[int], asm: Assembled | None = None,
-                        saved: frozenset[str] = frozenset()) -> None:
+                        saved: frozenset[str] = frozenset(), namespace: str | None = None) -> None:
         """Remember the reply's generated tokens for its text, as generated and as a chat template writes it
-        back (trimmed), so the next turn's prompt carries these very tokens (see find.ReplyIndex).
+        back (trimmed), so the next turn's prompt (in the same cache `namespace`) carries these very tokens (see
+        text_index.ReplyIndex).
 
         When trimming changes the reply's first or last token (" Hello" written back as "Hello"), the KV of
         the generated tokens cannot serve the next turn: with `asm` (a reply that ran to its end), the trimmed
@@ -557,7 +583,7 @@ class Engine:
                 end = 0  # not a prefix of the ids' text: give up rather than decode the reply n times
         if not end:
             return
-        self.replies.remember(text, ids[:end], after)
+        self.replies.remember(text, ids[:end], after, namespace)
         stripped = text.strip()
         if stripped != text:
             start = 0
@@ -566,10 +592,10 @@ class Engine:
             while end > start and not decode(ids[end - 1:end]).strip():
                 end -= 1
             if decode(ids[start:end]) == stripped:
-                self.replies.remember(stripped, ids[start:end], after)
+                self.replies.remember(stripped, ids[start:end], after, namespace)
                 return
-            alt = self.segmenter.ids(stripped)  # how the next turn's prompt tokenizes the reply (a hard cut)
-            self.replies.remember(stripped, alt, after)
+            alt = self.segmenter.ids(stripped, namespace)  # how the next turn's prompt tokenizes it (a hard cut)
+            self.replies.remember(stripped, alt, after, namespace)
             if asm is not None and self._continues_layout(asm) and len(alt) <= asm.cache.capacity - asm.prompt_tokens:
                 first = asm.last_position + 1
                 slots = list(range(asm.prompt_tokens, asm.prompt_tokens + len(alt)))

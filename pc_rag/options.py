@@ -25,6 +25,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # blend's default share of reused chunk tokens recomputed (with Engine.blend_selection): docs/results.md, "Blend".
 DEFAULT_RECOMPUTE_RATIO = 0.2
 
+MAX_CACHE_SALT_CHARS = 256  # vLLM's field has no bound; ours keeps a key derivation's input small
+
 
 @dataclass(frozen=True)
 class GenerationOptions:
@@ -38,6 +40,8 @@ class GenerationOptions:
                      match at once).
     seed:            None (fresh randomness) or a 64-bit int.
     recompute_ratio: blend only: fraction of reused chunk tokens recomputed, in [0, 1].
+    cache_salt:      None, or the request's cache namespace (1 to 256 characters; vLLM's name): the request
+                     reuses only KV that requests with the same salt stored, and public chunks (blocks.py).
     """
 
     mode: str = "modular"
@@ -47,6 +51,7 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
+    cache_salt: str | None = None
 
     def __post_init__(self):
         check_mode(self.mode)
@@ -58,6 +63,7 @@ class GenerationOptions:
         set_(self, "stop", checked_stop(self.stop))
         ratio = checked_number("recompute_ratio", self.recompute_ratio, 0.0, 1.0, hint="0 = modular, 1 = full")
         set_(self, "recompute_ratio", ratio)
+        set_(self, "cache_salt", checked_cache_salt(self.cache_salt))
 
 
 def check_mode(mode) -> str:
@@ -127,6 +133,23 @@ def checked_number(name: str, value, low: float, high: float | None, low_open: b
         bound = f"finite and >= {low:g}" if high is None else f"in {'(' if low_open else '['}{low:g}, {high:g}]"
         raise OptionError(f"{name} must be {bound} ({hint}), got {value}")
     return value
+
+
+def checked_cache_salt(salt) -> str | None:
+    """None, or a string of 1 to MAX_CACHE_SALT_CHARS characters that encodes as UTF-8 (it is hashed into keys)."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise OptionTypeError(f"cache_salt must be None or a string, got {_shown(salt)}")
+    if not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise OptionError(f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters (None: no namespace), got "
+                          f"{len(salt)}")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise OptionError(f"cache_salt holds a lone surrogate at character {e.start}, which is not valid Unicode "
+                          f"text") from None
+    return salt
 
 
 def checked_stop(stop) -> tuple[str, ...]:

@@ -19,6 +19,11 @@ and how the engine obtains it (`Piece.load`):
 - "encode":  a chunk or scaffold no tier holds: encoded on its own, stored, then copied in;
 - "stored":  the block an earlier piece of this prompt encodes: taken from the store once that piece stored it.
 
+Keys carry the request's cache namespace (`Plan.namespace`; blocks.py): chunk and scaffold keys, and the root the
+prefix chain starts from, so no piece is ever found in another namespace's blocks, nor through the prefix index
+(its entries hang under namespaced parents); public chunks (`TokenSegment.public`) are keyed in no namespace.
+Automatic scaffolds are counted and declared per namespace too; declared ones (`add_scaffold`) apply to all.
+
 Planning runs no model and holds no tensors. The store is asked through `Lookups`, whose answers are `Found`
 values (the tier, and the block's token ids when it is in hand): the engine's `assemble.StoreLookups` keeps the
 blocks its answers name for the build, `Engine.explain` passes one that only asks where keys are held
@@ -33,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from .blocks import chunk_key, scaffold_key
+from .blocks import chunk_key, root_key, scaffold_key
 from .errors import PCRagError, PromptError, UnsupportedModelError
 from .options import MODES
 from .prefix import (
@@ -136,6 +141,7 @@ class Plan:
     # Prefix blocks found by key: the engine records them in its PrefixIndex when it carries the plan out, so that
     # a later prompt leaving this one inside a block still finds their first tokens.
     found_blocks: tuple[BlockRef, ...] = field(default=(), repr=False)
+    namespace: str | None = None  # the request's cache namespace: its keys and prefix root (`Planner.root_for`)
 
     def after_lost_reads(self, lost: Sequence[Piece], redone: Mapping[int, Piece]) -> Plan:
         """The plan as built when the blocks of `lost` (pieces to "read") could not be used after all (gone, corrupt,
@@ -154,31 +160,43 @@ class Planner:
     """Plans prompts for one model: the keys its blocks are stored under and where each slot's KV comes from.
 
     Holds what planning needs to know besides the store: the model's fingerprint (in every key), the sink tokens
-    chunks are encoded after, the prefix block size, the declared scaffold groups and the prefix index (which
-    blocks were stored under each parent key, for matches ending inside a block). Plain Python over token ids.
+    chunks are encoded after, the prefix block size, the scaffold groups (declared: every namespace; automatic:
+    the namespace whose prompts made them) and the prefix index (which blocks were stored under each parent key,
+    for matches ending inside a block). Plain Python over token ids.
     """
 
     def __init__(self, fingerprint: str, sink_ids: tuple[int, ...], block_tokens: int = BLOCK_TOKENS,
                  rope_type: str = "default", relocatable: bool = True):
         self.fingerprint = fingerprint
         self.sink_ids = tuple(sink_ids)  # what every chunk is encoded after (BOS when the tokenizer has one)
-        self.root = "root-" + fingerprint
+        self.root = root_key(fingerprint)  # the prefix chain's root in no namespace (`root_for`)
         self.block_tokens = block_tokens
         self.rope_type = rope_type
         self.relocatable = relocatable  # RoPE rotation moves cached keys exactly (else only exact/full modes)
         self.prefixes = PrefixIndex()
         # Declared scaffold groups, by their first chunk's tokens: each a tuple of chunk token tuples.
         self.scaffolds: dict[tuple[int, ...], frozenset[tuple[tuple[int, ...], ...]]] = {}
+        # Automatic ones, the same by namespace: a group that one namespace's prompts made frequent changes only
+        # its own plans (else another's would show, by encoding it, that the group was retrieved elsewhere).
+        self.auto_scaffolds: dict[str | None, dict[tuple[int, ...], frozenset[tuple[tuple[int, ...], ...]]]] = {}
         self.reuse_separators = True  # whitespace-only text after a chunk is reused like a chunk (see `_layout`)
 
-    def add_scaffold(self, chunks: Sequence[tuple[int, ...]]) -> None:
+    def add_scaffold(self, chunks: Sequence[tuple[int, ...]], namespace: str | None = None,
+                     automatic: bool = False) -> None:
+        """Declare a group for every namespace, or (`automatic`) for `namespace` only."""
         if len(chunks) < 2:
             raise PCRagError("a scaffold groups at least two chunks")
+        groups = self.auto_scaffolds.setdefault(namespace, {}) if automatic else self.scaffolds
         # Copy on write: planning in other threads reads these sets without a lock.
-        self.scaffolds[chunks[0]] = self.scaffolds.get(chunks[0], frozenset()) | {tuple(chunks)}
+        groups[chunks[0]] = groups.get(chunks[0], frozenset()) | {tuple(chunks)}
+
+    def root_for(self, namespace: str | None) -> str:
+        """The parent key of the first prefix block of a prompt in `namespace`."""
+        return self.root if namespace is None else root_key(self.fingerprint, namespace)
 
     # ---- the plan --------------------------------------------------------------------------------------------
-    def plan(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups) -> Plan:
+    def plan(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups,
+             namespace: str | None = None) -> Plan:
         if mode not in MODES:
             raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode in REUSING_CHUNKS and not self.relocatable:
@@ -192,8 +210,8 @@ class Planner:
         layout: list[Run | Link] = []
         hits: set[str] = set()
         found_blocks: list[BlockRef] = []
-        parent, walking, storing = self.root, mode != "full", mode != "full"
-        for item in self._layout(segments, mode, lookups):
+        parent, walking, storing = self.root_for(namespace), mode != "full", mode != "full"
+        for item in self._layout(segments, mode, lookups, namespace):
             if isinstance(item, Piece):  # a relocated block
                 pieces.append(item)
                 if mode == "blend":
@@ -223,9 +241,9 @@ class Planner:
         if storing and (not layout or isinstance(layout[-1], Link)):
             layout.append(Run(len(ids), len(ids), closed=False))  # the reply, after a prompt ending in a block
         return Plan(mode, ids, positions, tuple(pieces), tuple(layout), frozenset(hits),
-                    stored_tokens(pieces, layout), tuple(found_blocks))
+                    stored_tokens(pieces, layout), tuple(found_blocks), namespace)
 
-    def _layout(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups) -> list:
+    def _layout(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups, namespace: str | None) -> list:
         """The prompt as relocated blocks (Pieces) and runs of in-context slots ((Run, [(first slot, segment
         kind), ...]) for reporting what the fresh slots hold). Every relocated block is looked up in one batch;
         the misses are to be encoded."""
@@ -243,20 +261,20 @@ class Planner:
             seg = segments[j]
             want = None
             if mode in REUSING_CHUNKS and seg.kind == "chunk":
-                end = self._scaffold_end(segments, j)
+                end = self._scaffold_end(segments, j, namespace)
                 if end is not None:
-                    want = self.scaffold_wanted(segments[j:end], slot)
+                    want = self.scaffold_wanted(segments[j:end], slot, namespace)
                     span = segments[j:end]
                     j = end
                 else:
-                    want, span = self.chunk_wanted(seg, slot), [seg]
+                    want, span = self.chunk_wanted(seg, slot, namespace), [seg]
                     j += 1
             elif mode in REUSING_CHUNKS and seg.kind == "sep" and self.reuse_separators and j < len(segments) - 1 \
                     and items and isinstance(items[-1], Wanted) and run_start == slot:
                 # Whitespace between chunks ("\n\n" in every RAG template) is reused like a chunk: computing
                 # it fresh cost as much as a question of the same length per separator (measured: 14 of the
                 # 41 fresh tokens at 4K tokens, +15% TTFT); its KV barely depends on context (see fidelity).
-                want, span = self.chunk_wanted(seg, slot), [seg]
+                want, span = self.chunk_wanted(seg, slot, namespace), [seg]
                 j += 1
             if want is not None:
                 close_run(slot, closed=True)
@@ -381,27 +399,32 @@ class Planner:
         return singles, spans
 
     # ---- keys --------------------------------------------------------------------------------------------------
-    def chunk_wanted(self, seg: TokenSegment, slot: int = 0) -> Wanted:
-        """A chunk's own block: encoded after the sink, at its encode position."""
+    def chunk_wanted(self, seg: TokenSegment, slot: int = 0, namespace: str | None = None) -> Wanted:
+        """A chunk's own block: encoded after the sink, at its encode position; keyed in `namespace` unless the
+        chunk is public."""
         start = seg.encode_start if seg.encode_start is not None else len(self.sink_ids)
-        key = chunk_key(self.fingerprint, seg.token_ids, self.sink_ids, start)
+        key = chunk_key(self.fingerprint, seg.token_ids, self.sink_ids, start, None if seg.public else namespace)
         return Wanted(slot, "chunk", seg.kind, seg.start, key, seg.token_ids, start)
 
-    def chunk_keys(self, segments: Sequence[TokenSegment]) -> list[str]:
+    def chunk_keys(self, segments: Sequence[TokenSegment], namespace: str | None = None) -> list[str]:
         """Store keys of the chunks' own blocks (what planning looks up for them), e.g. to prefetch them."""
-        return [self.chunk_wanted(seg).key for seg in segments]
+        return [self.chunk_wanted(seg, 0, namespace).key for seg in segments]
 
-    def scaffold_wanted(self, span: Sequence[TokenSegment], slot: int = 0) -> Wanted:
-        """The joint block of `span` (chunks and the text between them)."""
+    def scaffold_wanted(self, span: Sequence[TokenSegment], slot: int = 0, namespace: str | None = None) -> Wanted:
+        """The joint block of `span` (chunks and the text between them), keyed in `namespace` even when its chunks
+        are public: the group and the text between them are the request's own."""
         ids = tuple(t for s in span for t in s.token_ids)
         start = len(self.sink_ids)
-        key = scaffold_key(self.fingerprint, [s.token_ids for s in span], self.sink_ids, start)
+        key = scaffold_key(self.fingerprint, [s.token_ids for s in span], self.sink_ids, start, namespace)
         return Wanted(slot, "scaffold", "scaffold", span[0].start, key, ids, start)
 
-    def _scaffold_end(self, segments: Sequence[TokenSegment], j: int) -> int | None:
-        """End index of a declared scaffold group starting at segment j (its chunks in order, separated
-        only by text, at consecutive positions), or None."""
-        groups = self.scaffolds.get(segments[j].token_ids)
+    def _scaffold_end(self, segments: Sequence[TokenSegment], j: int, namespace: str | None = None) -> int | None:
+        """End index of a declared (or, in `namespace`, automatic) scaffold group starting at segment j (its
+        chunks in order, separated only by text, at consecutive positions), or None."""
+        first = segments[j].token_ids
+        declared = self.scaffolds.get(first, frozenset())
+        automatic = self.auto_scaffolds.get(namespace, {}).get(first, frozenset())
+        groups = declared | automatic if automatic else declared
         if not groups:
             return None
         best = None

@@ -4,6 +4,10 @@
 `threshold` times is returned once. Groups are ordered: joint KV is only exact for the order it was encoded in.
 `ScaffoldBuilder`: the engine's collaborator that declares groups to its planner and, with automatic scaffolds
 on, counts each prompt's group and encodes a frequent one jointly in a background thread.
+
+Automatic scaffolds are counted, encoded and used per cache namespace (the request's `cache_salt`): prompts of
+one namespace never make a group for another, whose requests would otherwise show, by planning the group, that
+someone retrieved those chunks together. Declared groups apply to every namespace, each keyed in its own.
 """
 
 from __future__ import annotations
@@ -31,22 +35,24 @@ class CoRetrievalCounter:
             raise ValueError(f"auto_scaffold_after must be >= 1, got {threshold}")
         self.threshold = threshold
         self.max_groups = max_groups  # bounded: an LRU of counts, so memory stays flat under any traffic
-        self._counts: OrderedDict[Group, int] = OrderedDict()
-        self._promoted: set[Group] = set()
+        self._counts: OrderedDict[tuple[str | None, Group], int] = OrderedDict()  # by (namespace, group)
+        self._promoted: set[tuple[str | None, Group]] = set()
         self._lock = threading.Lock()
 
-    def observe(self, group: Group) -> bool:
-        """Count one sighting; True exactly once, when the group reaches the threshold."""
+    def observe(self, group: Group, namespace: str | None = None) -> bool:
+        """Count one sighting in `namespace`; True exactly once per namespace, when the group reaches the
+        threshold there."""
         if len(group) < 2:
             return False
+        seen = (namespace, group)
         with self._lock:
-            if group in self._promoted:
+            if seen in self._promoted:
                 return False
-            n = self._counts.pop(group, 0) + 1
+            n = self._counts.pop(seen, 0) + 1
             if n >= self.threshold:
-                self._promoted.add(group)
+                self._promoted.add(seen)
                 return True
-            self._counts[group] = n
+            self._counts[seen] = n
             if len(self._counts) > self.max_groups:
                 self._counts.popitem(last=False)
             return False
@@ -77,13 +83,14 @@ class ScaffoldBuilder:
             self.planner.add_scaffold(group)
 
     def snapshot(self) -> tuple[list, int]:
-        """(the declared groups, per first chunk; failed builds), consistent while builds go on."""
+        """(the groups, declared and automatic, per first chunk; failed builds), consistent while builds go on."""
         with self.lock:
-            return list(self.planner.scaffolds.values()), self.failed
+            automatic = [g for groups in self.planner.auto_scaffolds.values() for g in groups.values()]
+            return list(self.planner.scaffolds.values()) + automatic, self.failed
 
-    def observe(self, segments: Sequence[TokenSegment]) -> None:
-        """Count the prompt's group of chunks (its chunks in order, at consecutive positions); start a background
-        build when it reaches the threshold."""
+    def observe(self, segments: Sequence[TokenSegment], namespace: str | None = None) -> None:
+        """Count the prompt's group of chunks (its chunks in order, at consecutive positions) in its cache
+        `namespace`; start a background build when it reaches the threshold there."""
         if self.counter is None:
             return
         idx = [i for i, s in enumerate(segments) if s.kind == "chunk"]
@@ -93,17 +100,19 @@ class ScaffoldBuilder:
         if any(b.start != a.end for a, b in zip(span, span[1:], strict=False)):
             return  # a group is only reusable where its segments sit at consecutive positions
         group = tuple(s.token_ids for s in span if s.kind == "chunk")
-        if self.counter.observe(group):
-            t = threading.Thread(target=self._build, args=(span, group), name="pc_rag-scaffold", daemon=True)
+        if self.counter.observe(group, namespace):
+            t = threading.Thread(target=self._build, args=(span, group, namespace), name="pc_rag-scaffold",
+                                 daemon=True)
             with self.lock:
                 self._threads = [b for b in self._threads if b.is_alive()]  # finished ones are dropped
                 self._threads.append(t)
             t.start()
 
-    def _build(self, span: Sequence[TokenSegment], group: Group) -> None:
+    def _build(self, span: Sequence[TokenSegment], group: Group, namespace: str | None) -> None:
         try:
-            self.assembler.ensure_stored(self.planner.scaffold_wanted(span))
-            self.declare(group)
+            self.assembler.ensure_stored(self.planner.scaffold_wanted(span, 0, namespace))
+            with self.lock:
+                self.planner.add_scaffold(group, namespace, automatic=True)
         except Exception:
             with self.lock:
                 self.failed += 1

@@ -13,7 +13,7 @@ import bisect
 import numbers
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from .errors import PromptError
@@ -43,15 +43,22 @@ class Chunk:
 
     `position`: as for `Text`; `encode_position` (PML schemas) fixes the position the chunk is encoded at,
     so a chunk used where its schema placed it needs no RoPE relocation.
+    `public`: a document its owner declared shared (`Engine.register(texts, public=True)`): its KV is keyed in no
+    namespace, so requests of every namespace (`cache_salt`) share it; the prompt around it stays in the
+    request's namespace. Off by default: a chunk is keyed in the namespace of the request it is in.
     """
 
     text: str
     position: int | None = None
     encode_position: int | None = None
     token_ids: tuple[int, ...] | None = None  # as for Text
+    public: bool = False
 
     def __post_init__(self):
         _check_segment(self, self.text, position=self.position, encode_position=self.encode_position)
+        if not isinstance(self.public, bool):
+            raise PromptError(f"Chunk({_preview(self.text)}): public must be True or False, got "
+                              f"{type(self.public).__name__}")
 
 
 Prompt = Sequence[Text | Chunk]
@@ -93,6 +100,7 @@ class TokenSegment:
     token_ids: tuple[int, ...]
     start: int  # position id of the first token; a segment's tokens have consecutive position ids
     encode_start: int | None = None  # chunks only: position the chunk's KV is encoded at
+    public: bool = False  # chunks only: keyed in no namespace (`Chunk.public`)
 
     @property
     def end(self) -> int:
@@ -102,15 +110,15 @@ class TokenSegment:
         return len(self.token_ids)
 
 
-def cut_at(text: str, spans: Sequence[tuple[int, int]]) -> list[Text | Chunk]:
-    """`text` cut at character spans (sorted, not overlapping): each span a `Chunk`, the rest `Text`, every
-    piece tokenized on its own. Joining the pieces' texts gives `text` back."""
+def cut_at(text: str, spans: Sequence[tuple[int, int]], public: Collection[int] = ()) -> list[Text | Chunk]:
+    """`text` cut at character spans (sorted, not overlapping): each span a `Chunk` (public when its start is in
+    `public`), the rest `Text`, every piece tokenized on its own. Joining the pieces' texts gives `text` back."""
     out: list[Text | Chunk] = []
     cursor = 0
     for start, end in spans:
         if start > cursor:
             out.append(Text(text[cursor:start]))
-        out.append(Chunk(text[start:end]))
+        out.append(Chunk(text[start:end], public=start in public))
         cursor = end
     if cursor < len(text) or not out:
         out.append(Text(text[cursor:]))
@@ -123,28 +131,31 @@ class SegmentTokenizer:
     def __init__(self, tokenizer, max_entries: int = 65536, max_chars: int = 64 << 20):
         self.tokenizer = tokenizer
         self.bos_id: int | None = tokenizer.bos_token_id
-        self._memo: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._memo: OrderedDict[tuple[str | None, str], tuple[int, ...]] = OrderedDict()  # (namespace, text)
         self._max_entries = max_entries
         # Bounded by characters too: whole prompt strings pass through here, and a server sees many long ones.
         self._max_chars = max_chars
         self._chars = 0
         self._lock = threading.Lock()  # engines serve several threads; the memo's LRU order is shared state
 
-    def ids(self, text: str) -> tuple[int, ...]:
+    def ids(self, text: str, namespace: str | None = None) -> tuple[int, ...]:
+        """`text`'s token ids. The memo is kept per cache namespace: a hit is faster than tokenizing, so a memo
+        shared between namespaces would tell one whether another had sent the very same text."""
+        key = (namespace, text)
         with self._lock:
-            hit = self._memo.get(text)
+            hit = self._memo.get(key)
             if hit is not None:
-                self._memo.move_to_end(text)
+                self._memo.move_to_end(key)
                 return hit
         ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if len(text) > self._max_chars // 16:
             return ids  # too large to be worth a slot
         with self._lock:
-            if text not in self._memo:
-                self._memo[text] = ids
+            if key not in self._memo:
+                self._memo[key] = ids
                 self._chars += len(text)
             while self._memo and (len(self._memo) > self._max_entries or self._chars > self._max_chars):
-                old, _ = self._memo.popitem(last=False)
+                (_, old), _ = self._memo.popitem(last=False)
                 self._chars -= len(old)
         return ids
 
@@ -187,7 +198,7 @@ class SegmentTokenizer:
         except NotImplementedError:  # a slow tokenizer: no offsets
             enc = None
         if enc is None or "offset_mapping" not in enc:
-            return cut_at(text, [(s.start - a, s.end - a) for s in chunks])
+            return cut_at(text, [(s.start - a, s.end - a) for s in chunks], {s.start - a for s in chunks if s.public})
         ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
         starts, ends = [o[0] for o in offsets], [o[1] for o in offsets]
         out: list[Text | Chunk] = []
@@ -203,14 +214,15 @@ class SegmentTokenizer:
                 continue  # shares a token with the previous chunk, or covers none: stays text
             if first > cut:
                 out.append(Text(text[char(cut): char(first)], token_ids=tuple(ids[cut:first])))
-            out.append(Chunk(text[char(first): char(last)], token_ids=tuple(ids[first:last])))
+            out.append(Chunk(text[char(first): char(last)], token_ids=tuple(ids[first:last]), public=span.public))
             cut = last
         if cut < len(ids):
             out.append(Text(text[char(cut):], token_ids=tuple(ids[cut:])))
         return out
 
-    def segments(self, prompt: Prompt) -> list[TokenSegment]:
-        """Tokenize a prompt and lay out position ids; a BOS sink segment comes first when the model has one."""
+    def segments(self, prompt: Prompt, namespace: str | None = None) -> list[TokenSegment]:
+        """Tokenize a prompt and lay out position ids; a BOS sink segment comes first when the model has one.
+        `namespace`: the request's cache namespace (the memo of `ids` is kept per namespace)."""
         if isinstance(prompt, (str, Text, Chunk)):
             raise PromptError("a prompt is a list of pc_rag.Text / pc_rag.Chunk segments, not a single value")
         if not isinstance(prompt, Sequence):
@@ -225,7 +237,7 @@ class SegmentTokenizer:
         for i, seg in enumerate(prompt):
             if not isinstance(seg, (Text, Chunk)):
                 raise PromptError(f"prompt segment {i} is a {type(seg).__name__}; expected pc_rag.Text or pc_rag.Chunk")
-            ids = tuple(seg.token_ids) if seg.token_ids is not None else self.ids(seg.text)
+            ids = tuple(seg.token_ids) if seg.token_ids is not None else self.ids(seg.text, namespace)
             # BOS (the attention sink) at position 0 unless the prompt brings its own or claims position 0.
             if i == 0 and self.bos_id is not None and ids[:1] != (self.bos_id,) and seg.position != 0:
                 out.append(TokenSegment("bos", (self.bos_id,), 0))
@@ -237,7 +249,7 @@ class SegmentTokenizer:
                 raise PromptError(f"prompt segment {i} has a negative position ({start})")
             if isinstance(seg, Chunk):
                 enc = seg.encode_position
-                out.append(TokenSegment("chunk", ids, start, encode_start=enc))
+                out.append(TokenSegment("chunk", ids, start, encode_start=enc, public=seg.public))
             else:
                 out.append(TokenSegment("text" if seg.text.strip() else "sep", ids, start))
             pos = start + len(ids)

@@ -20,6 +20,12 @@ Matching rules, each chosen so that a hit never changes what the model is asked:
 - Everything else is text: a prompt with no known text is answered as usual (and still reuses the longest
   cached token prefix, prefix.py).
 - Bounded: an index keeps at most `max_texts` texts and `max_chars` characters, least recently used first.
+- Public texts (`add_many(texts, public=True)`, `Engine.register(..., public=True)`): documents their owner declared
+  shared across cache namespaces; their spans are `public` chunks (KV keyed in no namespace, `Chunk.public`). Where
+  a public text and a text marked for one request cover the same characters, the span is public (it is the same
+  document); only texts registered as public are, so a request cannot make its own text public.
+- Replies are kept per cache namespace (`ReplyIndex`): a reply is a cut only in prompts of the namespace whose
+  request generated it.
 
 Registering is cheap at any index size: new texts go to a small "recent" automaton, which is folded into the
 main one (a full rebuild) only once it holds more than an eighth of the keys (or after an eviction), so a
@@ -64,12 +70,13 @@ def _glued(text: str, start: int, end: int) -> bool:
 @dataclass(frozen=True)
 class Span:
     """Characters [start, end) of a prompt string: a "chunk", or a "reply" this engine generated (`reply_ids`:
-    the token ids it generated for exactly that text, when known)."""
+    the token ids it generated for exactly that text, when known); `public`: a chunk registered as public."""
 
     start: int
     end: int
     kind: str = "chunk"
     reply_ids: tuple[int, ...] | None = None
+    public: bool = False
 
 
 class ChunkIndex:
@@ -89,6 +96,7 @@ class ChunkIndex:
         self.max_chars = max_chars
         self._lock = threading.Lock()
         self._keys: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self._public: set[str] = set()  # keys registered as public
         self._chars = 0
         self._recent: set[str] = set()
         self._main: ahocorasick.Automaton | None = None
@@ -108,12 +116,15 @@ class ChunkIndex:
         """Register one chunk text; return False when it was already there or is only whitespace."""
         return self.add_many([text]) == 1
 
-    def add_many(self, texts: Iterable[str]) -> int:
-        """Register chunk texts (already registered ones count as used); return how many were new."""
+    def add_many(self, texts: Iterable[str], public: bool = False) -> int:
+        """Register chunk texts (already registered ones count as used); return how many were new. `public`:
+        declared shared across cache namespaces (a text once public stays so while it is registered)."""
         keys = [k for k in map(self.key, texts) if k and len(k) <= self.max_chars]
         with self._lock:
             new = 0
             for k in keys:
+                if public:
+                    self._public.add(k)
                 if k in self._keys:
                     self._keys.move_to_end(k)
                     continue
@@ -133,6 +144,7 @@ class ChunkIndex:
         while self._keys and (len(self._keys) > keep_texts or self._chars > keep_chars):
             k, _ = self._keys.popitem(last=False)
             self._chars -= len(k)
+            self._public.discard(k)
             if k in self._recent:
                 self._recent.discard(k)
             else:
@@ -144,6 +156,10 @@ class ChunkIndex:
 
     def __contains__(self, text: object) -> bool:
         return isinstance(text, str) and text.strip() in self._keys
+
+    def is_public(self, text: str) -> bool:
+        """Whether `text` (stripped) is registered as public."""
+        return text.strip() in self._public
 
     def _automata(self) -> list[ahocorasick.Automaton]:
         """The built automata, rebuilding what registrations since the last call made stale."""
@@ -166,13 +182,16 @@ class ChunkIndex:
                 if self.word_boundaries and _glued(prompt_text, start, end_index + 1):
                     continue
                 found.append(Span(start, end_index + 1))
-        if found:
-            with self._lock:
-                for span in found:
-                    k = prompt_text[span.start: span.end]
-                    if k in self._keys:  # an automaton may still hold a key evicted since it was built
-                        self._keys.move_to_end(k)
-        return [s for s in found if prompt_text[s.start: s.end] in self._keys]
+        if not found:
+            return []
+        with self._lock:
+            for span in found:
+                k = prompt_text[span.start: span.end]
+                if k in self._keys:  # an automaton may still hold a key evicted since it was built
+                    self._keys.move_to_end(k)
+            public = self._public
+            return [Span(s.start, s.end, public=True) if prompt_text[s.start: s.end] in public else s
+                    for s in found if prompt_text[s.start: s.end] in self._keys]
 
     def spans(self, prompt_text: str) -> list[tuple[int, int]]:
         """The (start, end) character spans of registered chunks in `prompt_text`, leftmost-longest."""
@@ -186,11 +205,13 @@ class ChunkIndex:
         """
         if not isinstance(prompt_text, str):
             raise PCRagError(f"split takes the prompt as a str, got {type(prompt_text).__name__}")
-        return cut_at(prompt_text, self.spans(prompt_text))
+        spans = resolve(self.candidates(prompt_text))
+        return cut_at(prompt_text, [(s.start, s.end) for s in spans], {s.start for s in spans if s.public})
 
     def clear(self) -> None:
         with self._lock:
             self._keys.clear()
+            self._public.clear()
             self._chars = 0
             self._recent = set()
             self._main = self._recent_automaton = None
@@ -208,9 +229,11 @@ class ReplyIndex(ChunkIndex):
     answered, and the reply gets back its generated ids. The next turn's tokens then continue the earlier
     request's exactly, and the automatic prefix reuse covers the previous prompt and the reply.
 
-    A reply is only a cut where the text before it is exactly the prompt it was generated after (a hash of
-    that prompt is kept with it): the same words elsewhere ("Yes" quoted in another prompt) stay ordinary
-    text, tokenized with their neighbours.
+    A reply is only a cut where the text before it is exactly the prompt it was generated after, in the same
+    cache namespace (a hash of both is kept with it): the same words elsewhere ("Yes" quoted in another prompt)
+    stay ordinary text, tokenized with their neighbours, and a request of another namespace sending the same
+    prompt and reply is tokenized as if the reply had never been generated (its token count would otherwise
+    tell it that one was). The generated ids are kept per prompt too, so no request is given another's.
 
     Keys are kept as written (not stripped): a reply is remembered both as generated and trimmed, the way
     chat templates write it back; `ids` is None for a trimmed form whose tokens cannot be told (a token that
@@ -221,8 +244,8 @@ class ReplyIndex(ChunkIndex):
 
     def __init__(self, max_texts: int = 4096, max_chars: int = 16 << 20):
         super().__init__(max_texts=max_texts, max_chars=max_chars)
-        self._ids: dict[str, tuple[int, ...] | None] = {}
-        self._after: dict[str, list[int]] = {}  # reply text -> hashes of the prompts it followed
+        # reply text -> {hash of (namespace, the prompt it followed): the ids generated there}, oldest first
+        self._after: dict[str, dict[int, tuple[int, ...] | None]] = {}
 
     @staticmethod
     def key(text: str) -> str:
@@ -230,34 +253,39 @@ class ReplyIndex(ChunkIndex):
             raise PCRagError(f"a reply text must be a str, got {type(text).__name__}")
         return text if text.strip() else ""
 
-    def remember(self, text: str, token_ids: Sequence[int] | None, after: str) -> None:
-        """`text` was generated as `token_ids` right after the prompt string `after`."""
+    def remember(self, text: str, token_ids: Sequence[int] | None, after: str, namespace: str | None = None) -> None:
+        """`text` was generated as `token_ids` right after the prompt string `after`, in cache `namespace`."""
         if not self.key(text):
             return
         with self._lock:
-            self._ids[text] = None if token_ids is None else tuple(token_ids)
-            prompts = self._after.setdefault(text, [])
-            h = hash(after)
-            if h not in prompts:
-                prompts.append(h)
-                del prompts[: -self.MAX_PROMPTS]
+            prompts = self._after.setdefault(text, {})
+            h = hash((namespace, after))
+            prompts.pop(h, None)
+            prompts[h] = None if token_ids is None else tuple(token_ids)
+            while len(prompts) > self.MAX_PROMPTS:
+                del prompts[next(iter(prompts))]
         self.add(text)
         with self._lock:
-            if len(self._ids) > len(self._keys):
-                for k in [k for k in self._ids if k not in self._keys]:
-                    del self._ids[k]
-                    self._after.pop(k, None)
+            if len(self._after) > len(self._keys):
+                for k in [k for k in self._after if k not in self._keys]:
+                    del self._after[k]
 
-    def candidates(self, prompt_text: str) -> list[Span]:
+    def candidates(self, prompt_text: str, namespace: str | None = None) -> list[Span]:
+        """The remembered replies in `prompt_text` that follow the very prompt they were generated after, in
+        `namespace`, with the ids generated there."""
         spans = super().candidates(prompt_text)
+        out = []
         with self._lock:
-            return [Span(s.start, s.end, "reply", self._ids.get(prompt_text[s.start: s.end])) for s in spans
-                    if hash(prompt_text[: s.start]) in self._after.get(prompt_text[s.start: s.end], ())]
+            for s in spans:
+                prompts = self._after.get(prompt_text[s.start: s.end], {})
+                h = hash((namespace, prompt_text[: s.start]))
+                if h in prompts:
+                    out.append(Span(s.start, s.end, "reply", prompts[h]))
+        return out
 
     def clear(self) -> None:
         super().clear()
         with self._lock:
-            self._ids.clear()
             self._after.clear()
 
 
@@ -274,10 +302,11 @@ def marked(prompt_text: str, texts: Iterable[str]) -> list[Span]:
 
 
 def resolve(candidates: Iterable[Span]) -> list[Span]:
-    """Leftmost-longest, non-overlapping: the span that starts first wins, then the longest starting there."""
+    """Leftmost-longest, non-overlapping: the span that starts first wins, then the longest starting there, then
+    a public chunk (the same characters marked for one request are that public document)."""
     spans: list[Span] = []
     cursor = 0
-    for span in sorted(candidates, key=lambda s: (s.start, s.start - s.end)):
+    for span in sorted(candidates, key=lambda s: (s.start, s.start - s.end, not s.public)):
         if span.start >= cursor:
             spans.append(span)
             cursor = span.end

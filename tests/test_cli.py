@@ -113,6 +113,39 @@ def test_explain_after_warm_shows_disk_hits_without_running_the_model(tiny_path,
     assert "the prompt is empty" in capsys.readouterr().err
 
 
+def test_warm_public_and_for_a_tenant(tiny_path, tmp_path, capsys):
+    """`warm --public` stores the chunks in no namespace (plain `warm` then finds them cached) and records them for
+    `serve`; `warm --tenant` stores them in that tenant's namespace only; `clear --all` removes the record.
+    Reference: the chunks `read_documents` cuts (what warm encodes) and plain warm's count of new blocks."""
+    from pydoc_data.topics import topics
+
+    from pc_rag.demo.retrieval import read_documents
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(topics["for"])
+    chunks = read_documents([docs])
+    cache_dir = tmp_path / "cache"
+    cache = ["--cache-dir", str(cache_dir)]
+    model = ["--model", str(tiny_path)]
+    assert cli.main(["warm", "--public", str(docs), *model, *cache]) == 0
+    assert f"{len(chunks)} newly declared public" in capsys.readouterr().out
+    assert cli.public_documents(cache_dir) == chunks
+    assert cli.main(["warm", "--public", str(docs), *model, *cache]) == 0
+    assert "0 newly declared public" in capsys.readouterr().out and cli.public_documents(cache_dir) == chunks
+    assert cli.main(["warm", str(docs), *model, *cache]) == 0
+    assert f"{len(chunks)} chunks: 0 encoded" in capsys.readouterr().out  # public chunks: keyed in no namespace
+    assert cli.main(["warm", "--tenant", "alpha", str(docs), *model, *cache]) == 0
+    assert f"{len(chunks)} chunks for tenant alpha: {len(chunks)} encoded" in capsys.readouterr().out
+    assert cli.main(["warm", "--tenant", "alpha", str(docs), *model, *cache]) == 0
+    assert "0 encoded" in capsys.readouterr().out
+    (cache_dir / cli.PUBLIC_DOCUMENTS).write_text('"ok"\nnot json\n')
+    with pytest.raises(cli.PCRagError, match="public-documents.jsonl:2"):
+        cli.public_documents(cache_dir)
+    assert cli.main(["clear", "--all", *cache]) == 0
+    assert cli.PUBLIC_DOCUMENTS in capsys.readouterr().out and not (cache_dir / cli.PUBLIC_DOCUMENTS).exists()
+
+
 def test_bench_runs_the_ttft_benchmark_as_a_module(capsys, monkeypatch, tmp_path):
     """Reference: benchmarks/ttft.py's own argument parser answering -h (it imports benchmarks.common, so it only
     runs as a module of the benchmarks package), from any working directory."""

@@ -399,8 +399,8 @@ def test_a_client_that_leaves_during_prefill_frees_its_place_at_once(bench_path,
 
 
 def test_the_tenant_is_known_to_the_request(loaded, tiny_path, caplog):
-    """In-process: the tenant each key maps to is on the request (logged at debug level, for the cache namespace
-    that is to come)."""
+    """In-process: the tenant each key maps to is on the request (logged at debug level; it names the cache
+    namespace, tests/test_serve_tenants.py)."""
     from fastapi.testclient import TestClient
 
     import pc_rag

@@ -7,7 +7,9 @@
 
 One path per request, as in the drop-in classes (pc_rag/adapters.py):
     connection, Host, body size and read time (limits.py) -> API key -> tenant (auth.py; 401)
-    -> request JSON -> pydantic schema (schema.py; refused fields -> 400) -> GenerationOptions (checked -> 400)
+    -> request JSON -> pydantic schema (schema.py; refused fields -> 400) -> GenerationOptions (checked -> 400),
+       their `cache_salt` the request's cache namespace: its tenant's, narrowed by its `cache_salt`
+       (`blocks.tenant_namespace`; with `--shared-cache` the salt's alone)
     -> prompt parts and characters bounded (limits.check_prompt_size; 400), nothing tokenized yet
     -> a place in the bounded line (admission.py; full -> 429, waited too long -> 503, both with Retry-After)
     -> a worker thread: messages through the model's chat template (`chat_prompt`, `cache_control` parts as
@@ -45,6 +47,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..adapters import chat_prompt, completion_prompt
+from ..blocks import tenant_namespace
 from ..errors import OptionError, PCRagError, PMLError, PromptError, UnsupportedModelError
 from ..options import GenerationOptions
 from .admission import Admission, QueueFull, QueueTimeout
@@ -84,6 +87,8 @@ class ServerSettings:
     api_keys: the keys accepted, each with its tenant (auth.py); none: no auth. allowed_hosts: the `Host` names
     served (None: any; `pc-rag serve` on loopback without keys: loopback names, against DNS rebinding).
     max_prompt_chars: None: CHARS_PER_CONTEXT_TOKEN per token of the model's context.
+    shared_cache: every tenant in one cache namespace (a request's `cache_salt` still narrows it), for a server
+    whose users may read each other's prompts; by default each tenant's is its own (docs/serve.md, "Security").
     """
 
     model_id: str
@@ -98,6 +103,7 @@ class ServerSettings:
     max_prompt_parts: int = DEFAULT_MAX_PROMPT_PARTS
     max_prompt_chars: int | None = None
     prefill_timeout_s: float = 300.0
+    shared_cache: bool = False
 
     @staticmethod
     def loopback_hosts(extra: tuple[str, ...] = ()) -> frozenset[str]:
@@ -152,8 +158,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         return keys.tenant(token) if keys and token is not None else None
 
     def authorized(request: Request) -> None:
-        """Every /v1 route: the tenant goes on the request (`request.state.tenant`, None without keys) for the
-        cache namespace that is to come."""
+        """Every /v1 route: the tenant goes on the request (`request.state.tenant`, None without keys): it names
+        the request's cache namespace (`_checked`)."""
         request.state.tenant = None
         if not keys:
             return
@@ -205,7 +211,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         chunks = marked + body.chunks
 
         def make():
-            return engine.stream_generation(chat_prompt(engine, messages, chunk_texts=chunks), **_kwargs(options))
+            prompt = chat_prompt(engine, messages, chunk_texts=chunks, cache_salt=options.cache_salt)
+            return engine.stream_generation(prompt, **_kwargs(options))
 
         return await _respond(request, body, make, _ChatFormat(settings.model_id))
 
@@ -215,7 +222,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         text, chunks = body.prompt_text, body.chunks
 
         def make():
-            return engine.stream_generation(completion_prompt(engine, text, chunk_texts=chunks), **_kwargs(options))
+            prompt = completion_prompt(engine, text, chunk_texts=chunks, cache_salt=options.cache_salt)
+            return engine.stream_generation(prompt, **_kwargs(options))
 
         return await _respond(request, body, make, _CompletionFormat(settings.model_id))
 
@@ -280,16 +288,17 @@ def _model_card(model_id: str, created: int, engine) -> dict[str, Any]:
 
 
 def _checked(body, settings: ServerSettings, max_chars: int, request: Request) -> GenerationOptions:
-    """The request's options, once its fields are known to be usable and its prompt small enough to tokenize;
-    its `cache_salt` goes on the request with its tenant."""
+    """The request's options, once its fields are known to be usable and its prompt small enough to tokenize.
+    Their `cache_salt` is the request's cache namespace, never the client's salt as sent: the tenant's namespace
+    narrowed by it (`tenant_namespace`), so no value a client sends reaches another tenant's blocks."""
     too_large = check_prompt_size(body.prompt_texts(), settings.max_prompt_parts, max_chars)
     if too_large:
         raise APIError(400, too_large, code="prompt_too_large")
-    request.state.cache_salt = body.cache_salt
-    return _options(body, settings)
+    tenant = None if settings.shared_cache else request.state.tenant
+    return _options(body, settings, tenant_namespace(tenant, body.cache_salt))
 
 
-def _options(body, settings: ServerSettings) -> GenerationOptions:
+def _options(body, settings: ServerSettings, namespace: str | None = None) -> GenerationOptions:
     refused = body.refused()
     if refused:
         raise APIError(400, "not supported by pc-rag serve: " + "; ".join(refused), param=refused[0].split(":")[0])
@@ -302,6 +311,7 @@ def _options(body, settings: ServerSettings) -> GenerationOptions:
             stop=body.stop_list,
             seed=body.seed,
             recompute_ratio=body.recompute_ratio,
+            cache_salt=namespace,
         )
     except PCRagError as e:
         raise APIError(400, str(e)) from None
@@ -310,7 +320,7 @@ def _options(body, settings: ServerSettings) -> GenerationOptions:
 def _kwargs(options: GenerationOptions) -> dict[str, Any]:
     return {"mode": options.mode, "max_new_tokens": options.max_new_tokens, "temperature": options.temperature,
             "top_p": options.top_p, "stop": list(options.stop) or None, "seed": options.seed,
-            "recompute_ratio": options.recompute_ratio}
+            "recompute_ratio": options.recompute_ratio, "cache_salt": options.cache_salt}
 
 
 def _as_api_error(error: BaseException) -> APIError:

@@ -5,8 +5,9 @@ Keys come from `--api-key KEY` (repeatable), `--api-keys FILE` and the environme
 $PC_RAG_API_KEYS, entries separated by newlines or commas). A file and $PC_RAG_API_KEYS hold one entry per line,
 `KEY [TENANT]`, with `#` comments and blank lines; several keys may name one tenant. A key given without a
 tenant is a tenant of its own, named after a hash of the key (`key-<12 hex>`), never after the key itself, so
-that the name can go into logs and, later, into the cache namespace. Keys on the command line are visible to
-every local user in /proc/<pid>/cmdline: the file (mode 600) or the environment are the ways to pass them.
+that the name can go into logs and into the cache namespace (`blocks.tenant_namespace`). Keys on the command
+line are visible to every local user in /proc/<pid>/cmdline: the file (mode 600) or the environment are the
+ways to pass them.
 
 A request's bearer token is compared as bytes (a header is Latin-1 to Starlette; a non-ASCII token is a 401,
 never a 500) and by its SHA-256 digest against every key's, each compared in constant time, so neither the
@@ -32,7 +33,7 @@ from ..errors import PCRagError
 
 # Printable ASCII without spaces: what every HTTP client can put in an Authorization header as it is.
 _KEY = re.compile(r"[\x21-\x7e]+")
-# Tenant names will be mixed into cache keys and shown in logs: short and plain.
+# Tenant names are mixed into cache namespaces and shown in logs: short and plain.
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 

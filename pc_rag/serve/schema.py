@@ -10,8 +10,9 @@ Extensions (the `openai` client sends them with `extra_body={...}`):
 - `recompute_ratio`: blend's share of reused chunk tokens recomputed.
 - `chunks`: texts to treat as chunks wherever they appear in this request's prompt (the completions
   counterpart of chat content parts marked with `cache_control`).
-- `cache_salt` (vLLM's name): kept on the request for the per-tenant cache namespace that is to narrow with it;
-  checked here (a string of 1 to 256 characters), not used yet.
+- `cache_salt` (vLLM's name): narrows the request's cache namespace within its tenant's (a string of 1 to 256
+  characters): requests reuse only KV that requests of the same tenant with the same salt stored, and public
+  documents. It never widens it: the namespace is derived from the tenant and the salt together.
 Every text that reaches the tokenizer (prompt, message content, parts, chunks, stop strings) must be valid
 Unicode: a lone surrogate (`"\\ud800"` in the JSON) is a 400 naming the field, not a tokenizer error.
 Responses: `usage.prompt_tokens_details.cached_tokens` as OpenAI reports prompt caching (ChatOpenAI maps it to
@@ -67,7 +68,7 @@ class _Request(BaseModel):
     recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0.0, le=1.0)
     chunks: list[PromptText] = Field(default_factory=list)
     cache_salt: PromptText | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
-                                          description="Kept for the tenant cache namespace (not used yet).")
+                                          description="Narrows the cache namespace within the tenant's.")
 
     @field_validator("mode")
     @classmethod

@@ -34,6 +34,12 @@ class EngineFields(BaseModel):
     top_p: float = Field(default=1.0, description="Nucleus sampling mass.")
     stop: list[str] | None = Field(default=None, description="Strings that end generation (not returned).")
     seed: int | None = Field(default=None, description="Sampling seed.")
+    cache_salt: str | None = Field(
+        default=None,
+        description="Cache namespace (1 to 256 characters; also a per-call keyword): requests reuse only the KV "
+        "that requests with the same salt stored, and public documents. In a multi-user app, one per user keeps "
+        "a user from learning another's prompts through cache hits. None: the shared namespace.",
+    )
     auto_chunks: bool = Field(
         default=True,
         description="Reuse the KV of documents that any LangChain retriever in this process returned (found "
@@ -89,4 +95,5 @@ class EngineFields(BaseModel):
             top_p=float(kwargs.get("top_p", self.top_p)),
             stop=tuple(stop) if stop else None,
             seed=kwargs.get("seed", self.seed),
+            cache_salt=kwargs.get("cache_salt", self.cache_salt),
         )

@@ -118,8 +118,10 @@ class ChatPromptCache(EngineFields, BaseChatModel):
         engine = self._engine()
         parts = [_message_dict(m) for m in messages]
         marked = [text for _, texts in parts for text in texts]
-        prompt = chat_prompt(engine, [d for d, _ in parts], chunk_texts=marked, discovered=self.auto_chunks)
-        for item in stream_generation(engine, prompt, self._options(stop, kwargs)):
+        options = self._options(stop, kwargs)
+        prompt = chat_prompt(engine, [d for d, _ in parts], chunk_texts=marked, discovered=self.auto_chunks,
+                             cache_salt=options.cache_salt)
+        for item in stream_generation(engine, prompt, options):
             if isinstance(item, str):
                 yield ChatGenerationChunk(message=AIMessageChunk(content=item))
                 continue

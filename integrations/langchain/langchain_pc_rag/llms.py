@@ -45,8 +45,9 @@ class PromptCacheLLM(EngineFields, LLM):
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
         engine = self._engine()
-        segments = completion_prompt(engine, prompt, discovered=self.auto_chunks)
-        for item in stream_generation(engine, segments, self._options(stop, kwargs)):
+        options = self._options(stop, kwargs)
+        segments = completion_prompt(engine, prompt, discovered=self.auto_chunks, cache_salt=options.cache_salt)
+        for item in stream_generation(engine, segments, options):
             if isinstance(item, str):
                 # BaseLLM.stream does not report tokens for us (unlike BaseChatModel).
                 if run_manager:

@@ -15,13 +15,15 @@ from pydantic import ConfigDict, Field
 from pc_rag.adapters import register
 
 
-def register_documents(llm, documents: Iterable[Document]) -> int:
+def register_documents(llm, documents: Iterable[Document], public: bool = False) -> int:
     """Register documents' `page_content` as chunks of `llm`'s engine; return how many were new.
 
     `llm` is a ChatPromptCache or PromptCacheLLM. Register the exact text the chain will put into the prompt:
-    a chain that rewrites documents (summarises, truncates) before formatting will not hit.
+    a chain that rewrites documents (summarises, truncates) before formatting will not hit. `public=True`: their
+    KV is shared by every `cache_salt` (users of a multi-user app); a user can then learn whether a public
+    document is cached, nothing else. By default a document's KV is kept in the namespace of each request.
     """
-    return register(llm._engine(), (d.page_content for d in documents))
+    return register(llm._engine(), (d.page_content for d in documents), public=public)
 
 
 class PromptCacheRetriever(BaseRetriever):
@@ -34,17 +36,19 @@ class PromptCacheRetriever(BaseRetriever):
 
     retriever: BaseRetriever = Field(description="The retriever whose documents are registered.")
     llm: Any = Field(description="The ChatPromptCache / PromptCacheLLM whose engine answers the chain.")
+    public: bool = Field(default=False, description="Register the documents as public: shared by every "
+                         "cache_salt (see register_documents).")
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun
     ) -> list[Document]:
         documents = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()})
-        register_documents(self.llm, documents)
+        register_documents(self.llm, documents, self.public)
         return documents
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
     ) -> list[Document]:
         documents = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
-        register_documents(self.llm, documents)
+        register_documents(self.llm, documents, self.public)
         return documents

@@ -212,3 +212,30 @@ def test_tool_calls_in_the_history_are_refused():
     call = ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [{"id": "1"}]})
     with pytest.raises(ValueError, match="tool_calls"):
         llm.chat([ChatMessage(role="user", content="hi"), call])
+
+
+def test_users_with_their_own_cache_salt_share_only_public_nodes():
+    """Issue 24: one engine, several users, each with a `cache_salt` (the field or a per-call keyword). Reference: a
+    first request of the same prompt on this engine (nothing reused); the same user's second request (reuse
+    unchanged within a namespace)."""
+    engine = fresh_engine()
+    private, public = (TextNode(text=topics[k][:400]) for k in ("pass", "import"))
+    register_nodes(PromptCacheLLM(engine=engine), [public], public=True)
+    def cached(llm, node, chat=False, **kwargs):
+        text = f"Context:\n\n{node.text}\n\nQ: what is it?\nA:"
+        if chat:
+            return llm.chat([ChatMessage(role="user", content=text)], **kwargs).raw["usage"]["cached_tokens"]
+        return llm.complete(text, **kwargs).raw["usage"]["cached_tokens"]
+
+    for chat in (False, True):  # names of their own in each pass (a chat would reuse the completion's BOS)
+        alice = PromptCacheLLM(engine=engine, max_new_tokens=2, cache_salt=f"alice{chat}")
+        bob = PromptCacheLLM(engine=engine, max_new_tokens=2, cache_salt=f"bob{chat}")
+        assert cached(alice, private, chat) == 0
+        assert cached(bob, private, chat) == 0  # alice's prompt, sent by bob: nothing reused
+        assert cached(alice, private, chat, cache_salt=f"carol{chat}") == 0  # a per-call salt: its own namespace
+        assert cached(bob, private, chat, cache_salt=f"alice{chat}") > 0
+        assert cached(alice, private, chat) > 0  # alice's own reuse is unchanged
+    # a public node is reused by every user (modular mode); the prompt around it is not
+    cached(alice, public)
+    erin = PromptCacheLLM(engine=engine, max_new_tokens=2, cache_salt="erin")
+    assert cached(erin, public) == len(engine.segmenter.ids(public.text.strip()))

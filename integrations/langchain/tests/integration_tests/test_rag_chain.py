@@ -11,7 +11,7 @@ from pydoc_data.topics import topics
 from langchain_core.documents import Document
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate, format_document
 from langchain_core.retrievers import BaseRetriever
-from langchain_pc_rag import ChatPromptCache, PromptCacheRetriever
+from langchain_pc_rag import ChatPromptCache, PromptCacheRetriever, register_documents
 from langchain_pc_rag.chat_models import _message_dict
 
 from pc_rag.adapters import chat_prompt
@@ -75,3 +75,32 @@ def test_modular_reuses_documents_in_a_new_order():
     assert first_usage["input_tokens"] - first_usage["input_token_details"]["cache_read"] >= chunk_tokens
     assert answer.usage_metadata["input_token_details"]["cache_read"] >= chunk_tokens
     assert answer.response_metadata["mode"] == "modular"
+
+
+def test_users_with_their_own_cache_salt_share_only_public_documents():
+    """Issue 24: one engine, several users, each with a `cache_salt` (the field, a per-call keyword, or `bind`; a
+    chain's `invoke` does not pass keywords to the model). Reference:
+    a first request of the same prompt on this engine (nothing reused); the same user's second request (reuse
+    unchanged within a namespace)."""
+    from .tiny_model import fresh_engine
+
+    engine = fresh_engine()
+    private, public = (Document(page_content=topics[k][:400]) for k in ("pass", "import"))
+    register_documents(ChatPromptCache(engine=engine), [public], public=True)
+    alice = ChatPromptCache(engine=engine, mode="exact", max_tokens=2, cache_salt="alice")
+    bob = ChatPromptCache(engine=engine, mode="exact", max_tokens=2, cache_salt="bob")
+
+    def read(llm, documents):
+        return rag_chain(llm, documents).invoke("What is it?").usage_metadata["input_token_details"]["cache_read"]
+
+    assert read(alice, [private]) == 0
+    assert read(bob, [private]) == 0  # alice's prompt, sent by bob: nothing reused
+    messages = PROMPT.invoke({"context": stuff([private]), "input": "What is it?"}).to_messages()
+    assert alice.invoke(messages, cache_salt="carol").usage_metadata["input_token_details"]["cache_read"] == 0
+    assert bob.bind(cache_salt="alice").invoke(messages).usage_metadata["input_token_details"]["cache_read"] > 0
+    assert read(alice, [private]) > 0  # alice's own reuse is unchanged
+    # a public document (modular mode: chunks encoded on their own) is reused by every user; the prompt around it
+    # is not
+    read(ChatPromptCache(engine=engine, max_tokens=2, cache_salt="alice"), [public])
+    public_tokens = len(engine.segmenter.ids(public.page_content.strip()))
+    assert read(ChatPromptCache(engine=engine, max_tokens=2, cache_salt="dave"), [public]) == public_tokens

@@ -192,6 +192,12 @@ class PromptCacheLLM(CustomLLM):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     stop: list[str] | None = Field(default=None, description="Strings that end generation (not returned).")
     seed: int | None = Field(default=None, description="Sampling seed.")
+    cache_salt: str | None = Field(
+        default=None,
+        description="Cache namespace (1 to 256 characters; also a per-call keyword): requests reuse only the KV "
+        "that requests with the same salt stored, and public documents. In a multi-user app, one per user keeps "
+        "a user from learning another's prompts through cache hits. None: the shared namespace.",
+    )
     context_window: int | None = Field(
         default=None,
         gt=0,
@@ -307,20 +313,24 @@ class PromptCacheLLM(CustomLLM):
             top_p=float(kwargs.get("top_p", self.top_p)),
             stop=tuple(stop) if stop else None,
             seed=kwargs.get("seed", self.seed),
+            cache_salt=kwargs.get("cache_salt", self.cache_salt),
         )
 
-    def _chat_segments(self, messages: Sequence[ChatMessage], parts: Iterable[tuple[dict, list[str]]]):
+    def _chat_segments(self, messages: Sequence[ChatMessage], parts: Iterable[tuple[dict, list[str]]], kwargs):
         engine = self.get_engine()
         parts = list(parts)
         marked = [text for _, texts in parts for text in texts]
+        salt = self._options(kwargs).cache_salt
         if getattr(engine.tokenizer, "chat_template", None):
-            return chat_prompt(engine, [d for d, _ in parts], chunk_texts=marked, discovered=self.auto_chunks)
+            return chat_prompt(engine, [d for d, _ in parts], chunk_texts=marked, discovered=self.auto_chunks,
+                               cache_salt=salt)
         # No chat template (a base model): LlamaIndex's own rendering, as for any completion model.
         prompt = self.messages_to_prompt(messages)
-        return completion_prompt(engine, prompt, chunk_texts=marked, discovered=self.auto_chunks)
+        return completion_prompt(engine, prompt, chunk_texts=marked, discovered=self.auto_chunks, cache_salt=salt)
 
-    def _completion_segments(self, prompt: str):
-        return completion_prompt(self.get_engine(), prompt, discovered=self.auto_chunks)
+    def _completion_segments(self, prompt: str, kwargs):
+        return completion_prompt(self.get_engine(), prompt, discovered=self.auto_chunks,
+                                 cache_salt=self._options(kwargs).cache_salt)
 
     def _pieces(self, segments, kwargs) -> Iterator[tuple[str, str, dict | None]]:
         """(delta, text so far, None) per piece, then ("", full text, raw) with usage once done."""
@@ -345,11 +355,11 @@ class PromptCacheLLM(CustomLLM):
             yield ChatResponse(message=message, delta=delta, raw=raw or {})
 
     def _complete(self, prompt: str, kwargs) -> CompletionResponse:
-        *_, last = self._completions(self._completion_segments(prompt), kwargs)
+        *_, last = self._completions(self._completion_segments(prompt, kwargs), kwargs)
         return CompletionResponse(text=last.text, raw=last.raw)
 
     def _chat(self, messages: Sequence[ChatMessage], parts, kwargs) -> ChatResponse:
-        *_, last = self._chats(self._chat_segments(messages, parts), kwargs)
+        *_, last = self._chats(self._chat_segments(messages, parts, kwargs), kwargs)
         return ChatResponse(message=last.message, raw=last.raw)
 
     # ---- completions: the prompt string as it is -------------------------------------------------------
@@ -359,7 +369,7 @@ class PromptCacheLLM(CustomLLM):
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        return self._completions(self._completion_segments(prompt), kwargs)
+        return self._completions(self._completion_segments(prompt, kwargs), kwargs)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -369,7 +379,7 @@ class PromptCacheLLM(CustomLLM):
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        return _iterate_in_thread(lambda: self._completions(self._completion_segments(prompt), kwargs))
+        return _iterate_in_thread(lambda: self._completions(self._completion_segments(prompt, kwargs), kwargs))
 
     # ---- chat: the model's chat template -----------------------------------------------------------------
     @llm_chat_callback()
@@ -379,7 +389,7 @@ class PromptCacheLLM(CustomLLM):
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         parts = [_message_parts(m) for m in messages]
-        return self._chats(self._chat_segments(messages, parts), kwargs)
+        return self._chats(self._chat_segments(messages, parts, kwargs), kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -389,7 +399,7 @@ class PromptCacheLLM(CustomLLM):
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         parts = [_message_parts(m) for m in messages]
-        return _iterate_in_thread(lambda: self._chats(self._chat_segments(messages, parts), kwargs))
+        return _iterate_in_thread(lambda: self._chats(self._chat_segments(messages, parts, kwargs), kwargs))
 
     # ---- not supported: refused before the model runs --------------------------------------------------------
     def _no_structured_output(self, *args: Any, **kwargs: Any):

@@ -28,20 +28,24 @@ from pc_rag.adapters import register
 from .base import PromptCacheLLM
 
 
-def register_nodes(llm: PromptCacheLLM, nodes) -> int:
+def register_nodes(llm: PromptCacheLLM, nodes, public: bool = False) -> int:
     """Register the text of nodes (NodeWithScore or BaseNode) with `llm`'s engine; return how many were new.
 
     The text registered is the node's content without metadata: metadata lines that LlamaIndex writes before
-    it (MetadataMode.LLM) stay ordinary prompt text.
+    it (MetadataMode.LLM) stay ordinary prompt text. `public=True`: their KV is shared by every `cache_salt`
+    (users of a multi-user app); a user can then learn whether a public node is cached, nothing else. By
+    default a node's KV is kept in the namespace of each request.
     """
     texts = (getattr(n, "node", n).get_content(metadata_mode=MetadataMode.NONE) for n in nodes)
-    return register(llm.get_engine(), texts)
+    return register(llm.get_engine(), texts, public=public)
 
 
 class PromptCacheNodeRegistrar(BaseNodePostprocessor):
     """Node postprocessor that registers every retrieved node with the LLM's engine; nodes pass unchanged."""
 
     llm: SerializeAsAny[LLM] = Field(description="The PromptCacheLLM that answers the query.")
+    public: bool = Field(default=False, description="Register the nodes as public: shared by every cache_salt "
+                         "(see register_nodes).")
 
     @classmethod
     def class_name(cls) -> str:
@@ -50,7 +54,7 @@ class PromptCacheNodeRegistrar(BaseNodePostprocessor):
     def _postprocess_nodes(
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
-        register_nodes(self.llm, nodes)
+        register_nodes(self.llm, nodes, self.public)
         return nodes
 
 
