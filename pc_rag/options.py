@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import OptionError, OptionTypeError, PromptError
+from .grammar import Grammar
 
 # What a request can ask for (see `Engine`): no reuse (the reference), exact prefix reuse, relocated chunks, and
 # relocated chunks with a share recomputed in context.
@@ -38,6 +39,7 @@ class GenerationOptions:
                      match at once).
     seed:            None (fresh randomness) or a 64-bit int.
     recompute_ratio: blend only: fraction of reused chunk tokens recomputed, in [0, 1].
+    grammar:         None, or a `pc_rag.Grammar` every generated token must keep to (constrained decoding).
     """
 
     mode: str = "modular"
@@ -47,6 +49,7 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
+    grammar: Grammar | None = None
 
     def __post_init__(self):
         check_mode(self.mode)
@@ -58,6 +61,9 @@ class GenerationOptions:
         set_(self, "stop", checked_stop(self.stop))
         ratio = checked_number("recompute_ratio", self.recompute_ratio, 0.0, 1.0, hint="0 = modular, 1 = full")
         set_(self, "recompute_ratio", ratio)
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise OptionTypeError(f"grammar must be None or a pc_rag.Grammar (Grammar.json_schema(...), ...), got "
+                                  f"{_shown(self.grammar)}")
 
 
 def check_mode(mode) -> str:
