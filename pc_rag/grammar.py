@@ -15,7 +15,9 @@ grammar, and an engine used without grammars never loads it. Measured cost on th
 structured.py` (docs/agents.md).
 
 JSON is compact by default (`json.dumps`'s separators, no free whitespace): a model that may put any whitespace
-between tokens can also loop on it forever, which a random test model does.
+between tokens can also loop on it forever, which a random test model does. In a structural tag too: xgrammar's
+`json_schema` element there allows at least one free whitespace, so one with `"max_whitespace_cnt": 0` is
+compiled as the EBNF of the compact schema.
 
 A workaround, for xgrammar 0.2.9: a JSON string with `maxLength` (or a pattern) compiles to a character class that
 lets raw control characters through (`[^"\\\r\n]`; xgrammar issue #286), which `json.loads` then refuses (23 of 100
@@ -215,6 +217,21 @@ class Grammars:
                 # EBNF string literals take JSON's escapes, so each choice is its JSON text.
                 options = json.loads(grammar.source)
                 return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
-            return compiler.compile_structural_tag(grammar.source)
+            return compiler.compile_structural_tag(json.dumps(_compact_json(json.loads(grammar.source))))
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors on a bad schema/regex/tag
             raise OptionError(f"the {grammar.kind} grammar does not compile: {e}") from None
+
+
+def _compact_json(node):
+    """A structural tag whose `json_schema` elements asking for `"max_whitespace_cnt": 0` are written as the EBNF of
+    the compact JSON schema (xgrammar's element requires a positive count)."""
+    if isinstance(node, list):
+        return [_compact_json(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("max_whitespace_cnt") == 0:
+        import xgrammar as xgr
+
+        ebnf = xgr.Grammar.from_json_schema(json.dumps(node["json_schema"]), any_whitespace=False)
+        return {"type": "grammar", "grammar": str(ebnf)}
+    return {k: _compact_json(v) for k, v in node.items()}
