@@ -221,8 +221,10 @@ class ReplyIndex(ChunkIndex):
 
     def __init__(self, max_texts: int = 4096, max_chars: int = 16 << 20):
         super().__init__(max_texts=max_texts, max_chars=max_chars)
-        self._ids: dict[str, tuple[int, ...] | None] = {}
-        self._after: dict[str, list[int]] = {}  # reply text -> hashes of the prompts it followed
+        # reply text -> {hash of the prompt it followed: the ids generated there}. Per prompt, not per text: the
+        # same text generated twice in one conversation (an agent repeating a tool call) may have been generated
+        # as different tokens each time, and each occurrence must get back its own to continue its prefix.
+        self._ids: dict[str, dict[int, tuple[int, ...] | None]] = {}
 
     @staticmethod
     def key(text: str) -> str:
@@ -235,30 +237,33 @@ class ReplyIndex(ChunkIndex):
         if not self.key(text):
             return
         with self._lock:
-            self._ids[text] = None if token_ids is None else tuple(token_ids)
-            prompts = self._after.setdefault(text, [])
+            prompts = self._ids.setdefault(text, {})
             h = hash(after)
-            if h not in prompts:
-                prompts.append(h)
-                del prompts[: -self.MAX_PROMPTS]
+            prompts.pop(h, None)
+            prompts[h] = None if token_ids is None else tuple(token_ids)
+            for old in list(prompts)[: -self.MAX_PROMPTS]:
+                del prompts[old]
         self.add(text)
         with self._lock:
             if len(self._ids) > len(self._keys):
                 for k in [k for k in self._ids if k not in self._keys]:
                     del self._ids[k]
-                    self._after.pop(k, None)
 
     def candidates(self, prompt_text: str) -> list[Span]:
         spans = super().candidates(prompt_text)
         with self._lock:
-            return [Span(s.start, s.end, "reply", self._ids.get(prompt_text[s.start: s.end])) for s in spans
-                    if hash(prompt_text[: s.start]) in self._after.get(prompt_text[s.start: s.end], ())]
+            found = []
+            for s in spans:
+                prompts = self._ids.get(prompt_text[s.start: s.end], {})
+                h = hash(prompt_text[: s.start])
+                if h in prompts:
+                    found.append(Span(s.start, s.end, "reply", prompts[h]))
+            return found
 
     def clear(self) -> None:
         super().clear()
         with self._lock:
             self._ids.clear()
-            self._after.clear()
 
 
 def marked(prompt_text: str, texts: Iterable[str]) -> list[Span]:
