@@ -187,8 +187,10 @@ class ChatReply:
         return "tool_calls" if self.tool_calls else self.generation.finish_reason
 
 
-def stream_chat(engine, request: ChatRequest) -> Iterator[Any]:
-    """The text pieces of one chat request (`str`; what may be a tool call is held back), then its `ChatReply`."""
+def stream_chat(engine, request: ChatRequest, heartbeat: bool = False) -> Iterator[Any]:
+    """The text pieces of one chat request (`str`; what may be a tool call is held back), then its `ChatReply`.
+    `heartbeat`: an empty piece for each token held back, so that a caller which stops or times out a request
+    between pieces (the server) still can while a call is decoded."""
     calls = request.call_filter(engine.tokenizer)
     text: list[str] = []
     for item in stream_generation(engine, request.prompt, request.options):
@@ -197,6 +199,8 @@ def stream_chat(engine, request: ChatRequest) -> Iterator[Any]:
             if piece:
                 text.append(piece)
                 yield piece
+            elif heartbeat:
+                yield ""
             continue
         found: list[ToolCall] = []
         if calls is not None:
