@@ -62,7 +62,8 @@ def _message_dict(message: BaseMessage) -> tuple[dict[str, Any], list[str]]:
         raise ValueError(f"ChatPromptCache cannot send a {kind}; use system, human and ai messages")
     marked: list[str] = []
     if isinstance(message.content, list):
-        blocks = [b for b in message.content if isinstance(b, dict)]
+        # tool_use blocks (Anthropic's shape of an AIMessage's calls) repeat message.tool_calls, written below
+        blocks = [b for b in message.content if isinstance(b, dict) and b.get("type") != "tool_use"]
         other = [b.get("type") for b in blocks if b.get("type") != "text"]
         if other:
             raise ValueError(f"ChatPromptCache takes text only; the message has {other} content blocks")
