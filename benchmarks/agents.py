@@ -5,10 +5,12 @@ JSON-schema grammar costs in decode speed.
 
 The loop: a system prompt, 3 tool schemas (a retriever tool whose results are documents, two others), a user
 question; every step but the last is a forced call (the retriever tool on even steps, any tool on odd ones: the
-offline bench model has random weights and never calls a tool by itself), answered by a tool message; the retriever's documents are registered
-with the engine, as the framework hooks do when a retriever runs inside a tool, so they are chunks wherever they
-reappear. Per step: prompt tokens, cached (reused) tokens, the upper bound (the tokens this prompt shares with
-the previous request's prompt + reply, plus documents seen in earlier steps), TTFT in `modular` and in `full`.
+offline bench model has random weights and never calls a tool by itself), answered by a tool message; the
+retriever's documents are registered with the engine, as the framework hooks do when a retriever runs inside a
+tool, so they are chunks wherever they reappear (the third step's search returns one document of the first's
+again). Per step: prompt tokens, cached (reused) tokens, the upper bound (the tokens this prompt shares with the
+previous request's prompt + reply, plus the documents beyond that which earlier prompts held), TTFT in `modular`
+and in `full`.
 
 Decode cost: the same prompt decoded free and under a JSON-schema grammar (an array of short strings, long
 enough not to end early), interleaved, tokens per second after the first token.
@@ -44,7 +46,7 @@ TOOLS = [
 SYSTEM = "You are a helpful assistant for Python programmers. Use the tools to look things up before answering."
 
 
-def documents(n: int = 6, chars: int = 600) -> list[str]:
+def documents(n: int = 3, chars: int = 600) -> list[str]:
     return [doc[:chars] for doc in pc_rag.testing.pydoc_corpus()[:n]]
 
 
@@ -70,7 +72,9 @@ def agent_loop(model, tokenizer, steps: int) -> list[dict]:
     docs = documents()
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": "How do I write a decorator that caches results?"}]
-    rows, previous, seen_docs = [], None, []
+    rows, previous = [], None
+    seen_docs: list[str] = []  # documents in the prompts of earlier steps (chunks the engine has encoded)
+    new_docs: list[str] = []  # documents in the last tool result: first seen in this step's prompt
     for step in range(steps):
         # the retriever tool on even steps (its documents are the point), any tool on odd ones, text at the end
         choice = "none" if step == steps - 1 else "search_docs" if step % 2 == 0 else "required"
@@ -79,23 +83,24 @@ def agent_loop(model, tokenizer, steps: int) -> list[dict]:
         gen = reply.generation
         prompt = list(gen.prompt_ids)
         bound = shared_prefix(prompt, previous) if previous is not None else 0
-        # documents seen in earlier steps and present beyond the shared prefix are reusable chunks
         tail = engine.tokenizer.decode(prompt[bound:])
-        bound += sum(len(engine.segmenter.ids(d)) for d in seen_docs if d in tail)
+        bound += sum(len(engine.segmenter.ids(d)) * tail.count(d) for d in seen_docs)
         rows.append({"step": step + 1, "prompt_tokens": gen.prompt_tokens, "cached_tokens": gen.cached_tokens,
-                     "upper_bound": bound, "ttft_s": gen.ttft_s, "full_ttft_s": full.generation.ttft_s,
-                     "call": [c.name for c in reply.tool_calls]})
+                     "upper_bound": min(bound, gen.prompt_tokens), "ttft_s": gen.ttft_s,
+                     "full_ttft_s": full.generation.ttft_s, "call": [c.name for c in reply.tool_calls]})
+        seen_docs += [d for d in new_docs if d not in seen_docs]
         previous = prompt + list(gen.token_ids)
         if not reply.tool_calls:
             break
         call = reply.tool_calls[0]
         if call.name == "search_docs":
-            found = [docs[(2 * step) % len(docs)], docs[(2 * step + 1) % len(docs)], docs[0]]
+            found = [docs[step % len(docs)], docs[(step + 1) % len(docs)]]  # step 3 returns docs[0] again
             engine.register(found)  # what the retriever hook does when the tool's retriever runs
             result = "\n\n".join(found)
-            seen_docs += [d for d in found if d not in seen_docs]
+            new_docs = found
         else:
             result = json.dumps({"ok": True, "step": step})
+            new_docs = []
         messages = messages + [{"role": "assistant", "content": reply.content, "tool_calls": [call.openai()]},
                                {"role": "tool", "tool_call_id": call.id, "content": result}]
     return rows
