@@ -4,6 +4,7 @@ from . import testing
 from .blocks import KVBlock
 from .engine import Engine, ExplainRow, Explanation, Generation, SegmentSource
 from .errors import OptionError, OptionTypeError, PCRagError, PMLError, PromptError, StoreError, UnsupportedModelError
+from .grammar import Grammar
 from .options import GenerationOptions
 from .pml import PML, Schema, SchemaRegistry
 from .segments import Chunk, Text
@@ -15,6 +16,7 @@ __all__ = [
     "Explanation",
     "Generation",
     "GenerationOptions",
+    "Grammar",
     "KVBlock",
     "OptionError",
     "OptionTypeError",

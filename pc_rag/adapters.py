@@ -5,6 +5,8 @@ The one path every adapter request takes:
     -> `Engine.split` (registered, discovered and marked documents become `Chunk`s; earlier replies keep their
     generated tokens) -> `stream_generation` -> text pieces, then the engine's `Generation` (token counts,
     `cached_tokens`, `stored_tokens`) -> `usage`.
+With tools (`chat_request`): the tools go through the template too (pc_rag.tools), a forced `tool_choice` or a
+`response_format` becomes the request's grammar, and `CallFilter` turns the reply into text and tool calls.
 Completion-style calls skip the chat template and split the prompt string as it is. Nothing needs wiring: the
 automatic prefix reuse works on any prompt, and the framework hooks (`discover`) register retrieved documents.
 `GenerationOptions.cache_salt` (the classes' `cache_salt` field, or a per-call keyword) keeps one user's cache
@@ -14,17 +16,21 @@ Documents registered with `register(engine, texts, public=True)` are shared by e
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from .errors import PCRagError
+from .errors import OptionError, OptionTypeError, PCRagError
+from .grammar import Grammar
 from .options import GenerationOptions
 from .segments import Chunk, Text
 from .text_index import discover, discovery_enabled, index_for
+from .tools import CallFilter, ToolCall, ToolFormat, call_grammar, check_tool_choice, render_messages, tool_specs
 
-__all__ = ["GenerationOptions", "SamplingOptions", "chat_prompt", "completion_prompt", "discover",
-           "discovery_enabled", "register", "render_chat", "shared_engine", "stream_generation", "usage"]
+__all__ = ["ChatReply", "ChatRequest", "GenerationOptions", "SamplingOptions", "ToolCall", "chat_prompt",
+           "chat_request", "completion_prompt", "discover", "discovery_enabled", "register", "render_chat",
+           "response_grammar", "shared_engine", "stream_chat", "stream_generation", "usage"]
 
 _ENGINES: dict[tuple[str, str, str], Any] = {}
 _ENGINES_LOCK = threading.Lock()
@@ -46,22 +52,91 @@ def shared_engine(path: str, dtype: str = "float32", device: str = "cpu"):
         return engine
 
 
-def render_chat(tokenizer, messages: Sequence[Mapping[str, str]]) -> str:
-    """Messages as the model's chat template writes them, ending with the assistant header."""
+def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> str:
+    """Messages (with tool calls and tool results, pc_rag.tools) and `tools` (OpenAI function dicts) as the model's
+    chat template writes them, ending with the assistant header."""
     if not getattr(tokenizer, "chat_template", None):
         raise PCRagError(
             "the model's tokenizer has no chat template; use the completion-style class (PromptCacheLLM) "
             "or set tokenizer.chat_template"
         )
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    rendered, kwargs = render_messages(messages, tool_specs(tools), ToolFormat.detect(tokenizer))
+    return tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
 
 
-def chat_prompt(engine, messages: Sequence[Mapping[str, str]], chunk_texts: Sequence[str] = (),
-                discovered: bool = True, cache_salt: str | None = None) -> list[Text | Chunk]:
-    """Chat messages as prompt segments: registered and discovered documents (unless `discovered=False`) and
-    `chunk_texts` (content marked with `cache_control`) inside any message become `Chunk`s; earlier replies of
-    the namespace `cache_salt` keep their generated tokens."""
-    return completion_prompt(engine, render_chat(engine.tokenizer, messages), chunk_texts, discovered, cache_salt)
+def chat_prompt(engine, messages: Sequence[Mapping[str, Any]], chunk_texts: Sequence[str] = (),
+                discovered: bool = True, cache_salt: str | None = None,
+                tools: Sequence[Mapping[str, Any]] = ()) -> list[Text | Chunk]:
+    """Chat messages (and `tools`, through the chat template) as prompt segments: registered and discovered
+    documents (unless `discovered=False`) and `chunk_texts` (content marked with `cache_control`) inside any
+    message become `Chunk`s; earlier replies of the namespace `cache_salt` keep their generated tokens."""
+    return completion_prompt(engine, render_chat(engine.tokenizer, messages, tools), chunk_texts, discovered,
+                             cache_salt)
+
+
+def response_grammar(response_format: Mapping[str, Any] | None) -> Grammar | None:
+    """OpenAI's `response_format` as a grammar: `{"type": "json_schema", "json_schema": {"schema": ...}}`, `{"type":
+    "json_object"}`, or `{"type": "text"}`/None (free text)."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise OptionTypeError(f"response_format must be a dict, got {type(response_format).__name__}")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if schema is None:
+            raise OptionError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+        return Grammar.json_schema(schema)
+    raise OptionError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """One chat request with tools: the prompt, the options (the grammar of a forced call or a response format
+    included), and what reading the reply needs."""
+
+    prompt: list[Text | Chunk]
+    options: GenerationOptions
+    tool_format: ToolFormat
+    tools: list[dict[str, Any]]  # OpenAI function dicts
+    tool_choice: str  # auto, none, required or a tool's name
+
+    @property
+    def forced(self) -> bool:
+        return self.tool_choice not in ("auto", "none")
+
+    def call_filter(self, tokenizer=None) -> CallFilter | None:
+        """What reads the reply's pieces into text and calls; None when no call can come (no tools, "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return CallFilter(self.tool_format, self.tools, forced=self.forced, tokenizer=tokenizer)
+
+
+def chat_request(engine, messages: Sequence[Mapping[str, Any]], options: GenerationOptions,
+                 tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
+                 response_format: Mapping[str, Any] | None = None, parallel_tool_calls: bool = False,
+                 chunk_texts: Sequence[str] = (), discovered: bool = True) -> ChatRequest:
+    """A chat request as the engine runs it. `tool_choice` "required" (LangChain's "any") or a tool's name
+    constrains the reply to a valid call (`parallel_tool_calls`: one or more); a `response_format` constrains it
+    to JSON; both at once is refused (a forced call is already JSON)."""
+    specs = tool_specs(tools)
+    choice = check_tool_choice(tool_choice, specs)
+    fmt = ToolFormat.detect(engine.tokenizer)
+    grammar = call_grammar(fmt, specs, choice, parallel=parallel_tool_calls)
+    wanted = response_grammar(response_format)
+    if wanted is not None:
+        if grammar is not None:
+            raise OptionError("response_format and a forced tool_choice cannot both constrain one reply")
+        grammar = wanted
+    if grammar is not None:
+        options = dataclasses.replace(options, grammar=grammar)
+    prompt = chat_prompt(engine, messages, chunk_texts, discovered, options.cache_salt, tools=specs)
+    return ChatRequest(prompt, options, fmt, specs, choice)
 
 
 def completion_prompt(engine, prompt_text: str, chunk_texts: Sequence[str] = (),
@@ -90,7 +165,7 @@ def stream_generation(engine, prompt: Sequence[Text | Chunk], options: Generatio
     return engine.stream_generation(
         prompt, mode=options.mode, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
         top_p=options.top_p, stop=list(options.stop) or None, seed=options.seed,
-        recompute_ratio=options.recompute_ratio, cache_salt=options.cache_salt,
+        recompute_ratio=options.recompute_ratio, cache_salt=options.cache_salt, grammar=options.grammar,
     )
 
 
@@ -104,3 +179,40 @@ def usage(generation) -> dict[str, int]:
         "cached_tokens": int(generation.cached_tokens),
         "cache_creation_tokens": int(getattr(generation, "stored_tokens", 0)),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatReply:
+    """A finished chat reply: its text (calls taken out), its tool calls, and the engine's `Generation`."""
+
+    content: str
+    tool_calls: list[ToolCall]
+    generation: Any
+
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.tool_calls else self.generation.finish_reason
+
+
+def stream_chat(engine, request: ChatRequest, heartbeat: bool = False) -> Iterator[Any]:
+    """The text pieces of one chat request (`str`; what may be a tool call is held back), then its `ChatReply`.
+    `heartbeat`: an empty piece for each token held back, so that a caller which stops or times out a request
+    between pieces (the server) still can while a call is decoded."""
+    calls = request.call_filter(engine.tokenizer)
+    text: list[str] = []
+    for item in stream_generation(engine, request.prompt, request.options):
+        if isinstance(item, str):
+            piece = calls.feed(item) if calls is not None else item
+            if piece:
+                text.append(piece)
+                yield piece
+            elif heartbeat:
+                yield ""
+            continue
+        found: list[ToolCall] = []
+        if calls is not None:
+            rest, found = calls.finish()
+            if rest:
+                text.append(rest)
+                yield rest
+        yield ChatReply("".join(text), found, item)

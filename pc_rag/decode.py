@@ -31,8 +31,13 @@ class Sampling:
 
 
 class Sampler:
-    def __init__(self, sampling: Sampling):
+    """Chooses one token from a [vocab] logits row; with a `grammar` (pc_rag.grammar.GrammarState), only among the
+    tokens the grammar allows at this step, and the chosen token advances the grammar. One per request: both
+    decode paths call it, so a batched row and a lone request are constrained alike."""
+
+    def __init__(self, sampling: Sampling, grammar=None):
         self.sampling = sampling
+        self.grammar = grammar
         # A CPU generator: the same seed gives the same tokens on CPU and CUDA (given the same logits).
         self.generator = torch.Generator()
         if sampling.seed is not None:
@@ -41,6 +46,13 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
+        if self.grammar is None:
+            return self._choose(logits)
+        token = self._choose(self.grammar.mask(logits))
+        self.grammar.accept(token)
+        return token
+
+    def _choose(self, logits: torch.Tensor) -> int:
         s = self.sampling
         # Below float32's smallest normal number (1e-39, 5e-324: values a client may send) the distribution is
         # greedy's to the last bit, and dividing by it overflowed to inf and NaN probabilities.

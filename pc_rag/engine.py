@@ -29,6 +29,7 @@ from .assemble import Assembled, Assembler, Recompute
 from .batch import MAX_BATCH, BatchDecoder, RowTokens, TurnLock, decode_steps_needed
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
+from .grammar import Grammar, Grammars
 from .lookups import WhereLookups
 from .model import LlamaRunner
 from .options import DEFAULT_RECOMPUTE_RATIO, MODES, GenerationOptions, check_device, checked_cache_salt
@@ -193,6 +194,8 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
+        # Constrained decoding (`grammar=`): grammars compiled for this tokenizer, kept LRU (pc_rag.grammar).
+        self.grammars = Grammars(tokenizer, getattr(model.config, "vocab_size", None) or len(tokenizer), self.eos_ids)
         # Texts a plain-string prompt is cut at: chunks registered with this engine (`register`), replies it
         # generated (given back their generated tokens), and the documents the framework hooks discovered.
         self.chunks = ChunkIndex()
@@ -228,30 +231,37 @@ class Engine:
     # ---- public API ------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
-                 recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, cache_salt: str | None = None) -> Generation:
+                 recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, cache_salt: str | None = None,
+                 grammar: Grammar | None = None) -> Generation:
         """Generate a reply; the arguments are those of `GenerationOptions` (checked before any work).
-        `cache_salt`: the request's cache namespace (see the module docstring)."""
-        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt)
+        `cache_salt`: the request's cache namespace (see the module docstring); `grammar`: constrained
+        decoding (`pc_rag.Grammar`)."""
+        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt,
+                                    grammar)
         *_, generation = self._stream_generation(prompt, options)
         return generation
 
     def stream(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
-               recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, cache_salt: str | None = None) -> Iterator[str]:
+               recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, cache_salt: str | None = None,
+               grammar: Grammar | None = None) -> Iterator[str]:
         """Text pieces as they are decoded; never splits a multi-byte character or emits part of a stop string.
 
         Not a generator function: the options are checked here, at the call, so a bad argument raises before
         the first `next()`."""
-        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt)
+        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt,
+                                    grammar)
         return (item for item in self._stream_generation(prompt, options) if isinstance(item, str))
 
     def stream_generation(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32,
                           temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] | None = None,
                           seed: int | None = None, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
-                          cache_salt: str | None = None) -> Iterator[str | Generation]:
+                          cache_salt: str | None = None, grammar: Grammar | None = None
+                          ) -> Iterator[str | Generation]:
         """Like `stream`, then the final `Generation` (token counts, TTFT) as the last item; options are
         checked at the call, as in `stream`."""
-        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt)
+        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt,
+                                    grammar)
         return self._stream_generation(prompt, options)
 
     def _stream_generation(self, prompt: Prompt, options: GenerationOptions) -> Iterator[str | Generation]:
@@ -477,7 +487,8 @@ class Engine:
     def _run_counted(self, prompt, options: GenerationOptions) -> Iterator[str]:
         t0 = time.perf_counter()
         mode, max_new_tokens = options.mode, options.max_new_tokens
-        sampler = Sampler(Sampling.from_options(options))
+        grammar = self.grammars.state(options.grammar) if options.grammar is not None else None
+        sampler = Sampler(Sampling.from_options(options), grammar)
         with self._prefill_turn if self.batch_decoding else contextlib.nullcontext():
             asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=options.recompute_ratio,
                                 namespace=options.cache_salt)

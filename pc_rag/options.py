@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import OptionError, OptionTypeError, PromptError
+from .grammar import Grammar
 
 # What a request can ask for (see `Engine`): no reuse (the reference), exact prefix reuse, relocated chunks, and
 # relocated chunks with a share recomputed in context.
@@ -42,6 +43,7 @@ class GenerationOptions:
     recompute_ratio: blend only: fraction of reused chunk tokens recomputed, in [0, 1].
     cache_salt:      None, or the request's cache namespace (1 to 256 characters; vLLM's name): the request
                      reuses only KV that requests with the same salt stored, and public chunks (blocks.py).
+    grammar:         None, or a `pc_rag.Grammar` every generated token must keep to (constrained decoding).
     """
 
     mode: str = "modular"
@@ -52,6 +54,7 @@ class GenerationOptions:
     seed: int | None = None
     recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
     cache_salt: str | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self):
         check_mode(self.mode)
@@ -64,6 +67,9 @@ class GenerationOptions:
         ratio = checked_number("recompute_ratio", self.recompute_ratio, 0.0, 1.0, hint="0 = modular, 1 = full")
         set_(self, "recompute_ratio", ratio)
         set_(self, "cache_salt", checked_cache_salt(self.cache_salt))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise OptionTypeError(f"grammar must be None or a pc_rag.Grammar (Grammar.json_schema(...), ...), got "
+                                  f"{_shown(self.grammar)}")
 
 
 def check_mode(mode) -> str:

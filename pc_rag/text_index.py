@@ -244,7 +244,9 @@ class ReplyIndex(ChunkIndex):
 
     def __init__(self, max_texts: int = 4096, max_chars: int = 16 << 20):
         super().__init__(max_texts=max_texts, max_chars=max_chars)
-        # reply text -> {hash of (namespace, the prompt it followed): the ids generated there}, oldest first
+        # reply text -> {hash of (namespace, the prompt it followed): the ids generated there}, oldest first. Per
+        # prompt, not per text: the same text generated twice in one conversation (an agent repeating a tool call)
+        # may have been generated as different tokens each time, and each occurrence must get back its own.
         self._after: dict[str, dict[int, tuple[int, ...] | None]] = {}
 
     @staticmethod

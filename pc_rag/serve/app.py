@@ -12,9 +12,11 @@ One path per request, as in the drop-in classes (pc_rag/adapters.py):
        (`blocks.tenant_namespace`; with `--shared-cache` the salt's alone)
     -> prompt parts and characters bounded (limits.check_prompt_size; 400), nothing tokenized yet
     -> a place in the bounded line (admission.py; full -> 429, waited too long -> 503, both with Retry-After)
-    -> a worker thread: messages through the model's chat template (`chat_prompt`, `cache_control` parts as
-       chunks) or the prompt string (`completion_prompt`) -> `Engine.stream_generation` -> text pieces
-    -> the event loop: SSE chunks, or one JSON body once the Generation is in -> usage with cached_tokens.
+    -> a worker thread: messages and tools through the model's chat template (`chat_request`, `cache_control`
+       parts as chunks; a forced tool_choice or a response_format is the request's grammar) or the prompt string
+       (`completion_prompt`) -> `Engine.stream_generation` -> text pieces (a tool call held back: `stream_chat`)
+    -> the event loop: SSE chunks (tool calls as one delta at the end), or one JSON body once the reply is in
+       -> usage with cached_tokens.
 
 The engine call is blocking, so it runs in a worker thread per request; concurrent requests meet in the
 engine's batched decode loop (pc_rag/batch.py), one forward pass per step for all of them. The response
@@ -46,10 +48,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..adapters import chat_prompt, completion_prompt
+from ..adapters import ChatReply, chat_request, completion_prompt, response_grammar, stream_chat, stream_generation
 from ..blocks import tenant_namespace
 from ..errors import OptionError, PCRagError, PMLError, PromptError, UnsupportedModelError
 from ..options import GenerationOptions
+from ..tools import ToolFormat, call_grammar, check_tool_choice, tool_specs
 from .admission import Admission, QueueFull, QueueTimeout
 from .auth import LOOPBACK_NAMES, APIKey, KeyRing, bearer_token
 from .limits import (
@@ -209,10 +212,13 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         options = _checked(body, settings, max_chars, request)
         messages, marked = chat_messages(body)
         chunks = marked + body.chunks
+        await asyncio.to_thread(_check_tools, engine, body)  # a bad tool, choice or schema: a 400 before the line
 
         def make():
-            prompt = chat_prompt(engine, messages, chunk_texts=chunks, cache_salt=options.cache_salt)
-            return engine.stream_generation(prompt, **_kwargs(options))
+            return stream_chat(engine, chat_request(
+                engine, messages, options, tools=body.tools, tool_choice=body.tool_choice,
+                response_format=body.response_format, parallel_tool_calls=bool(body.parallel_tool_calls),
+                chunk_texts=chunks), heartbeat=True)
 
         return await _respond(request, body, make, _ChatFormat(settings.model_id))
 
@@ -223,7 +229,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
         def make():
             prompt = completion_prompt(engine, text, chunk_texts=chunks, cache_salt=options.cache_salt)
-            return engine.stream_generation(prompt, **_kwargs(options))
+            return stream_generation(engine, prompt, options)
 
         return await _respond(request, body, make, _CompletionFormat(settings.model_id))
 
@@ -267,7 +273,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
                 streaming = True
                 return StreamingResponse(_sse(fmt, body, worker, (kind, value)), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return JSONResponse(fmt.whole(value, usage(value)))
+            return JSONResponse(fmt.whole(value, usage(_generation(value))))
         finally:
             disconnect.cancel()
             if not streaming:
@@ -317,10 +323,27 @@ def _options(body, settings: ServerSettings, namespace: str | None = None) -> Ge
         raise APIError(400, str(e)) from None
 
 
-def _kwargs(options: GenerationOptions) -> dict[str, Any]:
-    return {"mode": options.mode, "max_new_tokens": options.max_new_tokens, "temperature": options.temperature,
-            "top_p": options.top_p, "stop": list(options.stop) or None, "seed": options.seed,
-            "recompute_ratio": options.recompute_ratio, "cache_salt": options.cache_salt}
+def _check_tools(engine, body: ChatCompletionRequest) -> None:
+    """The request's tools, tool_choice and response_format as the engine will use them, with the grammar they
+    ask for compiled (kept: the request uses it), so that anything unusable is a 400 naming it."""
+    try:
+        specs = tool_specs(body.tools)
+        choice = check_tool_choice(body.tool_choice, specs)
+        grammar = call_grammar(ToolFormat.detect(engine.tokenizer), specs, choice, bool(body.parallel_tool_calls))
+        wanted = response_grammar(body.response_format)
+        if grammar is not None and wanted is not None:
+            raise OptionError("response_format and a forced tool_choice cannot both constrain one reply")
+        if (grammar or wanted) is not None:
+            engine.grammars.compiled(grammar or wanted)
+    except PCRagError as e:
+        raise APIError(400, str(e), param="tools" if body.tools else "response_format") from None
+    except Exception as e:  # anything the grammar library refuses in a client's schema
+        raise APIError(400, f"tools/response_format: {type(e).__name__}: {e}") from None
+
+
+def _generation(final):
+    """The engine's Generation of a finished request (a chat request ends with a ChatReply holding it)."""
+    return final.generation if isinstance(final, ChatReply) else final
 
 
 def _as_api_error(error: BaseException) -> APIError:
@@ -451,17 +474,23 @@ class _ChatFormat:
     def piece(self, text: str) -> dict:
         return self._chunk({"content": text}, None)
 
-    def closing(self, generation) -> dict:
-        return self._chunk({}, generation.finish_reason)
+    def closing(self, reply) -> list[dict]:
+        if not isinstance(reply, ChatReply) or not reply.tool_calls:
+            return [self._chunk({}, _generation(reply).finish_reason)]
+        calls = [{"index": i, **c.openai()} for i, c in enumerate(reply.tool_calls)]
+        return [self._chunk({"tool_calls": calls}, None), self._chunk({}, reply.finish_reason)]
 
     def usage_chunk(self, counts: dict) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
                 "choices": [], "usage": counts}
 
-    def whole(self, generation, counts: dict) -> dict:
+    def whole(self, reply, counts: dict) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.tool_calls:
+            message["content"] = reply.content or None  # as OpenAI: no text beside the calls is null
+            message["tool_calls"] = [c.openai() for c in reply.tool_calls]
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": generation.text},
-                             "logprobs": None, "finish_reason": generation.finish_reason}],
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reply.finish_reason}],
                 "usage": counts}
 
 
@@ -481,8 +510,8 @@ class _CompletionFormat:
     def piece(self, text: str) -> dict:
         return self._chunk(text, None)
 
-    def closing(self, generation) -> dict:
-        return self._chunk("", generation.finish_reason)
+    def closing(self, generation) -> list[dict]:
+        return [self._chunk("", generation.finish_reason)]
 
     def usage_chunk(self, counts: dict) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
@@ -504,15 +533,17 @@ async def _sse(fmt, body, worker: _Worker, first: tuple[str, Any]) -> AsyncItera
             yield _event(opening)
         kind, value = first
         while kind == "piece":
-            yield _event(fmt.piece(value))
+            if value:  # "" is a held-back token of a tool call (stream_chat's heartbeat)
+                yield _event(fmt.piece(value))
             kind, value = await worker.pieces()
         if kind == "error":  # after the first piece the status line is sent: the error goes in the stream
             error = _as_api_error(value)
             yield _event(error.body)
             return
-        yield _event(fmt.closing(value))
+        for closing in fmt.closing(value):
+            yield _event(closing)
         if body.include_usage:
-            yield _event(fmt.usage_chunk(usage(value)))
+            yield _event(fmt.usage_chunk(usage(_generation(value))))
         yield _event("[DONE]")
     finally:
         worker.stop.set()

@@ -1,9 +1,10 @@
 """The OpenAI request and response shapes `pc-rag serve` speaks (pydantic), and what it adds to them.
 
-Requests: the fields pc_rag implements are declared and checked here; fields that would change the output
-and that pc_rag cannot honour (tools, JSON mode, logprobs, n > 1, penalties) are refused with a 400 naming
-them, rather than ignored; any other field (`user`, `metadata`, `store`, ...) is accepted and ignored, as
-OpenAI clients add new ones every release.
+Requests: the fields pc_rag implements are declared and checked here (tools, tool_choice, parallel_tool_calls,
+response_format, tool messages and assistant tool_calls included: pc_rag.tools); fields that would change the
+output and that pc_rag cannot honour (the legacy functions/function_call, logprobs, n > 1, penalties) are
+refused with a 400 naming them, rather than ignored; any other field (`user`, `metadata`, `store`, ...) is
+accepted and ignored, as OpenAI clients add new ones every release.
 
 Extensions (the `openai` client sends them with `extra_body={...}`):
 - `mode`: "modular" (default), "exact", "blend" or "full" (see the README's "Modes").
@@ -113,19 +114,38 @@ class ContentPart(BaseModel):
     cache_control: dict[str, Any] | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: PromptText
+    arguments: PromptText | dict[str, Any] = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """A call in an assistant message of the history, as the client got it from us (or from another model)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: PromptText | list[ContentPart] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # what newer clients send for max_tokens
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -133,17 +153,13 @@ class ChatCompletionRequest(_Request):
 
     def refused(self) -> list[str]:
         out = super().refused()
-        if self.tools or self.functions:
-            out.append("tools/functions: no tool calling")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            out.append("tool_choice/function_call: no tool calling")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            out.append(f"response_format={self.response_format.get('type')!r}: free text only, no JSON mode")
+        if self.functions or self.function_call not in (None, "none"):
+            out.append("functions/function_call: the legacy function calling (send tools and tool_choice)")
         if self.top_logprobs:
             out.append("top_logprobs: not reported")
         for i, m in enumerate(self.messages):
-            if m.role in ("tool", "function") or m.tool_calls:
-                out.append(f"messages[{i}]: tool messages and tool_calls (no tool calling)")
+            if m.role == "function":
+                out.append(f"messages[{i}]: role function, the legacy function calling (send role tool)")
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
                 if part.type != "text" or part.text is None:
                     out.append(f"messages[{i}].content[{j}]: type {part.type!r} (text parts only)")
@@ -193,10 +209,11 @@ class CompletionRequest(_Request):
         return self.max_tokens
 
 
-def chat_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, str]], list[str]]:
-    """The messages as role/content dicts for the chat template, and the text parts marked with
-    `cache_control` (chunks, as in the drop-in classes). Text parts are joined with nothing between them,
-    as the LangChain and LlamaIndex classes join a message's text blocks."""
+def chat_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[str]]:
+    """The messages as role/content dicts for the chat template (with their tool calls and the call a tool
+    message answers), and the text parts marked with `cache_control` (chunks, as in the drop-in classes). Text
+    parts are joined with nothing between them, as the LangChain and LlamaIndex classes join a message's text
+    blocks."""
     messages, marked = [], []
     for m in request.messages:
         role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for the system role
@@ -206,7 +223,12 @@ def chat_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, str]],
             content = "".join(texts)
         else:
             content = m.content or ""
-        messages.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
     return messages, marked
 
 

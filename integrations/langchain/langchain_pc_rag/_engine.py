@@ -48,14 +48,6 @@ class EngineFields(BaseModel):
         "PC_RAG_DISCOVERY=0 in the environment turns discovery off for the whole process.",
     )
 
-    def with_structured_output(self, schema: Any, **kwargs: Any):
-        raise NotImplementedError(
-            f"{type(self).__name__} does not support structured output (with_structured_output): pc_rag decodes "
-            "free text, with no JSON mode, tool calls or constrained decoding, so a schema cannot be enforced. "
-            "Ask for JSON in the prompt and parse the reply with langchain_core.output_parsers.JsonOutputParser "
-            "(it may fail to parse), or use a model with structured output for that step."
-        )
-
     def _engine(self):
         if self.engine is not None:
             return self.engine

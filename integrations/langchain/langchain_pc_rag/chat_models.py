@@ -5,11 +5,20 @@ chunks whose KV is reused wherever the chain's prompt template put them: documen
 (discovered automatically, see `discovery`), text blocks marked with `cache_control`, and documents
 registered with the engine (`PromptCacheRetriever`, `register_documents`). `_generate` is `_stream`
 collected, so both take the same path.
+
+Agents: `bind_tools(tools, tool_choice=...)` renders the tools through the model's chat template (pc_rag.tools);
+"any"/"required" or a tool's name constrain the reply to a valid call (a grammar), "auto" lets the model choose
+and parses its calls out of the reply. `with_structured_output(schema)` constrains the reply to the schema's JSON
+(method "json_schema", the default, or "json_mode"), or to a forced call ("function_calling"). A tool call in the
+history (`AIMessage.tool_calls`, `ToolMessage`) is written back as the model wrote it, so the next agent step
+reuses the previous step's prompt and reply.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Sequence
+from operator import itemgetter
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
@@ -24,19 +33,26 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from pc_rag.adapters import chat_prompt, stream_generation, usage
+from pc_rag.adapters import ChatReply, chat_request, stream_chat, usage
 
 from ._engine import EngineFields
 
 _ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system", ToolMessage: "tool"}
 
 
-def _message_dict(message: BaseMessage) -> tuple[dict[str, str], list[str]]:
-    """A LangChain message as the role/content dict a chat template takes (text content only), and the texts
-    of its content blocks marked with `cache_control` (Anthropic's convention), which are chunks."""
+def _message_dict(message: BaseMessage) -> tuple[dict[str, Any], list[str]]:
+    """A LangChain message as the role/content dict a chat template takes (text content, tool calls, a tool
+    result's call id), and the texts of its content blocks marked with `cache_control` (Anthropic's convention),
+    which are chunks."""
     if isinstance(message, ChatMessage):
         role = message.role
     else:
@@ -44,22 +60,23 @@ def _message_dict(message: BaseMessage) -> tuple[dict[str, str], list[str]]:
     if role is None:
         kind = type(message).__name__
         raise ValueError(f"ChatPromptCache cannot send a {kind}; use system, human and ai messages")
-    if isinstance(message, AIMessage) and (message.tool_calls or message.invalid_tool_calls):
-        # Rendering them would need a chat template that writes tool calls and a model that was shown the
-        # tools; dropping them would change what the conversation says.
-        raise ValueError(
-            "ChatPromptCache cannot send an AIMessage with tool_calls: it has no tool calling, and dropping "
-            "the calls would change the conversation. Remove the tool calls (and their ToolMessages) from the "
-            "history, or put their results in the text of an ordinary message."
-        )
     marked: list[str] = []
     if isinstance(message.content, list):
-        blocks = [b for b in message.content if isinstance(b, dict)]
+        # tool_use blocks (Anthropic's shape of an AIMessage's calls) repeat message.tool_calls, written below
+        blocks = [b for b in message.content if isinstance(b, dict) and b.get("type") != "tool_use"]
         other = [b.get("type") for b in blocks if b.get("type") != "text"]
         if other:
             raise ValueError(f"ChatPromptCache takes text only; the message has {other} content blocks")
         marked = [b["text"] for b in blocks if b.get("cache_control") and isinstance(b.get("text"), str)]
-    return {"role": role, "content": message.text}, marked
+    out: dict[str, Any] = {"role": role, "content": message.text}
+    if isinstance(message, AIMessage) and message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.get("id"), "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
+            for c in message.tool_calls
+        ]
+    if isinstance(message, ToolMessage):
+        out["tool_call_id"] = message.tool_call_id
+    return out, marked
 
 
 def usage_metadata(counts: dict[str, int]) -> UsageMetadata:
@@ -85,7 +102,8 @@ class ChatPromptCache(EngineFields, BaseChatModel):
     Documents returned by any retriever in the process are found in the prompt with no wrapper
     (`auto_chunks=False` to ignore them). Usage: `usage_metadata["input_token_details"]` has `cache_read`
     (prompt tokens whose KV was reused) and `cache_creation` (prompt tokens whose KV this request stored).
-    No tool calling and no structured output: both raise NotImplementedError before anything runs.
+    Tools: `bind_tools`; structured output: `with_structured_output` (constrained decoding, pc_rag's
+    `structured` extra).
     """
 
     @property
@@ -98,14 +116,57 @@ class ChatPromptCache(EngineFields, BaseChatModel):
         self,
         tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
         *,
-        tool_choice: str | None = None,
+        tool_choice: str | dict | bool | None = None,
+        parallel_tool_calls: bool | None = None,
         **kwargs: Any,
-    ):
-        raise NotImplementedError(
-            "ChatPromptCache does not support tool calling (bind_tools): pc_rag decodes free text, with no "
-            "tool-call format or constrained decoding. Describe the tools in the prompt and parse the reply "
-            "yourself, or use a chat model with tool calling for the agent steps."
-        )
+    ) -> Runnable:
+        """Tools for every call of the returned runnable. `tool_choice`: "auto" (the default: the model decides;
+        its calls are parsed from the reply), "none", "any"/"required" (one call of any tool, always valid), or a
+        tool's name; `parallel_tool_calls=True` lets a forced reply hold several calls."""
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        if tool_choice is not None:
+            kwargs["tool_choice"] = tool_choice
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        return super().bind(tools=formatted, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict | type,
+        *,
+        method: str = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable:
+        """A runnable whose output is `schema`'s value (a pydantic instance for a pydantic class, else a dict).
+        method "json_schema" (default): the reply is constrained to the schema's JSON; "json_mode": to any JSON
+        object (ask for the fields in the prompt); "function_calling": to one call of a tool made of the schema."""
+        if kwargs:
+            raise ValueError(f"Received unsupported arguments {kwargs}")
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        traced = {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": schema}}
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, **traced)
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
+                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        elif method in ("json_schema", "json_mode"):
+            if method == "json_schema":
+                json_schema = convert_to_json_schema(schema)
+                name = json_schema.get("title", "output")
+                response_format = {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema}}
+            else:
+                response_format = {"type": "json_object"}
+            llm = self.bind(response_format=response_format, **traced)
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+        else:
+            raise ValueError(f"method must be json_schema, json_mode or function_calling, got {method!r}")
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        none = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([none], exception_key="parsing_error")
 
     def _stream(
         self,
@@ -118,28 +179,37 @@ class ChatPromptCache(EngineFields, BaseChatModel):
         engine = self._engine()
         parts = [_message_dict(m) for m in messages]
         marked = [text for _, texts in parts for text in texts]
-        options = self._options(stop, kwargs)
-        prompt = chat_prompt(engine, [d for d, _ in parts], chunk_texts=marked, discovered=self.auto_chunks,
-                             cache_salt=options.cache_salt)
-        for item in stream_generation(engine, prompt, options):
+        request = chat_request(
+            engine, [d for d, _ in parts], self._options(stop, kwargs), tools=kwargs.get("tools"),
+            tool_choice=kwargs.get("tool_choice"), response_format=kwargs.get("response_format"),
+            parallel_tool_calls=bool(kwargs.get("parallel_tool_calls", False)), chunk_texts=marked,
+            discovered=self.auto_chunks,
+        )
+        for item in stream_chat(engine, request):
             if isinstance(item, str):
                 yield ChatGenerationChunk(message=AIMessageChunk(content=item))
                 continue
-            generation = item
+            reply: ChatReply = item
+            generation = reply.generation
+            calls = [
+                tool_call_chunk(name=c.name, args=json.dumps(c.arguments, ensure_ascii=False), id=c.id, index=i)
+                for i, c in enumerate(reply.tool_calls)
+            ]
             yield ChatGenerationChunk(
                 message=AIMessageChunk(
                     content="",
+                    tool_call_chunks=calls,
                     usage_metadata=usage_metadata(usage(generation)),
                     response_metadata={
                         "model_name": self.model_name,
-                        "finish_reason": generation.finish_reason,
+                        "finish_reason": reply.finish_reason,
                         "mode": generation.mode,
                         "ttft_s": generation.ttft_s,
                         "model_provider": "pc_rag",
                     },
                     chunk_position="last",
                 ),
-                generation_info={"finish_reason": generation.finish_reason},
+                generation_info={"finish_reason": reply.finish_reason},
             )
 
     def _generate(
@@ -158,6 +228,8 @@ class ChatPromptCache(EngineFields, BaseChatModel):
                 ChatGeneration(
                     message=AIMessage(
                         content=message.content,
+                        tool_calls=message.tool_calls,
+                        invalid_tool_calls=message.invalid_tool_calls,
                         usage_metadata=message.usage_metadata,
                         response_metadata=message.response_metadata,
                     ),

@@ -37,6 +37,12 @@ class PromptCacheLLM(EngineFields, LLM):
     def _llm_type(self) -> str:
         return "pc-rag"
 
+    def with_structured_output(self, schema: Any, **kwargs: Any):
+        raise NotImplementedError(
+            "PromptCacheLLM does not support structured output (with_structured_output): it is a completion model. "
+            "Use ChatPromptCache.with_structured_output, which constrains the reply to the schema's JSON."
+        )
+
     def _stream(
         self,
         prompt: str,

@@ -8,13 +8,13 @@ from pc_rag.segments import Chunk
 class RecordingLLM(PromptCacheLLM):
     """Keeps the segments and usage of every request, so a test can see what the engine was sent."""
 
-    def _pieces(self, segments, kwargs):
-        record = {"segments": segments}
-        self.__dict__.setdefault("_records", []).append(record)
-        for delta, text, raw in super()._pieces(segments, kwargs):
-            if raw is not None:
-                record.update(raw=raw, text=text)
-            yield delta, text, raw
+    def _sent(self, segments):
+        self.records.append({"segments": segments})
+
+    def _raw(self, generation, finish_reason):
+        raw = super()._raw(generation, finish_reason)
+        self.records[-1].update(raw=raw, text=generation.text)
+        return raw
 
     @property
     def records(self):

@@ -3,6 +3,7 @@
 import asyncio
 import time
 from pydoc_data.topics import topics
+from typing import Literal
 
 import pytest
 from llama_index.core import VectorStoreIndex
@@ -12,8 +13,9 @@ from llama_index.core.llms import ChatMessage
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import TextNode
 from llama_index.llms.pc_rag import PromptCacheLLM, __all__, register_nodes
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
+from .recording import RecordingLLM
 from .tiny_model import fresh_engine, template_less_model_path, tiny_model_path
 
 
@@ -192,26 +194,29 @@ def test_compact_mode_fits_the_model_context():
 
 
 class Answer(BaseModel):
-    text: str
+    verdict: Literal["yes", "no"]
+    score: int = Field(ge=0, le=9)
 
 
-async def test_structured_output_is_refused_before_running():
-    llm = PromptCacheLLM(model=tiny_model_path())
-    prompt = PromptTemplate("Say {x}")
-    with pytest.raises(NotImplementedError, match="PromptCacheLLM does not support structured output"):
-        llm.structured_predict(Answer, prompt, x="hi")
-    with pytest.raises(NotImplementedError, match="structured output"):
-        await llm.astructured_predict(Answer, prompt, x="hi")
-    with pytest.raises(NotImplementedError, match="structured output"):
-        llm.as_structured_llm(Answer)
-    assert llm.last_usage is None  # nothing ran
+async def test_structured_predict_is_a_forced_call_that_validates():
+    """LlamaIndex's own structured_predict (a FunctionCallingProgram: one forced call of the output class)."""
+    llm = PromptCacheLLM(engine=fresh_engine(), max_new_tokens=100, temperature=1.0)
+    prompt = PromptTemplate("Is {x} typed?")
+    for seed in range(3):
+        got = llm.structured_predict(Answer, prompt, x="Python", llm_kwargs={"seed": seed})
+        assert isinstance(got, Answer)
+    assert isinstance(await llm.astructured_predict(Answer, prompt, x="Go"), Answer)
 
 
-def test_tool_calls_in_the_history_are_refused():
-    llm = PromptCacheLLM(model=tiny_model_path())
-    call = ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [{"id": "1"}]})
-    with pytest.raises(ValueError, match="tool_calls"):
-        llm.chat([ChatMessage(role="user", content="hi"), call])
+def test_tool_calls_in_the_history_are_written_back():
+    llm = RecordingLLM(engine=fresh_engine(), max_new_tokens=2)
+    call = ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}]})
+    result = ChatMessage(role="tool", content="found", additional_kwargs={"tool_call_id": "1"})
+    llm.chat([ChatMessage(role="user", content="hi"), call, result])
+    text = "".join(s.text for s in llm.records[-1]["segments"])
+    assert '<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>' in text
+    assert "<tool_response>\nfound\n</tool_response>" in text
 
 
 def test_users_with_their_own_cache_salt_share_only_public_nodes():

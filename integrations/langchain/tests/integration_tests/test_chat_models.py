@@ -1,5 +1,6 @@
 """The standard LangChain integration suite against the offline tiny Llama (random weights: text is noise)."""
 
+import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_pc_rag import ChatPromptCache, register_documents
@@ -17,19 +18,24 @@ class TestChatPromptCacheIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {"model": tiny_model_path(), "max_tokens": 12}
+        # 100: a forced tool call in the random model's small tokens needs that many to close.
+        return {"model": tiny_model_path(), "max_tokens": 100}
 
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_json_mode(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_image_inputs(self) -> bool:
@@ -45,6 +51,32 @@ class TestChatPromptCacheIntegration(ChatModelIntegrationTests):
             "invoke": ["cache_read_input", "cache_creation_input"],
             "stream": ["cache_read_input", "cache_creation_input"],
         }
+
+    # The tests below need a model that understands the request; ours has random weights. Forced calls (tool_choice
+    # any/a name) are always valid calls of the right tool (tests/test_tools.py, test_agent.py): what they check
+    # beyond that is the content.
+    @pytest.mark.xfail(reason="needs a model that understands: asserts the call's args are {'input': 3}")
+    def test_tool_calling(self, model) -> None:
+        super().test_tool_calling(model)
+
+    @pytest.mark.xfail(reason="needs a model that understands: asserts the call's args are {'input': 3}")
+    async def test_tool_calling_async(self, model) -> None:
+        await super().test_tool_calling_async(model)
+
+    @pytest.mark.xfail(reason="needs a model that understands: json_mode constrains the reply to a JSON object, "
+                              "the fields the prompt asks for are the model's to write (ours writes {})")
+    def test_json_mode(self, model) -> None:
+        super().test_json_mode(model)
+
+    @pytest.mark.xfail(reason="needs a model that understands: tool_choice auto, and the random model never "
+                              "chooses to call a tool (create_agent with forced calls: test_agent.py)")
+    def test_agent_loop(self, model) -> None:
+        super().test_agent_loop(model)
+
+    @pytest.mark.xfail(reason="needs a model that understands: the customer's Chinese name must be copied into "
+                              "the call, and the random model's free strings run past max_tokens")
+    def test_unicode_tool_call_integration(self, model, *, tool_choice=None, force_tool_call=True) -> None:
+        super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)
 
     def invoke_with_cache_creation_input(self, *, stream: bool = False) -> AIMessage:
         # A document no earlier request sent, on an engine with an empty store: encoding it stores its KV.

@@ -29,11 +29,19 @@ class TestChatPromptCacheUnit(ChatModelUnitTests):
 
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True
+
+    @property
+    def structured_output_kwargs(self) -> dict:
+        return {"method": "json_schema"}
 
     @property
     def supports_model_override(self) -> bool:

@@ -11,7 +11,7 @@ from langchain_classic.chains import create_retrieval_chain
 from langchain_classic.chains.combine_documents import create_stuff_documents_chain
 from langchain_core.callbacks import AsyncCallbackManager, CallbackManager
 from langchain_core.documents import Document
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_pc_rag import ChatPromptCache, PromptCacheLLM, discovery
@@ -126,21 +126,20 @@ def test_cache_control_block_marks_a_chunk_even_with_auto_chunks_off():
     assert sent_chunks(engine) == [doc]
 
 
-def test_tool_calls_in_the_history_are_refused_before_running():
+def test_tool_calls_in_the_history_are_sent_as_the_model_writes_them():
+    """The fake tokenizer's template takes no tools: the fallback writes the call back in the Hermes format and the
+    tool result as a <tool_response> (pc_rag.tools)."""
     engine = FakeEngine()
     call = AIMessage(content="", tool_calls=[{"name": "lookup", "args": {"q": "x"}, "id": "call-1"}])
-    with pytest.raises(ValueError, match="tool_calls"):
-        ChatPromptCache(engine=engine).invoke([HumanMessage("hi"), call, HumanMessage("and?")])
-    assert engine.calls == []
+    result = ToolMessage(content="found it", tool_call_id="call-1")
+    ChatPromptCache(engine=engine).invoke([HumanMessage("hi"), call, result])
+    text = "".join(s.text for s in engine.calls[-1][0])
+    assert '<assistant><tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call></assistant>' in text
+    assert "<user><tool_response>\nfound it\n</tool_response></user>" in text
 
 
-def test_tools_and_structured_output_are_refused_before_running():
+def test_the_completion_model_refuses_structured_output_before_running():
     engine = FakeEngine()
-    chat = ChatPromptCache(engine=engine)
-    with pytest.raises(NotImplementedError, match="ChatPromptCache does not support tool calling"):
-        chat.bind_tools([{"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}])
-    with pytest.raises(NotImplementedError, match="ChatPromptCache does not support structured output"):
-        chat.with_structured_output({"title": "T", "type": "object", "properties": {}})
     with pytest.raises(NotImplementedError, match="PromptCacheLLM does not support structured output"):
         PromptCacheLLM(engine=engine).with_structured_output({"title": "T", "type": "object"})
     assert engine.calls == []

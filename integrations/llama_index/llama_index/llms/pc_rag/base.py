@@ -5,6 +5,12 @@ the prompt split into segments (nodes any retriever returned, TextBlocks marked 
 registered with the engine become `Chunk`s) -> `Engine.stream_generation`. The non-streaming calls collect
 the stream; the async ones run it in a worker thread so the event loop keeps running.
 
+Agents: a `FunctionCallingLLM`. Tools are rendered through the model's chat template (pc_rag.tools);
+`tool_required=True` (or `tool_choice="required"`/a tool's name) constrains the reply to a valid call, so
+`FunctionAgent` steps and `structured_predict` (a forced call of the output class) always get one; the calls are
+in `message.additional_kwargs["tool_calls"]` in OpenAI's shape, and tool messages answer them. `chat(...,
+response_format={"type": "json_schema", ...})` constrains the reply to JSON.
+
 Usage of every request: `raw["usage"]` in OpenAI's shape (`prompt_tokens`, `completion_tokens`,
 `total_tokens`, `prompt_tokens_details.cached_tokens`: what LlamaIndex's TokenCountingHandler reads) plus
 `cached_tokens` and `cache_creation_tokens`; `llm.last_usage`; and `track_usage()` around any query or chat.
@@ -38,9 +44,19 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 
-from pc_rag.adapters import GenerationOptions, chat_prompt, completion_prompt, shared_engine, stream_generation, usage
+from pc_rag.adapters import (
+    ChatReply,
+    GenerationOptions,
+    chat_request,
+    completion_prompt,
+    shared_engine,
+    stream_chat,
+    stream_generation,
+    usage,
+)
 
 T = TypeVar("T")
 
@@ -96,26 +112,40 @@ def track_usage() -> Iterator[UsageTotals]:
         _TRACKERS.reset(token)
 
 
-def _message_parts(message: ChatMessage) -> tuple[dict[str, str], list[str]]:
-    """A message as the role/content dict a chat template takes, and the texts it marks as chunks: the
-    TextBlock right before a `CachePoint`, or the whole text when `additional_kwargs` has `cache_control`
-    (the two ways LlamaIndex marks cacheable content for Anthropic)."""
+def _message_parts(message: ChatMessage) -> tuple[dict[str, Any], list[str]]:
+    """A message as the role/content dict a chat template takes (with its tool calls, or the id of the call a
+    tool message answers), and the texts it marks as chunks: the TextBlock right before a `CachePoint`, or the
+    whole text when `additional_kwargs` has `cache_control` (the two ways LlamaIndex marks cacheable content for
+    Anthropic)."""
     blocks = message.blocks
     other = [type(b).__name__ for b in blocks if not isinstance(b, (TextBlock, CachePoint))]
     if other:
         raise ValueError(f"PromptCacheLLM takes text only; the message has {other} blocks")
-    if message.additional_kwargs.get("tool_calls"):
-        raise ValueError(
-            "PromptCacheLLM cannot send a message with tool_calls: it has no tool calling, and dropping the calls "
-            "would change the conversation. Remove them from the history, or put their results in plain text."
-        )
     content = message.content or ""
     marked = [b.text for b, after in zip(blocks, blocks[1:], strict=False)
               if isinstance(b, TextBlock) and isinstance(after, CachePoint)]
     if message.additional_kwargs.get("cache_control"):
         marked.append(content)
     role = message.role.value if isinstance(message.role, MessageRole) else str(message.role)
-    return {"role": role, "content": content}, marked
+    out: dict[str, Any] = {"role": role, "content": content}
+    calls = message.additional_kwargs.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [_call_dict(c) for c in calls]
+    if message.additional_kwargs.get("tool_call_id"):
+        out["tool_call_id"] = message.additional_kwargs["tool_call_id"]
+    return out, marked
+
+
+def _call_dict(call: Any) -> dict[str, Any]:
+    """A tool call as OpenAI's dict: ours are dicts already; OpenAI client objects and ToolSelections are read."""
+    if isinstance(call, ToolSelection):
+        return {"id": call.tool_id, "type": "function",
+                "function": {"name": call.tool_name, "arguments": call.tool_kwargs}}
+    if hasattr(call, "model_dump"):
+        call = call.model_dump()
+    if not isinstance(call, dict) or not isinstance(call.get("function", call).get("name"), str):
+        raise ValueError(f"a tool call needs a function name, got {call!r}")
+    return call
 
 
 async def _iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
@@ -173,13 +203,13 @@ def _context_from_config(model: str) -> int | None:
         return None
 
 
-class PromptCacheLLM(CustomLLM):
+class PromptCacheLLM(FunctionCallingLLM):
     """Local Llama through pc_rag; documents in the prompt are reused wherever they appear.
 
     Nodes any LlamaIndex retriever returns are discovered automatically (see `discovery`): a stock
     `index.as_query_engine(llm=llm)` or `index.as_chat_engine(chat_mode="context", llm=llm)` reuses them.
     `PromptCacheNodeRegistrar` / `PromptCacheSynthesizer` / `prompt_cache_query_engine` are optional.
-    No function calling and no structured output (both raise NotImplementedError before anything runs).
+    A `FunctionCallingLLM`: `FunctionAgent`, `predict_and_call`, `structured_predict` (a forced call).
     """
 
     model: str | None = Field(default=None, description="Path of a local HF Llama checkpoint; loaded lazily.")
@@ -232,6 +262,7 @@ class PromptCacheLLM(CustomLLM):
             context_window=self._context_window(),
             num_output=self.max_new_tokens,
             is_chat_model=self._chat_model(),
+            is_function_calling_model=True,
             model_name=self.model or "pc-rag",
         )
 
@@ -316,14 +347,20 @@ class PromptCacheLLM(CustomLLM):
             cache_salt=kwargs.get("cache_salt", self.cache_salt),
         )
 
-    def _chat_segments(self, messages: Sequence[ChatMessage], parts: Iterable[tuple[dict, list[str]]], kwargs):
+    def _chat_request(self, messages: Sequence[ChatMessage], parts: Iterable[tuple[dict, list[str]]], kwargs):
         engine = self.get_engine()
         parts = list(parts)
         marked = [text for _, texts in parts for text in texts]
         salt = self._options(kwargs).cache_salt
         if getattr(engine.tokenizer, "chat_template", None):
-            return chat_prompt(engine, [d for d, _ in parts], chunk_texts=marked, discovered=self.auto_chunks,
-                               cache_salt=salt)
+            return chat_request(
+                engine, [d for d, _ in parts], self._options(kwargs), tools=kwargs.get("tools"),
+                tool_choice=kwargs.get("tool_choice"), response_format=kwargs.get("response_format"),
+                parallel_tool_calls=bool(kwargs.get("parallel_tool_calls", False)), chunk_texts=marked,
+                discovered=self.auto_chunks,
+            )
+        if kwargs.get("tools") or kwargs.get("response_format"):
+            raise ValueError("tools and response_format need a model with a chat template")
         # No chat template (a base model): LlamaIndex's own rendering, as for any completion model.
         prompt = self.messages_to_prompt(messages)
         return completion_prompt(engine, prompt, chunk_texts=marked, discovered=self.auto_chunks, cache_salt=salt)
@@ -332,35 +369,81 @@ class PromptCacheLLM(CustomLLM):
         return completion_prompt(self.get_engine(), prompt, discovered=self.auto_chunks,
                                  cache_salt=self._options(kwargs).cache_salt)
 
-    def _pieces(self, segments, kwargs) -> Iterator[tuple[str, str, dict | None]]:
-        """(delta, text so far, None) per piece, then ("", full text, raw) with usage once done."""
+    def _raw(self, generation, finish_reason: str) -> dict[str, Any]:
+        raw = {"usage": openai_usage(generation), "finish_reason": finish_reason, "mode": generation.mode,
+               "ttft_s": generation.ttft_s}
+        self._record(raw["usage"])
+        return raw
+
+    def _sent(self, segments) -> None:
+        """Called with each request's prompt segments before it runs (a hook for tests that record them)."""
+
+    def _completions(self, segments, kwargs) -> Iterator[CompletionResponse]:
+        self._sent(segments)
         text = ""
         for item in stream_generation(self.get_engine(), segments, self._options(kwargs)):
             if isinstance(item, str):
                 text += item
-                yield item, text, None
+                yield CompletionResponse(text=text, delta=item)
             else:
-                raw = {"usage": openai_usage(item), "finish_reason": item.finish_reason, "mode": item.mode,
-                       "ttft_s": item.ttft_s}
-                self._record(raw["usage"])
-                yield "", text, raw
+                yield CompletionResponse(text=text, delta="", raw=self._raw(item, item.finish_reason))
 
-    def _completions(self, segments, kwargs) -> Iterator[CompletionResponse]:
-        for delta, text, raw in self._pieces(segments, kwargs):
-            yield CompletionResponse(text=text, delta=delta, raw=raw or {})
-
-    def _chats(self, segments, kwargs) -> Iterator[ChatResponse]:
-        for delta, text, raw in self._pieces(segments, kwargs):
-            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
-            yield ChatResponse(message=message, delta=delta, raw=raw or {})
+    def _chats(self, request, kwargs) -> Iterator[ChatResponse]:
+        """The chat's responses as they stream; the last holds the tool calls and the usage."""
+        if isinstance(request, list):  # no chat template: segments from messages_to_prompt
+            for response in self._completions(request, kwargs):
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
+                                   delta=response.delta, raw=response.raw or {})
+            return
+        self._sent(request.prompt)
+        text = ""
+        for item in stream_chat(self.get_engine(), request):
+            if isinstance(item, str):
+                text += item
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=item)
+                continue
+            reply: ChatReply = item
+            extra = {"tool_calls": [c.openai() for c in reply.tool_calls]} if reply.tool_calls else {}
+            message = ChatMessage(role=MessageRole.ASSISTANT, content=reply.content, additional_kwargs=extra)
+            yield ChatResponse(message=message, delta="", raw=self._raw(reply.generation, reply.finish_reason))
 
     def _complete(self, prompt: str, kwargs) -> CompletionResponse:
         *_, last = self._completions(self._completion_segments(prompt, kwargs), kwargs)
         return CompletionResponse(text=last.text, raw=last.raw)
 
     def _chat(self, messages: Sequence[ChatMessage], parts, kwargs) -> ChatResponse:
-        *_, last = self._chats(self._chat_segments(messages, parts, kwargs), kwargs)
+        *_, last = self._chats(self._chat_request(messages, parts, kwargs), kwargs)
         return ChatResponse(message=last.message, raw=last.raw)
+
+    # ---- function calling ----------------------------------------------------------------------------------
+    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 **kwargs: Any) -> dict[str, Any]:
+        """The `chat` arguments of a request with `tools`: their OpenAI schemas, and `tool_choice` "required"
+        when `tool_required` (the reply is then constrained to a valid call)."""
+        messages = list(chat_history or [])
+        if isinstance(user_msg, str):
+            user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
+        if user_msg is not None:
+            messages.append(user_msg)
+        specs = [t.metadata.to_openai_tool(skip_length_check=True) for t in tools]
+        choice = kwargs.pop("tool_choice", None) or ("required" if tool_required else "auto")
+        return {"messages": messages, "tools": specs or None, "tool_choice": choice if specs else None,
+                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        calls = response.message.additional_kwargs.get("tool_calls") or []
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"expected at least one tool call, got the text {response.message.content!r}")
+        selections = []
+        for call in calls:
+            function = _call_dict(call)["function"]
+            args = function.get("arguments") or {}
+            selections.append(ToolSelection(tool_id=call.get("id") or "", tool_name=function["name"],
+                                            tool_kwargs=json.loads(args) if isinstance(args, str) else args))
+        return selections
 
     # ---- completions: the prompt string as it is -------------------------------------------------------
     @llm_completion_callback()
@@ -389,7 +472,7 @@ class PromptCacheLLM(CustomLLM):
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         parts = [_message_parts(m) for m in messages]
-        return self._chats(self._chat_segments(messages, parts, kwargs), kwargs)
+        return self._chats(self._chat_request(messages, parts, kwargs), kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -399,16 +482,4 @@ class PromptCacheLLM(CustomLLM):
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         parts = [_message_parts(m) for m in messages]
-        return _iterate_in_thread(lambda: self._chats(self._chat_segments(messages, parts, kwargs), kwargs))
-
-    # ---- not supported: refused before the model runs --------------------------------------------------------
-    def _no_structured_output(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError(
-            "PromptCacheLLM does not support structured output (structured_predict, as_structured_llm): pc_rag "
-            "decodes free text, with no function calling, JSON mode or constrained decoding, so a schema cannot be "
-            "enforced and LlamaIndex's fallback parses whatever text comes back. Ask for the fields in the "
-            "prompt and parse the reply yourself (e.g. PydanticOutputParser), or use an LLM with function calling."
-        )
-
-    structured_predict = astructured_predict = _no_structured_output
-    stream_structured_predict = astream_structured_predict = as_structured_llm = _no_structured_output
+        return _iterate_in_thread(lambda: self._chats(self._chat_request(messages, parts, kwargs), kwargs))
