@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .blocks import KVBlock, chunk_key, scaffold_key
-from .errors import PCRagError, PromptError, UnsupportedModelError
+from .errors import PCRagError, PromptError
 from .model import LlamaRunner, SlotCache
 from .prefix import (
     BLOCK_TOKENS,
@@ -183,11 +183,8 @@ class Assembler:
     def plan(self, segments: list[TokenSegment], mode: str) -> Plan:
         if mode not in MODES:
             raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        if mode in REUSING_CHUNKS and not self.runner.relocatable:
-            raise UnsupportedModelError(
-                f"rope_type {self.runner.rope_type!r} rescales with sequence length, so relocating cached keys "
-                f"by rotation is not exact; use mode='exact' or mode='full' with this model"
-            )
+        if mode in REUSING_CHUNKS:  # refused (UnsupportedModelError) where relocated keys would be wrong
+            self.runner.check_relocation()
         ids = tuple(t for s in segments for t in s.token_ids)
         positions = tuple(q for s in segments for q in range(s.start, s.end))
         items = self._layout(segments, mode)

@@ -279,11 +279,13 @@ class Engine:
         """Store tiers' counters; scaffolds: groups declared, bytes of their joint KV, automatic builds that
         failed (each logged on the "pc_rag" logger); prefix blocks this process's index knows; texts registered
         as chunks with this engine and replies it remembers; decode: batched decode steps, the tokens they
-        produced, the largest batch seen, requests decoding and waiting for a row now."""
+        produced, the largest batch seen, requests decoding and waiting for a row now; relocation_check: the
+        RoPE relocation self-check of this model (run before its first modular or blend request; None before)."""
         with self._scaffold_lock:  # a snapshot: background builds may add groups meanwhile
             groups = list(self.assembler.scaffolds.values())
             failed = self._scaffolds_failed
         decoder = self._decoder
+        check = self.runner.relocation_check
         decode = decoder.stats() if decoder is not None else {
             "active": 0, "waiting": 0, "steps": 0, "tokens": 0, "max_batch": self.max_batch, "max_batch_seen": 0}
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
@@ -291,7 +293,8 @@ class Engine:
                               "failed": failed},
                 "prefix": {"blocks_indexed": len(self.assembler.prefixes), "block_tokens": self.assembler.block_tokens},
                 "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
-                "decode": decode}
+                "decode": decode,
+                "relocation_check": check.as_dict() if check is not None else None}
 
     def wait_for_background(self, timeout: float | None = None) -> None:
         """Wait for background work (automatic scaffold encodes) to finish."""
@@ -324,12 +327,6 @@ class Engine:
         # Decoding stops where positions run out, so no more slots than that can be written: without this
         # bound, max_new_tokens=10**9 asked the pool for a billion-token buffer.
         extra_capacity = min(extra_capacity, shape.max_positions - segments[-1].end)
-        total = sum(len(s) for s in segments)
-        if shape.sliding_window is not None and total + extra_capacity > shape.sliding_window:
-            raise PromptError(
-                f"prompt plus max_new_tokens ({total + extra_capacity} tokens) exceeds the model's sliding "
-                f"window of {shape.sliding_window}; pc_rag assembles full attention only"
-            )
         recompute = Recompute(recompute_ratio, self.blend_selection) if mode == "blend" else None
         plan = self.assembler.plan(segments, mode)
         if self.co_retrieval is not None and mode in ("modular", "blend"):

@@ -125,7 +125,7 @@ def test_relocate_equals_a_direct_rotation(loaded, dtype, tol):
     runner = LlamaRunner(*loaded)
     src = torch.randn(2, 2, 9, runner.shape.head_dim).to(dtype)
     delta = 1234
-    angle = delta * runner.inv_freq
+    angle = delta * runner.rope.tables["default"].inv_freq
     cos, sin = torch.cat([angle.cos(), angle.cos()]), torch.cat([angle.sin(), angle.sin()])
     ref = src.float() * cos + rotate_half(src.float()) * sin
     dst = torch.empty_like(src)
