@@ -11,6 +11,7 @@ keyword `past_key_values` to `cache`), this package is the one place to edit. Wh
 - cache.py: a request's KV buffer (`SlotCache`) and the KV shape (`ModelShape`);
 - rope.py: RoPE tables per layer, relocation of cached keys, the relocation self-check;
 - fingerprint.py: the model fingerprint in every store key;
+- hf.py: names in transformers' API that differ between supported releases (for direct HF calls: benchmarks);
 - runner.py: `LlamaRunner`, the layer loop over all of the above.
 """
 
