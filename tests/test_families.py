@@ -23,6 +23,8 @@ from pc_rag.store import MemoryStore
 from pc_rag.testing import TINY_FAMILIES, build_tiny
 
 from .conftest import prompt_ids
+from .test_batch import _check_decode_batch
+from .test_engine import rag_prompt
 
 FAMILIES = sorted(TINY_FAMILIES)
 
@@ -39,13 +41,6 @@ def family(request, tmp_path_factory):
 def fresh(family, store=None):
     _, model, tokenizer = family
     return pc_rag.Engine(model, tokenizer, store=store or MemoryStore())
-
-
-def rag_prompt(docs, order=(0, 1), question="Question: what does this describe?\nAnswer:"):
-    parts = [Text("You answer questions about Python.\n\n")]
-    for i in order:
-        parts += [Chunk(docs[i]), Text("\n\n")]
-    return parts + [Text(question)]
 
 
 def test_full_equals_the_familys_own_forward_and_generate(family, docs):
@@ -115,20 +110,8 @@ def test_blend_at_ratio_one_equals_full(family, docs):
 
 
 def test_batched_decoding_equals_one_at_a_time(family, docs):
-    engine = fresh(family)
-    runner = engine.runner
-    prompts = [[Text(f"Q{i}. "), Chunk(docs[i % len(docs)][: 300 + 60 * i])] for i in range(4)]
-    asms = [engine._prefill(p, "full", extra_capacity=4, recompute_ratio=0.0) for p in prompts]
-    first = [int(a.logits.argmax()) for a in asms]
-    positions = [a.last_position + 1 for a in asms]
-    slots = [a.prompt_tokens for a in asms]
-    serial = [runner.forward(_clone(runner, a.cache), [t], [p], [s])
-              for a, t, p, s in zip(asms, first, positions, slots, strict=True)]
-    one = runner.decode_batch([_clone(runner, asms[0].cache)], first[:1], positions[:1], slots[:1])
-    assert torch.equal(one[0], serial[0])  # one request: the very same numbers
-    many = runner.decode_batch([_clone(runner, a.cache) for a in asms], first, positions, slots)
-    for b in range(4):
-        assert (many[b] - serial[b]).abs().max().item() <= 1e-5
+    # Prompts of 300 to 480 characters (80 to 120 tokens): every decode step reads past the windows.
+    _check_decode_batch(fresh(family), docs, chars=300)
 
 
 def test_a_disk_round_trip_equals_memory(family, docs, tmp_path):
@@ -155,14 +138,6 @@ def test_the_relocation_self_check_passes_and_is_reported(family, docs):
     assert 0 <= check["layer"] < engine.runner.shape.num_layers and check["delta"] > 0
     # cached per model: another engine over the same weights reports it before its first modular request
     assert fresh(family).stats()["relocation_check"] == check
-
-
-def _clone(runner, cache):
-    copy = runner.new_cache(cache.capacity)
-    copy.keys.copy_(cache.keys)
-    copy.values.copy_(cache.values)
-    copy.length = cache.length
-    return copy
 
 
 # ---- a wrong rotation is refused ---------------------------------------------------------------------------

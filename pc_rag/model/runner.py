@@ -415,9 +415,10 @@ class LlamaRunner:
                 for b in range(n):
                     new[b][0][i] = k_new[b]
                     new[b][1][i] = v_new[b]
-                    lo = 0 if window is None else max(0, slots[b] + 1 - window)
-                    out.append(_attend_one(q[b: b + 1], seen[b][0][i][:, :, lo:], seen[b][1][i][:, :, lo:],
-                                           self.heads))
+                    keys, values = seen[b][0][i], seen[b][1][i]  # [1, H_kv, slot + 1, D]
+                    if window is not None and slots[b] + 1 > window:  # the last `window` slots only
+                        keys, values = keys[:, :, -window:], values[:, :, -window:]
+                    out.append(_attend_one(q[b: b + 1], keys, values, self.heads))
                 hidden = self._after_attention(i, hidden, torch.cat(out) if n > 1 else out[0])
             logits = self._logits(hidden)[:, 0]  # [B, vocab]
         for cache, s in zip(caches, slots, strict=True):
