@@ -7,7 +7,7 @@ Cache folder (`--cache-dir`, default $PC_RAG_CACHE_DIR, else $XDG_CACHE_HOME/pc_
     embeddings/         chunk embedding matrices of the demo's FAISS index, keyed by the chunk texts
     models/bench/       the offline demo Llama (random weights), built on first use when no --model is given
 
-Errors a user can cause (a bad path, a model that is not a Llama, a missing optional package) print one line
+Errors a user can cause (a bad path, a model of an unsupported family, a missing optional package) print one line
 on stderr and exit with status 2.
 """
 
@@ -53,8 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--cache-dir", type=Path, default=None,
                         help="cache folder (default: $PC_RAG_CACHE_DIR, else ~/.cache/pc_rag)")
     model = argparse.ArgumentParser(add_help=False)
-    model.add_argument("--model", help="local HF Llama-family checkpoint folder or hub id (default: the offline "
-                                       "demo model, random weights, built once into the cache folder)")
+    model.add_argument("--model", help="local HF decoder checkpoint folder or hub id (families: docs/models.md; "
+                                       "default: the offline demo model, random weights, built once into the cache "
+                                       "folder)")
     model.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
     model.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     model.add_argument("--store", action="append", metavar="SPEC",

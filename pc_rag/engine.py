@@ -65,7 +65,7 @@ class Generation:
 
 
 class Engine:
-    """Generate with a Llama-family HF model, reusing cached chunk KV.
+    """Generate with an HF decoder of a supported family (docs/models.md), reusing cached chunk KV.
 
     Modes: "full" (no reuse, the reference), "exact" (longest cached prefix: identical to full),
     "modular" (default: exact prefix where there is one, then every chunk from its own cached encoding,

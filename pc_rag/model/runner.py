@@ -89,7 +89,11 @@ class LlamaRunner:
         self.rope = rope_of(model, arch)
         # RoPE is applied as the model's own attention does: each family's modeling file has its copy (Phi-3's
         # passes the dims beyond the rotary ones through).
-        self._apply_rope = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+        if not hasattr(modeling, "apply_rotary_pos_emb"):
+            raise UnsupportedModelError(f"{arch.model_type}: its modeling module {modeling.__name__} has no "
+                                        "apply_rotary_pos_emb (a transformers version whose modeling code differs?)")
+        self._apply_rope = modeling.apply_rotary_pos_emb
         # The linear layers as the forward passes multiply by them (fused, oneDNN-packed on CPU: weights.py).
         self.weights = weights_of(model, arch)
         # One forward at a time: requests from several threads interleave step by step, each with its own
