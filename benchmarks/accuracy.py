@@ -87,7 +87,7 @@ def answer_logprobs(engine, example, blends: list[str], coded: dict | None = Non
     engine.next_token_logits(prompt, mode="modular")  # the first use encodes the group
     engine.wait_for_background()
     out["scaffold"] = logp("modular")
-    engine.assembler.scaffolds.clear()
+    engine.planner.scaffolds.clear()
     # exact last: its prefix (everything but the question) would otherwise serve the modes above too.
     engine.next_token_logits(prompt, mode="exact")
     out["exact"] = logp("exact")

@@ -2,8 +2,8 @@
 
     python -m benchmarks.blend_cost --out bench_out            # the offline bench Llama (8 layers), float32
 
-The prompt is ttft.py's (a system text, 15 chunks of ~256 tokens of real text, a question), every chunk warm in
-memory; each case runs in turn, one run per round (`ttft.interleaved`), so load drift on a shared machine moves
+The prompt is common.py's (a system text, 15 chunks of ~256 tokens of real text, a question), every chunk warm in
+memory; each case runs in turn, one run per round (`common.interleaved`), so load drift on a shared machine moves
 all cases alike. Also per case: `work`, the share of a full recompute of the chunk tokens that the selection
 computes in context (token-layers, layer 0 included; `assemble.recompute_work`). Pairs with the accuracy table
 (`benchmarks/accuracy.py`), which says what each setting recovers. Writes blend_cost.json and blend_cost.md.
@@ -21,7 +21,7 @@ import pc_rag
 from pc_rag.assemble import recompute_work
 
 from .accuracy import DEFAULT_BLENDS, blend_name, parse_blend
-from .ttft import interleaved, model_or_bench, workloads
+from .common import interleaved, model_or_bench, workloads
 
 
 def run(model_path, target_tokens: int, blends: list[str], reps: int, seed: int = 0) -> dict:
@@ -39,7 +39,7 @@ def run(model_path, target_tokens: int, blends: list[str], reps: int, seed: int 
             engine.next_token_logits(w.prompt, mode=mode, recompute_ratio=ratio)
             # Only the text before the first chunk may be reused as a prefix: drop the rest, so every run
             # computes the same (blend never stores past its first chunk; full and modular would).
-            engine.assembler.prefixes.clear()
+            engine.planner.prefixes.clear()
         return fn, None
 
     cases = {"full": case("full"), "modular": case("modular")}

@@ -274,7 +274,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    from .ttft import model_or_bench
+    from .common import model_or_bench
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint dir (default: build the offline 'bench' Llama under --out)")

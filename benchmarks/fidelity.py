@@ -1,6 +1,6 @@
 """Answer fidelity per mode against `full`: how far does reuse move the model's output?
 
-    python benchmarks/fidelity.py --prompts 12 --chunks 4 --out bench_out
+    python -m benchmarks.fidelity --prompts 12 --chunks 4 --out bench_out
 
 For each prompt (a system text, k chunks, a question) and each mode, against `full` on the same tokens:
 - KL(full || mode) of the next-token distribution after the prompt,
@@ -34,7 +34,7 @@ import pc_rag
 from pc_rag.assemble import Assembler
 from pc_rag.store import MemoryStore
 
-from .ttft import build_prompt, model_or_bench
+from .common import build_prompt, model_or_bench
 
 RATIOS = (0.05, 0.15, 0.3)
 
@@ -94,7 +94,7 @@ def measure(engine, nosink, prompts, new_tokens):
         row = {}
         for v in VARIANTS:
             engine.assembler = nosink if v.nosink else default
-            engine.assembler.reuse_separators = not v.fresh_separators
+            engine.planner.reuse_separators = not v.fresh_separators
             engine.blend_selection = v.select
             if v.scaffold:
                 engine.add_scaffold(chunks)  # the group, declared in this prompt's order
@@ -106,12 +106,12 @@ def measure(engine, nosink, prompts, new_tokens):
                 gen = engine.generate(prompt, mode=v.mode, max_new_tokens=new_tokens, recompute_ratio=v.ratio)
                 lm = engine.next_token_logits(prompt, v.mode, recompute_ratio=v.ratio)
             finally:
-                engine.assembler.reuse_separators = True
+                engine.planner.reuse_separators = True
                 engine.assembler = default
             row[v.name] = {"kl": kl(lf, lm), "top1": int(lf.argmax() == lm.argmax()),
                            "greedy_prefix": greedy_prefix(full.token_ids, gen.token_ids),
                            "cached_tokens": gen.cached_tokens}
-        engine.assembler.scaffolds.clear()
+        engine.planner.scaffolds.clear()
         rows.append(row)
     summary = {}
     for name in rows[0]:

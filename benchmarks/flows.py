@@ -1,6 +1,6 @@
 """How much of each request the stock LangChain and LlamaIndex flows reuse, next to how much they could.
 
-    python benchmarks/flows.py [--model PATH | --size tiny|bench] [--modes exact modular] [--flows NAME ...]
+    python -m benchmarks.flows [--model PATH | --size tiny|bench] [--modes exact modular] [--flows NAME ...]
                                [--max-new-tokens 16] [--out flows.json]
 
 Every flow is the stock setup with only the LLM class swapped (langchain_pc_rag.ChatPromptCache,
@@ -183,8 +183,8 @@ class Setup:
         if self._corpus is None:
             from pydoc_data.topics import topics
 
-            from pc_rag.embeddings import SentenceEmbedder
-            from pc_rag.retrieval import VectorIndex, chunk_text
+            from pc_rag.demo.embeddings import SentenceEmbedder
+            from pc_rag.demo.retrieval import VectorIndex, chunk_text
 
             pairs = [(k, c) for k in RAG_TOPICS for c in chunk_text(topics[k])]
             cache = self.cache_dir / "embeddings" if self.cache_dir else None

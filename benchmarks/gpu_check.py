@@ -160,7 +160,7 @@ def disk_row(name, model, tok, p, docs, tol) -> Row:
         gen = reader.generate(p, mode="modular", max_new_tokens=1)
         got = reader.next_token_logits(p, "modular")
         origins = sorted({s.origin for s in gen.sources if s.kind == "chunk"})
-        keys = reader.assembler.chunk_keys([s for s in reader.segmenter.segments(p) if s.kind == "chunk"])
+        keys = reader.planner.chunk_keys([s for s in reader.segmenter.segments(p) if s.kind == "chunk"])
         promoted = [reader.store.tiers[0].get(k) for k in keys]
         devices = sorted({b.keys.device.type for b in promoted if b is not None})
         e = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)

@@ -34,8 +34,8 @@ import torch
 
 import pc_rag
 
+from .common import Workload, build_prompt, corpus_chunks, interleaved, load_steps, local_redis, model_or_bench
 from .fidelity import chunk_sets, kl
-from .ttft import Workload, build_prompt, corpus_chunks, interleaved, load_steps, local_redis, model_or_bench
 
 SYSTEM = "Answer the question from the context.\n\n{context}"
 
@@ -117,7 +117,7 @@ def prefetch_chain(engine, chunks, reps):
 
 def compressed_ttft(w, stores, reps):
     """Modular TTFT warm from each persistent tier (memory emptied first; the blocks were copied there
-    beforehand), measured in turn with the ideal (ttft.interleaved), then each tier's load steps. `stores`:
+    beforehand), measured in turn with the ideal (common.interleaved), then each tier's load steps. `stores`:
     name -> (engine, memory tier, persistent tier)."""
     def request(e):  # a one-token generate: its ttft_s leaves out what follows the reply (storing, promoting)
         return lambda: e.generate(w.prompt, mode="modular", max_new_tokens=1)
@@ -144,7 +144,7 @@ def fidelity(engines, sets):
         for name, (e, memory) in engines.items():
             e.warm(chunks, progress=False)  # encodes into this engine's tiers (the int8 one stores int8)
             memory.clear()  # so the request reads the chunks back from the persistent tier
-            e.assembler.prefixes.clear()
+            e.planner.prefixes.clear()
             logits[name] = e.next_token_logits(prompt, mode="modular")
         ref = logits["none"]
         for name, lg in logits.items():

@@ -29,7 +29,7 @@ import pc_rag
 from pc_rag.model.hf import with_cache
 from pc_rag.store import DiskStore, MemoryStore, TieredStore
 
-from .ttft import model_or_bench
+from .common import model_or_bench
 
 BLOCK_SIZES = (16, 32, 64, 128)
 QUESTIONS = [f"Question {i}: which of the statements above applies to case number {i * 7 + 3}, and why does it "
@@ -80,7 +80,7 @@ def measure(model, tokenizer, system: str, block: int, reps: int, mode: str) -> 
     try:
         def engine():
             e = pc_rag.Engine(model, tokenizer, store=TieredStore([MemoryStore(), DiskStore(folder)]))
-            e.assembler.block_tokens = block
+            e.planner.block_tokens = block
             return e
 
         warm = engine()

@@ -1,9 +1,10 @@
-"""Write the README's results section from the benchmark JSON files.
+"""Write the measured tables (docs/results.md) from the benchmark JSON files.
 
     python -m benchmarks.ttft --out bench_out && python -m benchmarks.fidelity --out bench_out
     python -m benchmarks.report --out bench_out
 
-Replaces the text between the `results` markers in README.md and draws the TTFT plot into docs/ttft.png.
+Replaces the text between the `results` markers in docs/results.md and draws the TTFT plot into docs/ttft.png.
+The README's short summary of them is kept by hand.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def section(out: Path) -> str:
         "Decode is the same loop in every mode: reuse only shortens the prefill; decode rates are measured "
         "over 32 tokens on a shared 2-core machine.\n\n"
         + ttft.markdown(t)
-        + "\n![TTFT against prompt length](docs/ttft.png)\n"
+        + "\n![TTFT against prompt length](ttft.png)\n"
     )
     l_path = out / "loads.json"
     if l_path.exists():
@@ -81,9 +82,9 @@ def section(out: Path) -> str:
         parts.append(accuracy_section([json.loads(r.read_text()) for r in runs]))
     parts.append(
         "Reproduce the rest (`pip install -e \".[bench]\"` for the plot): "
-        "`python benchmarks/ttft.py --lengths 1024 2048 4096 8192 --reps 5 --out bench_out && "
+        "`python -m benchmarks.ttft --lengths 1024 2048 4096 8192 --reps 5 --out bench_out && "
         "python -m benchmarks.prefix --reps 7 --out bench_out && "
-        "python benchmarks/flows.py --out bench_out/flows.json && "
+        "python -m benchmarks.flows --out bench_out/flows.json && "
         "python -m benchmarks.fidelity --prompts 12 --out bench_out && python -m benchmarks.loads --out bench_out && "
         "python -m benchmarks.blend_cost --out bench_out && "
         "python -m benchmarks.report --out bench_out` "
@@ -203,12 +204,12 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+    results = ROOT / "docs" / "results.md"
+    text = results.read_text()
     a, b = text.index(START) + len(START), text.index(END)
-    readme.write_text(text[:a] + "\n" + section(out) + "\n" + text[b:])
+    results.write_text(text[:a] + "\n" + section(out) + "\n" + text[b:])
     ttft.plot(json.loads((out / "ttft.json").read_text()), ROOT / "docs" / "ttft.png")
-    print(f"updated {readme}")
+    print(f"updated {results}")
 
 
 if __name__ == "__main__":

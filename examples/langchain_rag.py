@@ -30,8 +30,8 @@ from langchain_pc_rag import ChatPromptCache
 
 import pc_rag
 from pc_rag.demo import demo_model
-from pc_rag.embeddings import SentenceEmbedder
-from pc_rag.retrieval import VectorIndex, corpus_chunks
+from pc_rag.demo.embeddings import SentenceEmbedder
+from pc_rag.demo.retrieval import VectorIndex, corpus_chunks
 from pc_rag.store import default_cache_dir
 
 PROMPT = ChatPromptTemplate.from_messages([

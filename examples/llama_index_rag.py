@@ -31,8 +31,8 @@ from llama_index.llms.pc_rag import PromptCacheLLM, PromptCacheNodeRegistrar, Pr
 
 import pc_rag
 from pc_rag.demo import demo_model
-from pc_rag.embeddings import SentenceEmbedder
-from pc_rag.retrieval import VectorIndex, corpus_chunks
+from pc_rag.demo.embeddings import SentenceEmbedder
+from pc_rag.demo.retrieval import VectorIndex, corpus_chunks
 from pc_rag.store import default_cache_dir
 
 

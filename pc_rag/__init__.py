@@ -2,7 +2,7 @@
 
 from . import testing
 from .blocks import KVBlock
-from .engine import Engine, Generation, SegmentSource
+from .engine import Engine, ExplainRow, Explanation, Generation, SegmentSource
 from .errors import OptionError, OptionTypeError, PCRagError, PMLError, PromptError, StoreError, UnsupportedModelError
 from .options import GenerationOptions
 from .pml import PML, Schema, SchemaRegistry
@@ -11,6 +11,8 @@ from .segments import Chunk, Text
 __all__ = [
     "Chunk",
     "Engine",
+    "ExplainRow",
+    "Explanation",
     "Generation",
     "GenerationOptions",
     "KVBlock",

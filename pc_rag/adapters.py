@@ -16,9 +16,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from .errors import PCRagError
-from .find import discover, discovery_enabled, index_for
 from .options import GenerationOptions
 from .segments import Chunk, Text
+from .text_index import discover, discovery_enabled, index_for
 
 __all__ = ["GenerationOptions", "SamplingOptions", "chat_prompt", "completion_prompt", "discover",
            "discovery_enabled", "register", "render_chat", "shared_engine", "stream_generation", "usage"]
@@ -75,7 +75,8 @@ def register(engine, texts) -> int:
     return index_for(engine).add_many(texts)
 
 
-# The generation options every adapter exposes: the engine's own checked options object (one definition).
+# The earlier name of the options the adapters build: the engine's own checked GenerationOptions (one definition;
+# the adapters use that name now).
 SamplingOptions = GenerationOptions
 
 

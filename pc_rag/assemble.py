@@ -1,94 +1,37 @@
-"""From token segments to an assembled cache and the prompt's last logits.
+"""Carrying a plan out (plan.py decides; this file does), in the order the engine runs the steps:
 
-A plan says, for every slot of the prompt, where its KV comes from:
-- "prefix":   a block of the automatic exact-prefix chain (prefix.py): KV an earlier request computed after
-              exactly the same tokens (its prompt or its reply); identical to a full prefill;
-- "chunk":    a chunk encoded on its own after the sink prefix, RoPE-relocated to its place (approximation:
-              it never saw the segments before it);
-- "scaffold": a declared group of chunks (with the text between them) encoded jointly, relocated as one
-              block: exact inside the group, an approximation with respect to what precedes it;
-- "fresh":    computed in this request's single forward pass, attending to everything before it.
-Planning is plain Python over the store; `assemble` then copies blocks into the request's slots and runs
-one forward for all fresh tokens, plus, in `blend` mode, a chosen fraction of the reused chunk tokens,
-recomputed with the whole prompt as context (their cached KV is overwritten). `save_prefix` stores, once
-the reply is out, the prefix blocks this request computed, so the next request finds them.
+    encode   the chunks and scaffolds no tier holds, each on its own after the sink tokens, and store them;
+    build    the request's cache: blocks on disk or in Redis read straight into their slots (`_read`), the rest
+             copied in, relocated blocks' keys rotated to their positions (RoPE), lost reads recomputed;
+    forward  one forward for all fresh slots, plus, in `blend` mode, a chosen share of the reused chunk tokens,
+             recomputed with the whole prompt as context (their cached KV is overwritten);
+    save     once the reply is out (`save_prefix`): the prefix blocks this request computed, so the next request
+             finds them.
+
+`assemble` runs the first three and returns the cache with the prompt's last logits; the engine decodes from there.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from .blocks import KVBlock, chunk_key, scaffold_key
-from .errors import PCRagError, PromptError
+from .blocks import KVBlock
+from .errors import PCRagError
+from .lookups import StoreLookups
 from .model import LlamaRunner, SlotCache
-from .prefix import (
-    BLOCK_TOKENS,
-    EXTENT_BLOCKS,
-    Link,
-    PrefixIndex,
-    Run,
-    after_link,
-    extents,
-    far_groups,
-    in_groups,
-    run_blocks,
-)
-from .segments import TokenSegment
-from .store import (
-    PendingBlock,
-    Sink,
-    find_many_with_source,
-    get_many_with_source,
-    get_with_source,
-    has_persistent,
-    put_block,
-    put_persistent,
-)
+from .options import MODES  # noqa: F401  (pc_rag.assemble.MODES, as before: the serve schema imports it here)
+from .plan import COPY, ENCODE, READ, STORED, Piece, Plan, Planner, Wanted
+from .prefix import EXTENT_BLOCKS, Link, Run, after_link, extents, far_groups, in_groups, run_blocks
+from .store import PendingBlock, ReadTarget, Store
 
-MODES = ("full", "exact", "modular", "blend")
 MAX_KNOWN_EXTENTS = 65536  # extent keys remembered (Assembler.extents_stored): ~5 MB
-REUSING_CHUNKS = ("modular", "blend")
 SELECTIONS = ("chunk_start", "deviation", "progressive")
-
-
-@dataclass(frozen=True)
-class Piece:
-    slot: int  # first slot (= index of its first token in the prompt)
-    n: int  # tokens
-    source: str  # "fresh" | "prefix" | "chunk" | "scaffold"
-    kind: str  # what it holds: a segment kind ("bos", "text", "sep", "chunk"), "scaffold", or "prefix"
-    position: int  # position id of its first token; a relocated block's tokens have consecutive positions
-    key: str | None = None  # store key it came from
-    block: KVBlock | None = None  # for a "prefix" piece, its first n tokens are used
-    origin: str | None = None  # store tier (or "computed" for a block encoded by this request)
-    pending: PendingBlock | None = None  # a block found on disk, not read yet: assemble reads it into its slots
-    want: Wanted | None = None  # a pending relocated block: what to encode should reading it fail
-    members: tuple[str, ...] = ()  # an extent (prefix.py): the keys of the prefix blocks it holds, in order
-
-    @property
-    def block_keys(self) -> tuple[str, ...]:
-        """The prefix-chain keys this piece covers: its own, or an extent's blocks'."""
-        return self.members or (self.key,)
-
-
-@dataclass(frozen=True)
-class Wanted:
-    """A relocated block the prompt needs, before the store is asked: `_layout` collects them all and looks
-    them up in one batch (parallel disk reads, one Redis round trip), then encodes the misses."""
-
-    slot: int
-    source: str  # "chunk" | "scaffold"
-    kind: str  # as Piece.kind
-    position: int  # position id of its first token in the prompt
-    key: str
-    token_ids: tuple[int, ...]
-    start: int  # position its KV is encoded at
 
 
 @dataclass(frozen=True)
@@ -101,7 +44,7 @@ class Recompute:
             on only the `ratio` share whose layer-1 keys moved most from the cached ones.
             "progressive" (CacheBlend as published): the same, narrowed layer by layer, from PROGRESSIVE_START
             times the share at layer 1 down to the share at the last layer.
-            `tokens_per_layer` says what each computes; what each recovers and costs: README, "Blend".
+            `tokens_per_layer` says what each computes; what each recovers and costs: docs/results.md, "Blend".
     """
 
     ratio: float
@@ -115,26 +58,16 @@ class Recompute:
 
 
 @dataclass(frozen=True)
-class Plan:
-    mode: str
-    ids: tuple[int, ...]  # by slot
-    positions: tuple[int, ...]  # by slot
-    pieces: tuple[Piece, ...]
-    layout: tuple[Run | Link, ...]  # the prefix chain's layout, up to where its KV may be stored (prefix.py)
-    hits: frozenset[str]  # prefix blocks reused whole (already stored)
-    stored_tokens: int  # prompt tokens whose KV this request newly stores (chunks it encodes, prefix blocks)
-
-
-@dataclass(frozen=True)
 class Assembled:
     cache: SlotCache
     logits: torch.Tensor  # [vocab] fp32, next-token logits after the prompt
-    plan: Plan
+    plan: Plan  # as built: the plan carried out, with any block that could not be read recomputed instead
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
     recomputed_tokens: int  # reused chunk tokens recomputed by blend (counted in computed_tokens)
     last_position: int
+    read: Mapping[str, PendingBlock]  # blocks read straight into the cache, by key (`save_prefix` promotes them)
 
     @property
     def pieces(self) -> tuple[Piece, ...]:
@@ -154,241 +87,23 @@ def _copy_in_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class Assembler:
-    """Plans and builds the cache for one prompt, in one of MODES."""
+    """Carries plans out for one model and store: the steps of the module docstring. The engine owns one, and
+    hands it the `Planner` whose keys and prefix index it shares."""
 
-    def __init__(self, runner: LlamaRunner, store, sink_ids: tuple[int, ...], block_tokens: int = BLOCK_TOKENS):
+    def __init__(self, runner: LlamaRunner, store: Store, planner: Planner):
         self.runner = runner
         self.store = store
-        self.sink_ids = sink_ids  # what every chunk is encoded after (BOS when the tokenizer has one)
-        self.root = "root-" + runner.fingerprint
-        self.block_tokens = block_tokens
-        self.prefixes = PrefixIndex()  # blocks stored under each parent key, for matches ending inside a block
+        self.planner = planner
         # Extents this process wrote or read, so a request whose blocks memory holds singly (all hits) does not
         # write the extent again; one it does not know of is written (a chat that grew past a group, say).
         self.extents_stored: OrderedDict[str, None] = OrderedDict()
         self._extents_lock = threading.Lock()  # requests of a server's batch plan and store concurrently
-        # Declared scaffold groups, by their first chunk's tokens: each a tuple of chunk token tuples.
-        self.scaffolds: dict[tuple[int, ...], frozenset[tuple[tuple[int, ...], ...]]] = {}
         self.scaffold_bytes = 0  # what joint encodings cost on top of the chunks' own blocks
-        self.reuse_separators = True  # whitespace-only text after a chunk is reused like a chunk (see plan)
-        self.direct_loads = True  # blocks on disk are read straight into the request buffer (_read_pending)
+        self.direct_loads = True  # blocks on disk are read straight into the request buffer (`_read`)
 
-    def add_scaffold(self, chunks: Sequence[tuple[int, ...]]) -> None:
-        if len(chunks) < 2:
-            raise PCRagError("a scaffold groups at least two chunks")
-        # Copy on write: planning in other threads reads these sets without a lock.
-        self.scaffolds[chunks[0]] = self.scaffolds.get(chunks[0], frozenset()) | {tuple(chunks)}
-
-    # ---- planning -------------------------------------------------------------------------------------
-    def plan(self, segments: list[TokenSegment], mode: str) -> Plan:
-        if mode not in MODES:
-            raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        if mode in REUSING_CHUNKS:  # refused (UnsupportedModelError) where relocated keys would be wrong
-            self.runner.check_relocation()
-        ids = tuple(t for s in segments for t in s.token_ids)
-        positions = tuple(q for s in segments for q in range(s.start, s.end))
-        items = self._layout(segments, mode)
-        pieces: list[Piece] = []
-        layout: list[Run | Link] = []
-        hits: set[str] = set()
-        parent, walking, storing = self.root, mode != "full", mode != "full"
-        for item in items:
-            if isinstance(item, Piece):  # a relocated block
-                pieces.append(item)
-                if mode == "blend":
-                    # Blend recomputes part of the relocated KV in context, so nothing after the first relocated
-                    # block has KV that a key could name: the chain stops there.
-                    walking = storing = False
-                if storing:
-                    link = Link(item.slot, item.slot + item.n, item.key, item.position)
-                    layout.append(link)
-                    parent = after_link(parent, link)
-                continue
-            run, kinds = item
-            covered = run.start
-            if walking:
-                found = self._lookup_run(parent, ids, positions, run)
-                for p in found:
-                    pieces.append(p)
-                    if p.pending is not None or p.n == len(p.block.token_ids):
-                        hits.update((p.key, *p.members))
-                        parent = p.block_keys[-1]
-                covered = found[-1].slot + found[-1].n if found else run.start
-                walking = covered == run.end and (not found or found[-1].key in hits)
-            pieces.extend(self._fresh(covered, run.end, kinds, positions))
-            if storing:
-                layout.append(run)
-        if storing and (not layout or isinstance(layout[-1], Link)):
-            layout.append(Run(len(ids), len(ids), closed=False))  # the reply, after a prompt ending in a block
-        reused = sum(p.n for p in pieces if p.source == "prefix")
-        encoded = sum(p.n for p in pieces if p.origin == "computed")
-        in_runs = sum(r.end - r.start for r in layout if isinstance(r, Run))
-        return Plan(mode, ids, positions, tuple(pieces), tuple(layout), frozenset(hits),
-                    stored_tokens=encoded + in_runs - reused)
-
-    def _layout(self, segments: list[TokenSegment], mode: str) -> list:
-        """The prompt as relocated blocks (Pieces, fetched or encoded now) and runs of in-context slots
-        ((Run, [(first slot, segment kind), ...]) for reporting what the fresh slots hold). Every relocated
-        block is looked up in one batch, then the misses are encoded."""
-        items: list = []
-        run: list[tuple[int, str]] = []
-        run_start = slot = 0
-
-        def close_run(end: int, closed: bool) -> None:
-            if end > run_start:
-                items.append((Run(run_start, end, closed), list(run)))
-            run.clear()
-
-        j = 0
-        while j < len(segments):
-            seg = segments[j]
-            want = None
-            if mode in REUSING_CHUNKS and seg.kind == "chunk":
-                end = self._scaffold_end(segments, j)
-                if end is not None:
-                    want = self._scaffold_wanted(segments[j:end], slot)
-                    span = segments[j:end]
-                    j = end
-                else:
-                    want, span = self._chunk_wanted(seg, slot), [seg]
-                    j += 1
-            elif mode in REUSING_CHUNKS and seg.kind == "sep" and self.reuse_separators and j < len(segments) - 1 \
-                    and items and isinstance(items[-1], Wanted) and run_start == slot:
-                # Whitespace between chunks ("\n\n" in every RAG template) is reused like a chunk: computing
-                # it fresh cost as much as a question of the same length per separator (measured: 14 of the
-                # 41 fresh tokens at 4K tokens, +15% TTFT); its KV barely depends on context (see fidelity).
-                want, span = self._chunk_wanted(seg, slot), [seg]
-                j += 1
-            if want is not None:
-                close_run(slot, closed=True)
-                items.append(want)
-                slot += sum(len(s) for s in span)
-                run_start = slot
-                continue
-            run.append((slot, seg.kind))
-            slot += len(seg)
-            j += 1
-        close_run(slot, closed=False)
-        keys = list(dict.fromkeys(w.key for w in items if isinstance(w, Wanted)))
-        found = dict(zip(keys, self._find(keys), strict=True))
-        out = []
-        for item in items:
-            if isinstance(item, Wanted):
-                item = self._piece(item, *found[item.key])
-                if item.origin == "computed":  # encoded just now: a later use of it in this prompt reads the store
-                    found[item.key] = self._get(item.key)
-            out.append(item)
-        return out
-
-    @staticmethod
-    def _fresh(a: int, b: int, kinds: list[tuple[int, str]], positions) -> list[Piece]:
-        """Fresh pieces for slots [a, b), one per segment they fall in (so `sources` says what they hold)."""
-        out = []
-        bounds = [s for s, _ in kinds] + [b]
-        for (s, kind), e in zip(kinds, bounds[1:], strict=False):
-            lo, hi = max(a, s), min(b, e)
-            if lo < hi:
-                out.append(Piece(lo, hi - lo, "fresh", kind, positions[lo]))
-        return out
-
-    def _lookup_run(self, parent: str, ids, positions, run: Run) -> list[Piece]:
-        """Prefix pieces for the longest cached prefix of `run`: whole blocks found by key, or, in the persistent
-        tiers, the extents holding them (batched lookups), then the longest common prefix with a block stored
-        under the last parent, if any."""
-        refs = run_blocks(self.runner.fingerprint, parent, ids, positions, run.start, run.end, run.closed,
-                          self.block_tokens)
-        singles, spans = self._lookup_blocks(refs, len(ids))
-        found: list[Piece] = []
-        i = 0
-        while i < len(refs):
-            span = spans.get(i)
-            if span is not None:  # the group from its extent: one entry, not EXTENT_BLOCKS
-                members = refs[i: i + EXTENT_BLOCKS]
-                piece = self._prefix_piece(members[0].start, members[-1].end, *span, ids, positions,
-                                           tuple(r.key for r in members))
-            else:
-                members = refs[i: i + 1]
-                piece = self._prefix_piece(refs[i].start, refs[i].end, refs[i].key, *singles[i], ids, positions)
-            if piece is None:
-                break  # a miss (or a foreign entry under a colliding key: never use KV of other tokens)
-            for ref in members:
-                self.prefixes.add(ref.parent, ref.key, ids[ref.start: ref.end], positions[ref.start: ref.end])
-            found.append(piece)
-            parent = members[-1].key
-            i += len(members)
-        a = found[-1].slot + found[-1].n if found else run.start
-        if a < run.end:
-            best = self.prefixes.longest(parent, ids[a: run.end], positions[a: run.end])
-            if best is not None:
-                key, n = best
-                block, origin = self._get(key)
-                if block is not None and block.token_ids[:n] == ids[a: a + n]:
-                    found.append(Piece(a, n, "prefix", "prefix", positions[a], key, block, origin))
-        return found
-
-    @staticmethod
-    def _prefix_piece(a: int, b: int, key: str, block, origin, ids, positions,
-                      members: tuple[str, ...] = ()) -> Piece | None:
-        """The piece for slots [a, b) found under `key` (a PendingBlock: its tokens are checked when it is read), or
-        None for a miss or a block of other tokens."""
-        pending = block if isinstance(block, PendingBlock) else None
-        if pending is not None:
-            block = None
-        elif block is None or block.token_ids != ids[a: b]:
-            return None
-        return Piece(a, b - a, "prefix", "prefix", positions[a], key, block, origin, pending, members=members)
-
-    def _lookup_blocks(self, refs: list, total: int) -> tuple[list, dict[int, tuple]]:
-        """What the store holds for a run's blocks: per block, (block or PendingBlock or None, origin), and the
-        extents to read instead of single blocks, {index of the group's first block: (extent key, block, origin)}.
-        With persistent tiers, memory is asked for the single blocks, then the persistent tiers for what a request
-        of this prompt's length (`total`) stores there (`far_groups`): extents of the groups far from its end,
-        single blocks for the rest; then, for a group not found so, the other form (a prompt of another length
-        stored it). Groups memory holds whole are not asked for. So an entry is asked for only where it may exist,
-        and the tiers' miss counts stay true."""
-        keys = [r.key for r in refs]
-        if not has_persistent(self.store):
-            return self._find(keys), {}
-        singles = self._find(keys, "volatile")
-        held = [isinstance(b, KVBlock) for b, _ in singles]
-        whole = extents(refs, self.block_tokens)
-        groups = {i: k for i, k in whole if not all(held[i: i + EXTENT_BLOCKS])}
-        far = dict(far_groups(refs, list(groups.items()), total, self.block_tokens))
-        members = {i: [j for j in range(i, i + EXTENT_BLOCKS) if not held[j]] for i in groups}
-        grouped = in_groups(whole)
-        loose = [j for j in range(len(refs)) if j not in grouped and not held[j]]
-        near = [j for i in groups if i not in far for j in members[i]]
-        spans: dict[int, tuple] = {}
-
-        def ask(extent_keys: dict[int, str], blocks: list[int]) -> None:
-            answers = self._find(list(extent_keys.values()) + [keys[j] for j in blocks], "persistent")
-            for (i, k), answer in zip(extent_keys.items(), answers[:len(extent_keys)], strict=True):
-                if answer[0] is not None:
-                    spans[i] = (k, *answer)
-            for j, answer in zip(blocks, answers[len(extent_keys):], strict=True):
-                singles[j] = answer
-
-        ask(far, loose + near)
-        ask({i: k for i, k in groups.items() if i not in far and any(singles[j][0] is None for j in members[i])},
-            [j for i in far if i not in spans for j in members[i]])
-        return singles, spans
-
-    def _fetch(self, keys: list[str], tiers: str = "all") -> list[tuple[KVBlock | None, str | None]]:
-        if not keys:
-            return []
-        return [(self.place(b), o) for b, o in get_many_with_source(self.store, keys, tiers)]
-
-    def _find(self, keys: list[str], tiers: str = "all") -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
-        """As `_fetch`, but blocks on disk come back unread (PendingBlocks), for `_read_pending`. `tiers`: as for
-        `find_many_with_source`."""
-        if not keys or not self.direct_loads:
-            return self._fetch(keys, tiers)
-        found = find_many_with_source(self.store, keys, tiers)
-        return [(b if isinstance(b, PendingBlock) else self.place(b), o) for b, o in found]
-
-    def _get(self, key: str) -> tuple[KVBlock | None, str | None]:
-        block, origin = get_with_source(self.store, key)
-        return self.place(block), origin
+    def lookups(self) -> StoreLookups:
+        """The store as a request's planning asks it; its `blocks` are what `assemble` then builds from."""
+        return StoreLookups(self.store, self.place, self.direct_loads)
 
     def place(self, block: KVBlock | None) -> KVBlock | None:
         """The block on the model's device. Blocks read from disk or Redis are CPU tensors; the engine hands
@@ -398,85 +113,79 @@ class Assembler:
         keys, values = self.runner.place(block.keys, block.values)
         return KVBlock(keys, values, block.token_ids, block.start, block.meta)
 
-    def _piece(self, want: Wanted, block: KVBlock | PendingBlock | None, origin: str | None) -> Piece:
-        """The Piece for a wanted block, given what the store answered; a miss is encoded now and stored. A block
-        on disk is read into the request buffer by `assemble` (its tokens are checked then)."""
-        if isinstance(block, PendingBlock):
-            return Piece(want.slot, len(want.token_ids), want.source, want.kind, want.position, want.key, None, origin,
-                         block, want)
-        if block is not None and block.token_ids != want.token_ids:
-            block = None  # a key collision or a foreign entry: never use KV for other tokens
-        if block is None:
-            block, origin = self.encode_chunk(want.token_ids, want.start, want.source), "computed"
-            self.store.put(want.key, block)
-            if want.source == "scaffold":
-                self.scaffold_bytes += block.nbytes
-        return Piece(want.slot, len(want.token_ids), want.source, want.kind, want.position, want.key, block, origin)
+    def _get(self, key: str) -> tuple[KVBlock | None, str | None]:
+        block, origin = self.store.get_with_source(key)
+        return self.place(block), origin
 
-    def _chunk_wanted(self, seg: TokenSegment, slot: int) -> Wanted:
-        start = seg.encode_start if seg.encode_start is not None else len(self.sink_ids)
-        key = chunk_key(self.runner.fingerprint, seg.token_ids, self.sink_ids, start)
-        return Wanted(slot, "chunk", seg.kind, seg.start, key, seg.token_ids, start)
-
-    def chunk_piece(self, seg: TokenSegment, slot: int) -> Piece:
-        """A chunk's own block (encoded after the sink, at its encode position), from the store or encoded now."""
-        want = self._chunk_wanted(seg, slot)
-        return self._piece(want, *self._get(want.key))
-
-    def chunk_keys(self, segments: Sequence[TokenSegment]) -> list[str]:
-        """Store keys of the chunks' own blocks (what `chunk_piece` would look up), e.g. to prefetch them."""
-        return [self._chunk_wanted(seg, 0).key for seg in segments]
-
-    def _scaffold_end(self, segments: list[TokenSegment], j: int) -> int | None:
-        """End index of a declared scaffold group starting at segment j (its chunks in order, separated
-        only by text, at consecutive positions), or None."""
-        groups = self.scaffolds.get(segments[j].token_ids)
-        if not groups:
-            return None
-        best = None
-        for group in groups:  # a frozenset, replaced (never changed) when a builder adds a group
-            k, end = 0, j
-            while end < len(segments) and k < len(group):
-                seg = segments[end]
-                if end > j and seg.start != segments[end - 1].end:
-                    break
-                if seg.kind == "chunk":
-                    if seg.token_ids != group[k]:
-                        break
-                    k += 1
-                end += 1
-            if k == len(group) and (best is None or end > best):
-                best = end
-        return best
-
-    def _scaffold_wanted(self, span: list[TokenSegment], slot: int) -> Wanted:
-        ids = tuple(t for s in span for t in s.token_ids)
-        start = len(self.sink_ids)
-        key = scaffold_key(self.runner.fingerprint, [s.token_ids for s in span], self.sink_ids, start)
-        return Wanted(slot, "scaffold", "scaffold", span[0].start, key, ids, start)
-
-    def scaffold_piece(self, span: list[TokenSegment], slot: int) -> Piece:
-        """The joint block of `span` (chunks and the text between them), from the store or encoded now."""
-        want = self._scaffold_wanted(span, slot)
-        return self._piece(want, *self._get(want.key))
-
+    # ---- encode ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def encode_chunk(self, token_ids: tuple[int, ...], start: int, kind: str = "chunk") -> KVBlock:
         """Encode a chunk (or a scaffold group) on its own: sink tokens at 0.., its first token at `start`."""
-        n_sink = len(self.sink_ids)
-        ids = list(self.sink_ids) + list(token_ids)
+        sink_ids = self.planner.sink_ids
+        n_sink = len(sink_ids)
+        ids = list(sink_ids) + list(token_ids)
         positions = list(range(n_sink)) + list(range(start, start + len(token_ids)))
         cache = self.runner.new_cache(len(ids))
         self.runner.forward(cache, ids, positions, list(range(len(ids))))
         k, v = cache.block_views(n_sink, len(ids))
         return KVBlock(k.clone(), v.clone(), tuple(token_ids), start, {"kind": kind})
 
-    # ---- building -------------------------------------------------------------------------------------
-    def assemble(self, plan: Plan, extra_capacity: int, recompute: Recompute | None = None) -> Assembled:
+    def _encode_and_store(self, key: str, token_ids: tuple[int, ...], start: int, source: str) -> KVBlock:
+        block = self.encode_chunk(token_ids, start, source)
+        self.store.put(key, block)
+        if source == "scaffold":
+            self.scaffold_bytes += block.nbytes
+        return block
+
+    def ensure_stored(self, want: Wanted) -> str:
+        """The block of `want` in the store, encoded and stored now if no tier holds it (`Engine.warm`, the
+        background scaffold builder); returns its origin ("computed" when encoded now)."""
+        block, origin = self._get(want.key)
+        if block is None or block.token_ids != want.token_ids:
+            self._encode_and_store(want.key, want.token_ids, want.start, want.source)
+            return "computed"
+        return origin
+
+    def _encode(self, plan: Plan, blocks: Mapping[str, KVBlock | PendingBlock]) -> tuple[Plan, dict[int, KVBlock]]:
+        """Step 1: the blocks to copy in, by slot: those in hand, and the misses ("encode") encoded and stored now.
+        Each encoded block is read back from the store right away, and a later piece of the same block ("stored":
+        the separator between chunks) uses what the store gave, as a later request would (a memory hit, reused);
+        should the store not give it back, that piece encodes it again."""
+        in_hand: dict[int, KVBlock] = {}
+        got: dict[str, tuple[KVBlock | None, str | None]] = {}
+        pieces = list(plan.pieces)
+        again = 0
+        for i, p in enumerate(plan.pieces):
+            if p.load == COPY:
+                in_hand[p.slot] = blocks[p.key]
+                continue
+            if p.load not in (ENCODE, STORED):
+                continue
+            ids = plan.ids[p.slot: p.slot + p.n]
+            if p.load == STORED:
+                block, origin = got[p.key]
+                if block is not None and block.token_ids == ids:
+                    in_hand[p.slot] = block
+                    pieces[i] = replace(p, origin=origin, load=COPY)
+                    continue
+                again += p.n
+                pieces[i] = replace(p, origin="computed", load=ENCODE)
+            in_hand[p.slot] = self._encode_and_store(p.key, ids, p.encode_start, p.source)
+            got[p.key] = self._get(p.key)
+        if got and any(p.load == STORED for p in plan.pieces):
+            plan = replace(plan, pieces=tuple(pieces), stored_tokens=plan.stored_tokens + again)
+        return plan, in_hand
+
+    # ---- build and forward -------------------------------------------------------------------------------------
+    def assemble(self, plan: Plan, blocks: Mapping[str, KVBlock | PendingBlock], extra_capacity: int,
+                 recompute: Recompute | None = None) -> Assembled:
+        """Carries `plan` out with the `blocks` its lookups found (`lookups().blocks`): encode, build, forward."""
+        self._index(plan)
+        plan, in_hand = self._encode(plan, blocks)
         ids, positions = plan.ids, plan.positions
         total = len(ids)
         cache = self.runner.acquire_cache(total + extra_capacity)
-        plan = self._read_pending(plan, cache)
+        plan = self._read(plan, blocks, cache, in_hand)
         pieces = plan.pieces
         fresh: set[int] = set()
         cached = 0
@@ -484,14 +193,15 @@ class Assembler:
             if p.source == "fresh":
                 fresh.update(range(p.slot, p.slot + p.n))
                 continue
-            if p.pending is not None:  # already in its slots
+            if p.load == READ:  # already in its slots
                 cached += p.n
                 continue
-            keys, values = p.block.keys, p.block.values
+            block = in_hand[p.slot]
+            keys, values = block.keys, block.values
             if p.n != keys.shape[2]:  # a prefix block shared up to its n-th token
                 keys, values = keys[:, :, : p.n], values[:, :, : p.n]
             dk, dv = cache.block_views(p.slot, p.slot + p.n)
-            self.runner.relocate(dk, keys, p.position - p.block.start)
+            self.runner.relocate(dk, keys, p.position - block.start)
             dv.copy_(values)
             if p.origin != "computed":  # encoded by this very request: computed, not reused
                 cached += p.n
@@ -519,19 +229,30 @@ class Assembler:
             computed_tokens=total - cached,
             recomputed_tokens=reused_recomputed,
             last_position=positions[-1],
+            read={p.key: blocks[p.key] for p in pieces if p.load == READ},
         )
 
-    def _read_pending(self, plan: Plan, cache: SlotCache) -> Plan:
-        """Reads the plan's pending blocks (found on disk at planning) straight into their slots of `cache`, in the
-        disk tier's reader threads: a bit-exact block is read from its file into the slots and checked there, any
-        other through a reused staging buffer and copied in; no block gets memory of its own, so a request from
-        disk faults in no fresh pages (they cost more than the reads). Relocated blocks' keys are then rotated in
-        place to their positions here. The memory tier gets these blocks after the reply (`save_prefix`).
-        A block that cannot be used (gone, corrupt, unreadable since planning, or holding other tokens): a prefix
-        block leaves its slots to this request's forward (the returned plan has fresh pieces there and no longer
-        counts them as hits; the blocks after it stay valid: exact prefix KV depends on the tokens before it,
-        never on how their KV was obtained); a relocated block is encoded now and stored, as a miss would be."""
-        pending = [p for p in plan.pieces if p.pending is not None]
+    def _index(self, plan: Plan) -> None:
+        """The prefix blocks the plan found, into the prefix index (and the partial matches it used, marked used),
+        so that a later prompt leaving this one inside a block still finds their first tokens."""
+        prefixes = self.planner.prefixes
+        for ref in plan.found_blocks:
+            prefixes.add(ref.parent, ref.key, plan.ids[ref.start: ref.end], plan.positions[ref.start: ref.end])
+        for p in plan.pieces:
+            if p.source == "prefix" and not p.members:
+                prefixes.touch(p.key)
+
+    def _read(self, plan: Plan, blocks: Mapping[str, KVBlock | PendingBlock], cache: SlotCache,
+              in_hand: dict[int, KVBlock]) -> Plan:
+        """Reads the plan's "read" blocks (found on disk or in Redis at planning) straight into their slots of
+        `cache`, in the tiers' reader threads: a bit-exact block is read from its file into the slots and checked
+        there, any other through a reused staging buffer and copied in; no block gets memory of its own, so a
+        request from disk faults in no fresh pages (they cost more than the reads). Relocated blocks' keys are then
+        rotated in place to their positions here. The memory tier gets these blocks after the reply
+        (`save_prefix`). A block that cannot be used (gone, corrupt, unreadable since planning, or holding other
+        tokens): the plan as built says what replaced it (`Plan.after_lost_reads`): for a relocated block, the
+        block encoded now and stored, as a miss would be (into `in_hand`)."""
+        pending = [p for p in plan.pieces if p.load == READ]
         if not pending:
             return plan
         # A block used more than once (the separator between chunks) is read once, into its first piece's slots,
@@ -542,8 +263,8 @@ class Assembler:
         rotations: list[tuple[torch.Tensor, int]] = []
         starts: dict[str, int] = {}
         reads = list(first.values())
-        read = self.store.read_pending([p.pending for p in reads],
-                                       [self._sink(p, plan.ids, cache, rotations, starts) for p in reads])
+        read = self.store.read_pending([blocks[p.key] for p in reads],
+                                       [self._read_target(p, plan.ids, cache, rotations, starts) for p in reads])
         ok = {p.key for p, got in zip(reads, read, strict=True) if got}
         for p in pending:
             src = first[p.key]
@@ -555,29 +276,28 @@ class Assembler:
                     rotations.append((cache.block_views(p.slot, p.slot + p.n)[0], p.position - starts[p.key]))
         for keys, delta in rotations:  # here, not in the reader threads: torch ops there oversubscribe the cores
             self.runner.relocate(keys, keys.clone(), delta)
-        failed = {p.slot for p in pending if p.key not in ok}
-        if not failed:
+        lost = [p for p in pending if p.key not in ok]
+        if not lost:
             return plan
-        pieces = tuple(self._recover(p) if p.pending is not None and p.slot in failed else p
-                       for p in plan.pieces)
-        lost = [p for p in pending if p.slot in failed]
+        redone = {p.slot: self._recover(p, plan.ids, in_hand) for p in lost if p.relocated}
         for p in lost:
             if p.members:  # gone or damaged: written again after the reply
                 with self._extents_lock:
                     self.extents_stored.pop(p.key, None)
-        return replace(plan, pieces=pieces, hits=plan.hits - {k for p in lost for k in (p.key, *p.members)},
-                       stored_tokens=plan.stored_tokens + sum(p.n for p in lost))
+        return plan.after_lost_reads(lost, redone)
 
-    def _recover(self, p: Piece) -> Piece:
-        """The piece for a pending block that could not be read: fresh slots for a prefix block; for a relocated
-        block, as for a miss, the block encoded now and stored (which `assemble` copies in), or found in memory
-        when a piece of the same block was just recovered."""
-        if p.want is None:
-            return Piece(p.slot, p.n, "fresh", p.kind, p.position)
-        return self._piece(p.want, *self._get(p.want.key))
+    def _recover(self, p: Piece, ids: tuple[int, ...], in_hand: dict[int, KVBlock]) -> Piece:
+        """A relocated block that could not be read, as for a miss: encoded now and stored, or found in memory when
+        a piece of the same block was just recovered; its block goes into `in_hand` for the copy."""
+        want = ids[p.slot: p.slot + p.n]
+        block, origin = self._get(p.key)
+        if block is None or block.token_ids != want:
+            block, origin = self._encode_and_store(p.key, want, p.encode_start, p.source), "computed"
+        in_hand[p.slot] = block
+        return replace(p, origin=origin, load=ENCODE if origin == "computed" else COPY)
 
-    def _sink(self, p: Piece, ids: tuple[int, ...], cache: SlotCache, rotations: list[tuple[torch.Tensor, int]],
-              starts: dict[str, int]) -> Sink:
+    def _read_target(self, p: Piece, ids: tuple[int, ...], cache: SlotCache,
+                     rotations: list[tuple[torch.Tensor, int]], starts: dict[str, int]) -> ReadTarget:
         """What takes piece p's block once read and checked (in a reader thread): p's slots, which the disk tier
         reads a bit-exact block straight into (then its tokens are left to check, and a relocated block's keys to
         rotate: noted in `rotations` for the caller), and the copy of any other block (its tensors view a staging
@@ -606,7 +326,7 @@ class Assembler:
                 dv.copy_(block.values)
             return True
 
-        return Sink(take, dk, dv)
+        return ReadTarget(take, dk, dv)
 
     @staticmethod
     def _reused(pieces: Sequence[Piece], slot: int) -> bool:
@@ -665,36 +385,37 @@ class Assembler:
         layout that was not reused whole, the forwarded reply tokens (`generated`, whose KV follows the
         prompt's in the cache) included. Whole blocks and blocks of closed runs go to every tier; the short
         tail of the last run only to memory, since only this process's index can find it. Blocks read from
-        disk straight into the request buffer (`_read_pending`) are put into memory here rather than on the
+        disk straight into the request buffer (`_read`) are put into memory here rather than on the
         request path (their copy is fresh memory to fault in), so the next request finds them there: prefix
         blocks copied from the buffer, relocated blocks (whose keys the buffer holds rotated) read again, from
         the page cache by then. Returns the keys written; `skip`: keys an earlier call for this request already
         wrote."""
         plan = assembled.plan
-        relocated = [p.pending for p in plan.pieces if p.pending is not None and p.want is not None
+        relocated = [assembled.read[p.key] for p in plan.pieces if p.load == READ and p.relocated
                      and p.key not in skip]
         if relocated:
             self.store.promote(relocated)  # pending blocks come from a TieredStore (find_many_with_source)
         written: set[str] = {p.key for p in relocated}
         if not plan.layout:
             return frozenset(written)
-        direct = {k for p in plan.pieces if p.pending is not None and p.want is None for k in p.block_keys}
-        grouped = has_persistent(self.store)
+        direct = {k for p in plan.pieces if p.load == READ and not p.relocated for k in p.block_keys}
+        grouped = self.store.has_persistent
+        planner = self.planner
+        block_tokens = planner.block_tokens
         total = assembled.prompt_tokens
         ids = plan.ids + tuple(generated)
         positions = plan.positions + tuple(range(assembled.last_position + 1, assembled.last_position + 1
                                                  + len(generated)))
         last = plan.layout[-1]
         replied = isinstance(last, Run) and last.end == total  # the reply continues the layout's last run
-        parent = self.root
+        parent = planner.root
         for item in plan.layout:
             if isinstance(item, Link):
                 parent = after_link(parent, item)
                 continue
             end = len(ids) if item is last and replied else item.end
-            refs = run_blocks(self.runner.fingerprint, parent, ids, positions, item.start, end, True,
-                              self.block_tokens)
-            groups = far_groups(refs, extents(refs, self.block_tokens), total, self.block_tokens) if grouped else []
+            refs = run_blocks(planner.fingerprint, parent, ids, positions, item.start, end, True, block_tokens)
+            groups = far_groups(refs, extents(refs, block_tokens), total, block_tokens) if grouped else []
             in_group = in_groups(groups)
             for j, ref in enumerate(refs):
                 parent = ref.key
@@ -703,10 +424,13 @@ class Assembler:
                 k, v = assembled.cache.block_views(ref.start, ref.end)
                 block = KVBlock(k.clone(), v.clone(), ids[ref.start: ref.end], positions[ref.start],
                                 {"kind": "prefix"})
-                whole = ref.end - ref.start == self.block_tokens or item.closed
+                whole = ref.end - ref.start == block_tokens or item.closed
                 persist = whole and ref.key not in direct and j not in in_group  # else in its extent only
-                put_block(self.store, ref.key, block, persist=persist)
-                self.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
+                if persist:
+                    self.store.put(ref.key, block)
+                else:
+                    self.store.put_volatile(ref.key, block)
+                planner.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
                 written.add(ref.key)
             for i, key in groups:
                 members = refs[i: i + EXTENT_BLOCKS]
@@ -718,7 +442,7 @@ class Assembler:
                 a, b = members[0].start, members[-1].end
                 k, v = assembled.cache.block_views(a, b)
                 block = KVBlock(k.clone(), v.clone(), ids[a:b], positions[a], {"kind": "prefix"})
-                put_persistent(self.store, key, block)
+                self.store.put_persistent(key, block)
                 self._note_extent(key)
                 written.add(key)
         return frozenset(written)
@@ -736,7 +460,7 @@ class Assembler:
 # so a deep model pays little more than the share (token-layers: 0.55 of a full recompute at 4 layers, 0.38 at
 # 8, 0.24 at 32, for ratio 0.2). Measured on the trained retrieval model (two hop, ratio 0.2, 1,000 prompts; at
 # its 4 layers the schedule is 3x, 2x, 1x): starting at 2x recovered 62% / 84% of modular's loss at 3 / 4 chunks,
-# 3x 89% / 89%, 5x 93% / 97%, at a growing cost. README "Blend" has the tables.
+# 3x 89% / 89%, 5x 93% / 97%, at a growing cost. docs/results.md ("Blend") has the tables.
 PROGRESSIVE_START = 3
 
 

@@ -1,7 +1,7 @@
 """Continuous batching: requests that decode at the same time share one forward pass per step.
 
     request thread: prefill (its own SlotCache, Engine._prefill) -> first token -> `BatchDecoder.join`
-                    -> `DecodeStream.next()` per token -> `close()` -> prefix blocks stored, buffer released
+                    -> `RowTokens.next()` per token -> `close()` -> prefix blocks stored, buffer released
     decode thread:  admit the requests that joined, one `step` over every active request's last token
                     (`LlamaRunner.decode_batch`: one pass through the weights for all of them, each attending
                     to its own buffer), sample each row with that request's own Sampler, hand each token to
@@ -101,7 +101,7 @@ class _Row:
     cancelled: bool = False
 
 
-class DecodeStream:
+class RowTokens:
     """The tokens one request's row produces, in order (what the request's thread holds)."""
 
     def __init__(self, decoder: BatchDecoder | None, row: _Row | None):
@@ -153,11 +153,11 @@ class BatchDecoder:
         self.max_batch_seen = 0
 
     def join(self, cache, sampler: Callable[[Any], int], token: int, position: int, slot: int,
-             steps: int) -> DecodeStream:
+             steps: int) -> RowTokens:
         """Decode after `token` (the prompt's first chosen token, at `position`, its KV to go to `slot`) for at
         most `steps` more tokens, stopping after an EOS token."""
         if steps <= 0 or token in self.eos_ids:
-            return DecodeStream(None, None)
+            return RowTokens(None, None)
         row = _Row(cache, sampler, token, position, slot, steps)
         with self._lock:
             self._waiting.append(row)
@@ -165,7 +165,7 @@ class BatchDecoder:
                 self._thread = threading.Thread(target=self._loop, name="pc_rag-decode", daemon=True)
                 self._thread.start()
             self._wake.notify()
-        return DecodeStream(self, row)
+        return RowTokens(self, row)
 
     def busy(self) -> bool:
         """Whether any request is decoding or waiting for a row (no lock: a momentary answer is enough)."""

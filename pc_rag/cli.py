@@ -1,4 +1,4 @@
-"""The `pc-rag` command (also `python -m pc_rag`): demo, warm, stats, clear, bench, serve.
+"""The `pc-rag` command (also `python -m pc_rag`): demo, warm, explain, stats, clear, bench, serve.
 
 Cache folder (`--cache-dir`, default $PC_RAG_CACHE_DIR, else $XDG_CACHE_HOME/pc_rag, else ~/.cache/pc_rag):
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from .errors import PCRagError
 
 EXIT_USAGE = 2
-_BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "ttft.py"
+_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"  # in a source checkout, beside pc_rag/
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +83,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="DIR_OR_FILE")
     p.set_defaults(run=_warm)
 
+    p = sub.add_parser("explain", parents=[common, model],
+                       help="where each piece of a prompt's KV would come from, without running the model",
+                       description="Plan a prompt as a request would and print it piece by piece: tokens, slots, "
+                                   "positions, and where its KV would come from (a memory, disk or Redis hit, an "
+                                   "encode, or the forward). Runs no forward pass and leaves the store as it is. "
+                                   "Texts given with --chunk, or the chunks of --docs files (as `warm` cuts them), "
+                                   "become chunks wherever they appear in the prompt.")
+    p.add_argument("prompt", help="the prompt text; '-' reads it from stdin")
+    p.add_argument("--mode", default="modular", help="full, exact, modular (default) or blend")
+    p.add_argument("--chunk", action="append", default=[], metavar="TEXT", help="a document text (repeatable)")
+    p.add_argument("--docs", action="append", default=[], metavar="DIR_OR_FILE",
+                   help=".txt/.md files or folders whose chunks are documents (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the rows and totals as JSON")
+    p.set_defaults(run=_explain)
+
     p = sub.add_parser("stats", parents=[common], help="what the cache folder holds")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_stats)
@@ -133,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=_serve)
 
-    p = sub.add_parser("bench", help="run benchmarks/ttft.py (arguments pass through; try `bench -h`)",
+    p = sub.add_parser("bench", help="run python -m benchmarks.ttft (arguments pass through; try `bench -h`)",
                        add_help=False)
     p.set_defaults(run=_bench)
     return parser
@@ -179,8 +194,8 @@ def _check_model(model: str) -> str:
 
 def _demo(args, _extra) -> int:
     from .demo import QUESTIONS, format_report, run_demo
-    from .embeddings import SentenceEmbedder
-    from .retrieval import VectorIndex, corpus_chunks
+    from .demo.embeddings import SentenceEmbedder
+    from .demo.retrieval import VectorIndex, corpus_chunks
 
     questions = list(args.question or QUESTIONS[: args.questions])
     if not questions:
@@ -199,13 +214,37 @@ def _demo(args, _extra) -> int:
 
 
 def _warm(args, _extra) -> int:
-    from .retrieval import read_documents
+    from .demo.retrieval import read_documents
 
     chunks = read_documents(args.paths)  # before loading a model: a bad path fails fast
     cache_dir = _cache_dir(args)
     engine, _, _ = _engine(args, cache_dir)
     new = engine.warm(chunks, progress=True)
     print(f"{len(chunks)} chunks: {new} encoded and stored, {len(chunks) - new} were already cached")
+    return 0
+
+
+def _explain(args, _extra) -> int:
+    import json
+    from dataclasses import asdict
+
+    from .demo.retrieval import read_documents
+    from .options import check_mode
+
+    check_mode(args.mode)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise PCRagError("the prompt is empty; pass its text, or '-' to read it from stdin")
+    chunks = list(args.chunk) + (read_documents(args.docs) if args.docs else [])  # bad paths fail before the model
+    engine, _, _ = _engine(args, _cache_dir(args))
+    explained = engine.explain(engine.split(prompt, chunk_texts=chunks), args.mode)
+    if args.json:
+        print(json.dumps({"mode": explained.mode, "prompt_tokens": len(explained.plan.ids),
+                          "reused_tokens": explained.reused_tokens, "encoded_tokens": explained.encoded_tokens,
+                          "computed_tokens": explained.computed_tokens, "stored_tokens": explained.plan.stored_tokens,
+                          "rows": [asdict(r) for r in explained.rows]}, indent=2))
+    else:
+        print(explained)
     return 0
 
 
@@ -319,14 +358,16 @@ def _in_own_thread(fn):
 
 
 def _bench(_args, extra) -> int:
-    if not _BENCH.is_file():
-        raise PCRagError(f"{_BENCH} is not in this install; run `pc-rag bench` from a source checkout of pc_rag")
-    saved = sys.argv
-    sys.argv = [str(_BENCH), *extra]
+    """`python -m benchmarks.ttft ARGS` (the benchmarks run as modules of the `benchmarks` package)."""
+    if not (_BENCHMARKS / "ttft.py").is_file():
+        raise PCRagError(f"{_BENCHMARKS} is not in this install; run `pc-rag bench` from a source checkout of pc_rag")
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = ["benchmarks.ttft", *extra]
+    sys.path.insert(0, str(_BENCHMARKS.parent))
     try:
-        runpy.run_path(str(_BENCH), run_name="__main__")
+        runpy.run_module("benchmarks.ttft", run_name="__main__", alter_sys=True)
     finally:
-        sys.argv = saved
+        sys.argv, sys.path[:] = saved_argv, saved_path
     return 0
 
 

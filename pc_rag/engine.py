@@ -1,7 +1,11 @@
 """The engine: a prompt in, generated text out, with chunk KV reused across requests.
 
-    prompt -> token segments (segments.py) -> plan: where each slot's KV comes from (assemble.py, prefix.py)
-    -> assembled cache + first logits -> decode loop (decode.py) -> Generation -> prefix blocks stored
+    prompt -> token segments (segments.py)
+    -> plan: where each slot's KV comes from, from the store's answers (plan.py, prefix.py, lookups.py)
+    -> encode the misses, build the cache, forward the fresh slots (assemble.py) -> first logits
+    -> decode loop (decode.py, batch.py) -> Generation -> prefix blocks saved (assemble.save_prefix)
+
+`Engine.explain` runs only the planning step, on answers that read nothing (`Store.where`).
 """
 
 from __future__ import annotations
@@ -16,18 +20,20 @@ from dataclasses import dataclass
 
 import torch
 
-from . import prefetch
-from .assemble import MODES, Assembled, Assembler, Recompute
-from .batch import MAX_BATCH, BatchDecoder, DecodeStream, TurnLock, decode_steps_needed
+from .assemble import Assembled, Assembler, Recompute
+from .batch import MAX_BATCH, BatchDecoder, RowTokens, TurnLock, decode_steps_needed
 from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
-from .find import DISCOVERED, ChunkIndex, ReplyIndex, discovery_enabled, marked, resolve
+from .lookups import WhereLookups
 from .model import LlamaRunner
-from .options import DEFAULT_RECOMPUTE_RATIO, GenerationOptions, check_device
+from .options import DEFAULT_RECOMPUTE_RATIO, MODES, GenerationOptions, check_device
+from .plan import COMPUTE, COPY, ENCODE, READ, REUSING_CHUNKS, STORED, Plan, Planner
 from .pml import PML, Schema, SchemaRegistry
-from .scaffolds import CoRetrievalCounter
+from .prefetch import PREFETCHER, Prefetcher
+from .scaffolds import ScaffoldBuilder
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment
 from .store import open_store
+from .text_index import DISCOVERY, ChunkIndex, Discovery, ReplyIndex, marked, resolve
 
 log = logging.getLogger("pc_rag")
 
@@ -64,6 +70,62 @@ class Generation:
         return n / (self.total_s - self.ttft_s) if n > 0 and self.total_s > self.ttft_s else float("nan")
 
 
+@dataclass(frozen=True)
+class ExplainRow:
+    """One piece of an explained prompt: what its slots hold and where their KV would come from."""
+
+    kind: str  # what the slots hold: "bos" | "text" | "sep" | "chunk" | "scaffold" | "prefix"
+    tokens: int
+    slots: tuple[int, int]  # [first, end) in the request's cache
+    positions: tuple[int, int]  # position ids of its first and last token
+    source: str  # "fresh" | "prefix" | "chunk" | "scaffold" (as `SegmentSource.source`)
+    load: str  # how its KV would be obtained: "compute" | "copy" | "read" | "encode" | "stored" (plan.py)
+    tier: str | None  # the tier holding its block (None: fresh, or not stored yet)
+    kv: str  # the two above in words ("memory hit", "disk hit, read into the buffer", ...)
+    key: str | None  # the store key of its block
+    text: str  # the start of its text
+
+
+# How `explain` words each way a piece's KV is obtained (plan.py, `Piece.load`).
+_LOADS = {COMPUTE: "computed by the forward", COPY: "{tier} hit", READ: "{tier} hit, read into the buffer",
+          ENCODE: "miss: encoded and stored", STORED: "encoded above in this prompt"}
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What a request for this prompt would do, before it runs (`Engine.explain`): the plan, as rows."""
+
+    mode: str
+    plan: Plan
+    rows: tuple[ExplainRow, ...]
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens whose KV would come from the store (before blend's recompute and the prompt's last token,
+        which is always computed for its logits)."""
+        return sum(r.tokens for r in self.rows if r.load in (COPY, READ, STORED))
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(r.tokens for r in self.rows if r.load == COMPUTE)
+
+    @property
+    def encoded_tokens(self) -> int:
+        return sum(r.tokens for r in self.rows if r.load == ENCODE)
+
+    def __str__(self) -> str:
+        head = ("kind", "tokens", "slots", "positions", "kv from", "text")
+        body = [(r.kind, str(r.tokens), f"{r.slots[0]}-{r.slots[1] - 1}", f"{r.positions[0]}-{r.positions[1]}",
+                 r.kv, r.text) for r in self.rows]
+        widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head) - 1)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
+                 for row in [head, *body]]
+        lines.append(f"{self.mode}: {len(self.plan.ids)} prompt tokens; {self.reused_tokens} from the store, "
+                     f"{self.encoded_tokens} to encode, {self.computed_tokens} computed by the forward; "
+                     f"{self.plan.stored_tokens} newly stored")
+        return "\n".join(lines)
+
+
 class Engine:
     """Generate with an HF decoder of a supported family (docs/models.md), reusing cached chunk KV.
 
@@ -76,11 +138,11 @@ class Engine:
 
     # How blend picks the tokens it recomputes (assemble.Recompute). "progressive" (CacheBlend's layer-by-layer
     # narrowing) at the default ratio 0.2 is the setting that recovers 90% of modular's two-hop accuracy loss on
-    # the trained retrieval model at 3 and 4 chunks (two seeds of 1,000 prompts, pooled; README "Blend"), where
+    # the trained retrieval model at 3 and 4 chunks (two seeds of 1,000 prompts, pooled; docs/results.md), where
     # "deviation" (one selection) recovers about half and "chunk_start" (EPIC, no probe) under half at that
     # ratio. It costs more than the ratio: its probe runs layer 0 over every chunk token and its first layers
     # keep more tokens (token-layers 0.55 of a full recompute at 4 layers, 0.24 at 32); "chunk_start" costs
-    # exactly the ratio. The measured TTFT of each is in the README.
+    # exactly the ratio. The measured TTFT of each is in docs/results.md.
     blend_selection = "progressive"
     # Documents the framework hooks discover are prefetched from disk/Redis into memory (pc_rag.prefetch).
     prefetch_on_discover = True
@@ -92,14 +154,19 @@ class Engine:
     batch_decoding = True
     max_batch = MAX_BATCH  # requests per decode step; more wait for a row to free up
 
-    def __init__(self, model, tokenizer, store=None, auto_scaffold_after: int | None = None):
+    def __init__(self, model, tokenizer, store=None, auto_scaffold_after: int | None = None,
+                 discovery: Discovery | None = None, prefetcher: Prefetcher | None = None):
         """`store`: a store object or spec (see `pc_rag.store.open_store`): "memory", "disk:PATH",
         "redis://host:port/db", or a list of those as tiers. Default: memory over a disk tier in
         $PC_RAG_CACHE_DIR (else ~/.cache/pc_rag).
 
         `auto_scaffold_after`: when the same chunks (in the same order) have come together in this many
         prompts, encode them jointly in the background and reuse the joint KV from then on. Off by default:
-        each group costs its own copy of its chunks' KV (see `stats()["scaffolds"]`)."""
+        each group costs its own copy of its chunks' KV (see `stats()["scaffolds"]`).
+
+        `discovery` and `prefetcher`: where this engine finds the documents the framework hooks discovered, and the
+        worker that prefetches their KV (pc_rag.text_index, pc_rag.prefetch); by default the process's own, which
+        the hooks feed. Give an engine its own to keep it apart from the others in the process."""
         self.runner = LlamaRunner(model, tokenizer)
         self.tokenizer = tokenizer
         self.segmenter = SegmentTokenizer(tokenizer)
@@ -110,26 +177,27 @@ class Engine:
         bos = self.segmenter.bos_id
         # Chunks are encoded after BOS: the first token of a sequence becomes an attention sink, and
         # without a shared sink each chunk's first token would play that role wherever it is placed.
-        self.assembler = Assembler(self.runner, self.store, (bos,) if bos is not None else ())
-        set_placement = getattr(self.store, "set_placement", None)
-        if set_placement is not None:  # blocks read from disk or Redis go to the model's device once, when promoted
-            set_placement(self.assembler.place)
+        self.planner = Planner(self.runner.fingerprint, (bos,) if bos is not None else (),
+                               rope_type=self.runner.rope_type, relocatable=self.runner.relocatable)
+        self.assembler = Assembler(self.runner, self.store, self.planner)
+        # Blocks read from disk or Redis go to the model's device once, when promoted (a TieredStore; a store of one
+        # tier places nothing, and lookups place what it returns).
+        self.store.set_placement(self.assembler.place)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        self.co_retrieval = CoRetrievalCounter(auto_scaffold_after) if auto_scaffold_after else None
         # Texts a plain-string prompt is cut at: chunks registered with this engine (`register`), replies it
         # generated (given back their generated tokens), and the documents the framework hooks discovered.
         self.chunks = ChunkIndex()
         self.replies = ReplyIndex()
-        self._background: list[threading.Thread] = []
-        # Guards the assembler's scaffold dict against background builders (stats() iterating it while a
-        # build added a group raised "dictionary changed size during iteration"), the thread list and the count:
-        self._scaffold_lock = threading.Lock()
-        self._scaffolds_failed = 0  # automatic scaffold builds that raised (logged on the "pc_rag" logger)
-        prefetch.watch(self)
+        self.scaffolds = ScaffoldBuilder(self.planner, self.assembler, self._describe_group, auto_scaffold_after)
+        # Handed in or the process's own: the documents the framework hooks discovered (this engine splits prompts
+        # at them and prefetches them), and the worker that loads their KV in the background.
+        self.discovery = discovery if discovery is not None else DISCOVERY
+        self.discovery.watch(self)
+        self.prefetcher = prefetcher if prefetcher is not None else PREFETCHER
         self._decoder: BatchDecoder | None = None  # built on the first batched request (max_batch read then)
         self._decoder_lock = threading.Lock()
         # Requests between the start of their prefill and their last token. One alone decodes on its own thread:
@@ -191,6 +259,29 @@ class Engine:
             if piece:
                 yield piece
 
+    def explain(self, prompt: Prompt | str | PML, mode: str = "modular") -> Explanation:
+        """Where a request for `prompt` would get its KV, piece by piece (tokens, slots, positions, and a memory,
+        disk or Redis hit, an encode, or the forward), without running it: the plan a request would make, from
+        answers that read nothing (`Store.where`). No forward pass runs and the store is left as it is (no block
+        read, counted, promoted or written). A plain-string prompt is split as `generate` splits it. What it
+        cannot know: a block's tokens (checked when a request reads it) and blend's recomputed share. A mode a request
+        would refuse for this model (a RoPE that cannot be relocated, a failed relocation self-check) is refused."""
+        segments, _ = self._checked_segments(prompt, mode)
+        if mode in REUSING_CHUNKS:  # refused as a request would be, by what is known without a forward pass
+            self.runner.check_relocation(probe=False)
+        plan = self.planner.plan(segments, mode, WhereLookups(self.store, self.assembler.direct_loads))
+        rows = []
+        for p in plan.pieces:
+            kv = _LOADS[p.load].format(tier=p.origin)
+            if p.members:
+                kv += f" (an extent of {len(p.members)} blocks)"
+            ids = list(plan.ids[p.slot: p.slot + min(p.n, 16)])
+            text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            rows.append(ExplainRow(p.kind, p.n, (p.slot, p.slot + p.n), (p.position, p.position + p.n - 1),
+                                   p.source, p.load, None if p.load == ENCODE else p.origin, kv, p.key,
+                                   repr(text[:40]) + ("..." if p.n > 16 else "")))
+        return Explanation(mode, plan, tuple(rows))
+
     def register(self, texts: Iterable[str]) -> int:
         """Register document texts: wherever one appears in a plain-string prompt it becomes a `Chunk` (its KV
         cached and reused at any position in modular/blend modes). Returns how many were new."""
@@ -202,13 +293,13 @@ class Engine:
         memory (0 when the store has no persistent tier under a memory tier, or holds none of them). A text is
         keyed as a chunk that follows a newline in a prompt string (its stripped text, tokenized on its own)."""
         texts = [t for t in texts if isinstance(t, str) and t.strip()]
-        return prefetch.submit(lambda: self._prefetch_now(texts))
+        return self.prefetcher.submit(lambda: self._prefetch_now(texts))
 
     def _prefetch_now(self, texts: list[str]) -> int:
-        if not getattr(self.store, "can_prefetch", False):
+        if not self.store.can_prefetch:
             return 0
         segments = [TokenSegment("chunk", ids, 0) for ids in (self.segmenter.ids(t.strip()) for t in texts) if ids]
-        return self.store.prefetch(self.assembler.chunk_keys(segments))
+        return self.store.prefetch(self.planner.chunk_keys(segments))
 
     def split(self, text: str, chunk_texts: Iterable[str] = (), discovered: bool = True) -> list[Text | Chunk]:
         """A plain-string prompt as segments: registered chunks, `chunk_texts` (marked for this request) and,
@@ -218,8 +309,8 @@ class Engine:
         if not isinstance(text, str):
             raise PromptError(f"split takes the prompt as a str, got {type(text).__name__}")
         found = self.chunks.candidates(text) + self.replies.candidates(text) + marked(text, chunk_texts)
-        if discovered and discovery_enabled():
-            found += DISCOVERED.candidates(text)
+        if discovered:
+            found += self.discovery.candidates(text)
         return self.segmenter.split(text, resolve(found))
 
     def pml(self, prompt: str) -> list[Text | Chunk]:
@@ -232,8 +323,7 @@ class Engine:
         each chunk sees the ones before it, as in a full prefill."""
         texts = [(c if isinstance(c, Chunk) else Chunk(c)).text for c in chunks]  # Chunk() checks the text
         group = [self.segmenter.ids(t) for t in texts]
-        with self._scaffold_lock:
-            self.assembler.add_scaffold(group)
+        self.scaffolds.declare(group)
 
     def add_schema(self, pml: str) -> Schema:
         """Register a PML schema; later prompts may be PML `<prompt schema="...">` strings."""
@@ -271,8 +361,8 @@ class Engine:
             c = Chunk(c) if isinstance(c, str) else c
             ids = self.segmenter.ids(c.text)
             if ids:
-                piece = self.assembler.chunk_piece(TokenSegment("chunk", ids, 0, c.encode_position), 0)
-                encoded += piece.origin == "computed"
+                want = self.planner.chunk_wanted(TokenSegment("chunk", ids, 0, c.encode_position))
+                encoded += self.assembler.ensure_stored(want) == "computed"
         return encoded
 
     def stats(self) -> dict:
@@ -281,9 +371,7 @@ class Engine:
         as chunks with this engine and replies it remembers; decode: batched decode steps, the tokens they
         produced, the largest batch seen, requests decoding and waiting for a row now; relocation_check: the
         RoPE relocation self-check of this model (run before its first modular or blend request; None before)."""
-        with self._scaffold_lock:  # a snapshot: background builds may add groups meanwhile
-            groups = list(self.assembler.scaffolds.values())
-            failed = self._scaffolds_failed
+        groups, failed = self.scaffolds.snapshot()  # background builds may add groups meanwhile
         decoder = self._decoder
         check = self.runner.relocation_check
         decode = decoder.stats() if decoder is not None else {
@@ -291,19 +379,14 @@ class Engine:
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
                 "scaffolds": {"groups": sum(len(g) for g in groups), "bytes": self.assembler.scaffold_bytes,
                               "failed": failed},
-                "prefix": {"blocks_indexed": len(self.assembler.prefixes), "block_tokens": self.assembler.block_tokens},
+                "prefix": {"blocks_indexed": len(self.planner.prefixes), "block_tokens": self.planner.block_tokens},
                 "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
                 "decode": decode,
                 "relocation_check": check.as_dict() if check is not None else None}
 
     def wait_for_background(self, timeout: float | None = None) -> None:
         """Wait for background work (automatic scaffold encodes) to finish."""
-        with self._scaffold_lock:
-            threads = list(self._background)
-        for t in threads:
-            t.join(timeout)
-        with self._scaffold_lock:
-            self._background = [t for t in self._background if t.is_alive()]
+        self.scaffolds.wait(timeout)
 
     # ---- the request path ------------------------------------------------------------------------------
     def _segments(self, prompt: Prompt | str | PML):
@@ -313,7 +396,10 @@ class Engine:
             prompt = self.split(prompt)
         return self.segmenter.segments(prompt)
 
-    def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int, recompute_ratio: float) -> Assembled:
+    def _checked_segments(self, prompt: Prompt | str | PML, mode: str,
+                          extra_capacity: int = 0) -> tuple[list[TokenSegment], int]:
+        """The prompt's token segments, checked against the model's context, and the extra capacity its decoding
+        can use (bounded by the positions left)."""
         if mode not in MODES:
             raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         segments = self._segments(prompt)
@@ -327,41 +413,20 @@ class Engine:
         # Decoding stops where positions run out, so no more slots than that can be written: without this
         # bound, max_new_tokens=10**9 asked the pool for a billion-token buffer.
         extra_capacity = min(extra_capacity, shape.max_positions - segments[-1].end)
+        return segments, extra_capacity
+
+    def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int, recompute_ratio: float) -> Assembled:
+        """The request path up to the first logits, step by step: segments, plan (the store asked once, through
+        lookups that keep what they found), then encode, build and forward (`Assembler.assemble`)."""
+        segments, extra_capacity = self._checked_segments(prompt, mode, extra_capacity)
+        if mode in REUSING_CHUNKS:  # refused (UnsupportedModelError) where relocated keys would be wrong
+            self.runner.check_relocation()
         recompute = Recompute(recompute_ratio, self.blend_selection) if mode == "blend" else None
-        plan = self.assembler.plan(segments, mode)
-        if self.co_retrieval is not None and mode in ("modular", "blend"):
-            self._count_co_retrieval(segments)
-        return self.assembler.assemble(plan, extra_capacity, recompute)
-
-    def _count_co_retrieval(self, segments) -> None:
-        idx = [i for i, s in enumerate(segments) if s.kind == "chunk"]
-        if len(idx) < 2:
-            return
-        span = segments[idx[0]: idx[-1] + 1]
-        if any(b.start != a.end for a, b in zip(span, span[1:], strict=False)):
-            return  # a group is only reusable where its segments sit at consecutive positions
-        group = tuple(s.token_ids for s in span if s.kind == "chunk")
-        if self.co_retrieval.observe(group):
-            t = threading.Thread(target=self._build_scaffold, args=(span, group), name="pc_rag-scaffold",
-                                 daemon=True)
-            with self._scaffold_lock:
-                self._background = [b for b in self._background if b.is_alive()]  # finished ones are dropped
-                self._background.append(t)
-            t.start()
-
-    def _build_scaffold(self, span, group) -> None:
-        """Background: encode a frequent group jointly, then declare it (only once its KV is stored, so no
-        request waits for the encode). A failure costs only the speed-up: the group's requests keep using
-        each chunk's own KV, so it is logged and counted, never raised into the thread."""
-        try:
-            self.assembler.scaffold_piece(span, 0)
-            with self._scaffold_lock:
-                self.assembler.add_scaffold(group)
-        except Exception:
-            with self._scaffold_lock:
-                self._scaffolds_failed += 1
-            log.exception("pc_rag: automatic scaffold of %s failed; requests keep using each chunk's own KV",
-                          self._describe_group(group))
+        lookups = self.assembler.lookups()
+        plan = self.planner.plan(segments, mode, lookups)
+        if mode in ("modular", "blend"):
+            self.scaffolds.observe(segments)
+        return self.assembler.assemble(plan, lookups.blocks, extra_capacity, recompute)
 
     def _describe_group(self, group) -> str:
         def preview(ids):
@@ -456,7 +521,7 @@ class Engine:
             prompt_ids=asm.plan.ids,
         )
 
-    def _join_batch(self, cache, sampler: Sampler, token: int, position: int, slot: int, steps: int) -> DecodeStream:
+    def _join_batch(self, cache, sampler: Sampler, token: int, position: int, slot: int, steps: int) -> RowTokens:
         """The request's place in the shared decode loop, after `token` (at `position`, its KV to go to `slot`),
         for at most `steps` more forward passes. The loop starts computing the next token now, while this thread
         hands out `token`."""

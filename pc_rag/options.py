@@ -12,14 +12,17 @@ import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .assemble import MODES
 from .errors import OptionError, OptionTypeError, PromptError
+
+# What a request can ask for (see `Engine`): no reuse (the reference), exact prefix reuse, relocated chunks, and
+# relocated chunks with a share recomputed in context.
+MODES = ("full", "exact", "modular", "blend")
 
 # torch.Generator.manual_seed takes any 64-bit seed, signed or unsigned; outside that it overflows.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
-# blend's default share of reused chunk tokens recomputed (with Engine.blend_selection): README, "Blend".
+# blend's default share of reused chunk tokens recomputed (with Engine.blend_selection): docs/results.md, "Blend".
 DEFAULT_RECOMPUTE_RATIO = 0.2
 
 

@@ -16,7 +16,7 @@ of any stored block are exact for a prompt that shares them. So reuse is token-e
 this process's index, and loses at most BLOCK_TOKENS - 1 tokens per request when they come from a disk or
 Redis tier filled by another process (only whole blocks can be found by hash there).
 
-Why BLOCK_TOKENS = 32: see the README ("Automatic prefix reuse"); smaller blocks lose fewer tokens to
+Why BLOCK_TOKENS = 32: see docs/results.md ("Automatic prefix reuse"); smaller blocks lose fewer tokens to
 rounding in the persistent tiers but cost one store entry and one copy per block.
 
 Extents: the persistent tiers (disk, Redis) hold a run's blocks in groups of EXTENT_BLOCKS whole blocks, aligned
@@ -24,7 +24,7 @@ to the run's first slot, one entry per group, named by `extent_key` of the group
 that key, found only after exactly the same tokens); the memory tier keeps single blocks. A run's blocks
 outside a whole group (its last blocks) are stored singly everywhere, as before. Why: each entry costs a
 file open, a header and checks, ~150 us of Python on the read path; an 8K-token prefix was 250 files and its
-reads were bound by that, not by the bytes (README, "Cached KV from disk"). The cost: a new process finds a
+reads were bound by that, not by the bytes (docs/store.md, "Extents"). The cost: a new process finds a
 group only whole, so where a prompt leaves an earlier one inside a stored group it recomputes up to
 EXTENT_BLOCKS * BLOCK_TOKENS - 1 tokens that the single blocks would have given it (from memory nothing changes).
 To keep the common case whole, a request stores the groups near its prompt's end singly (`far_groups`): a
@@ -187,8 +187,10 @@ class PrefixIndex:
             if not children:
                 del self._children[parent]
 
-    def longest(self, parent: str, ids: Sequence[int], positions: Sequence[int]) -> tuple[str, int] | None:
-        """The stored child of `parent` sharing the longest token prefix with (ids, positions): (key, n), n >= 1."""
+    def longest(self, parent: str, ids: Sequence[int], positions: Sequence[int],
+                touch: bool = True) -> tuple[str, int] | None:
+        """The stored child of `parent` sharing the longest token prefix with (ids, positions): (key, n), n >= 1;
+        `touch`: mark it recently used (planning does not: the engine touches what a plan used, `touch(key)`)."""
         want = _packed(ids, positions)
         with self._lock:
             children = list(self._children.get(parent, {}).items())
@@ -197,12 +199,17 @@ class PrefixIndex:
             n = _common_prefix(want, packed, 16)
             if n and (best is None or n > best[1]):
                 best = (key, n)
-        if best is not None:
-            with self._lock:
-                if best[0] in self._lru:
-                    self._lru.move_to_end(best[0])
-                    self._children[parent].move_to_end(best[0])
+        if best is not None and touch:
+            self.touch(best[0])
         return best
+
+    def touch(self, key: str) -> None:
+        """Mark a block recently used (a no-op for a block the index does not hold)."""
+        with self._lock:
+            parent = self._lru.get(key)
+            if parent is not None:
+                self._lru.move_to_end(key)
+                self._children[parent].move_to_end(key)
 
     def clear(self) -> None:
         with self._lock:

@@ -1,14 +1,26 @@
-"""Counting which chunks are retrieved together, to encode frequent groups jointly (automatic scaffolding).
+"""Scaffolds: groups of chunks encoded jointly, declared by the user or built automatically.
 
-Plain bookkeeping, no tensors: the engine reports each prompt's chunks in order; a group seen
-`threshold` times is returned once, and the engine then encodes it jointly in the background. Groups are
-ordered: joint KV is only exact for the order it was encoded in.
+`CoRetrievalCounter`: plain bookkeeping, no tensors: each prompt's chunks are reported in order; a group seen
+`threshold` times is returned once. Groups are ordered: joint KV is only exact for the order it was encoded in.
+`ScaffoldBuilder`: the engine's collaborator that declares groups to its planner and, with automatic scaffolds
+on, counts each prompt's group and encodes a frequent one jointly in a background thread.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .plan import Planner
+from .segments import TokenSegment
+
+if TYPE_CHECKING:  # the type only: scaffolds.py stays free of the model code assemble.py imports
+    from .assemble import Assembler
+
+log = logging.getLogger("pc_rag")
 
 Group = tuple[tuple[int, ...], ...]  # the chunks' token ids, in prompt order
 
@@ -38,3 +50,71 @@ class CoRetrievalCounter:
             if len(self._counts) > self.max_groups:
                 self._counts.popitem(last=False)
             return False
+
+
+class ScaffoldBuilder:
+    """Declared and automatic scaffolds of one engine. `assembler.ensure_stored(want)` stores a group's joint block
+    (encoding it when no tier holds it); `describe(group)` words a group for the log.
+
+    `after`: with automatic scaffolds (`Engine(auto_scaffold_after=n)`), a group of chunks seen together in n
+    prompts is encoded jointly in the background and declared only once its KV is stored, so no request waits
+    for the encode. A failed build costs only the speed-up: it is logged and counted, never raised into the
+    thread. `lock` guards the planner's scaffold dict against snapshots (`stats()` iterating it while a build
+    added a group raised "dictionary changed size during iteration"), the thread list and the failure count."""
+
+    def __init__(self, planner: Planner, assembler: Assembler, describe: Callable[[Group], str],
+                 after: int | None = None):
+        self.planner = planner
+        self.assembler = assembler
+        self.describe = describe
+        self.counter = CoRetrievalCounter(after) if after else None
+        self.lock = threading.Lock()
+        self.failed = 0  # automatic builds that raised (logged on the "pc_rag" logger)
+        self._threads: list[threading.Thread] = []
+
+    def declare(self, group: Sequence[tuple[int, ...]]) -> None:
+        with self.lock:
+            self.planner.add_scaffold(group)
+
+    def snapshot(self) -> tuple[list, int]:
+        """(the declared groups, per first chunk; failed builds), consistent while builds go on."""
+        with self.lock:
+            return list(self.planner.scaffolds.values()), self.failed
+
+    def observe(self, segments: Sequence[TokenSegment]) -> None:
+        """Count the prompt's group of chunks (its chunks in order, at consecutive positions); start a background
+        build when it reaches the threshold."""
+        if self.counter is None:
+            return
+        idx = [i for i, s in enumerate(segments) if s.kind == "chunk"]
+        if len(idx) < 2:
+            return
+        span = segments[idx[0]: idx[-1] + 1]
+        if any(b.start != a.end for a, b in zip(span, span[1:], strict=False)):
+            return  # a group is only reusable where its segments sit at consecutive positions
+        group = tuple(s.token_ids for s in span if s.kind == "chunk")
+        if self.counter.observe(group):
+            t = threading.Thread(target=self._build, args=(span, group), name="pc_rag-scaffold", daemon=True)
+            with self.lock:
+                self._threads = [b for b in self._threads if b.is_alive()]  # finished ones are dropped
+                self._threads.append(t)
+            t.start()
+
+    def _build(self, span: Sequence[TokenSegment], group: Group) -> None:
+        try:
+            self.assembler.ensure_stored(self.planner.scaffold_wanted(span))
+            self.declare(group)
+        except Exception:
+            with self.lock:
+                self.failed += 1
+            log.exception("pc_rag: automatic scaffold of %s failed; requests keep using each chunk's own KV",
+                          self.describe(group))
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the background builds to finish."""
+        with self.lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(timeout)
+        with self.lock:
+            self._threads = [t for t in self._threads if t.is_alive()]

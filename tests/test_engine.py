@@ -211,10 +211,10 @@ def test_a_failing_background_scaffold_is_logged_and_counted(loaded, docs, monke
     crashed = []
     monkeypatch.setattr("threading.excepthook", crashed.append)  # what an uncaught thread exception reaches
 
-    def broken(span, slot):
+    def broken(want):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(engine.assembler, "scaffold_piece", broken)
+    monkeypatch.setattr(engine.assembler, "ensure_stored", broken)
     prompt = [Text("Docs:\n"), Chunk(docs[0]), Text("\n\n"), Chunk(docs[1]), Text("\n\nQ?")]
     with caplog.at_level("ERROR", logger="pc_rag"):
         engine.generate(prompt, max_new_tokens=1)
@@ -237,9 +237,9 @@ def test_stats_while_scaffolds_are_built(loaded, monkeypatch):
 
     model, tok = loaded
     engine = pc_rag.Engine(model, tok, store="memory", auto_scaffold_after=1)
-    monkeypatch.setattr(engine.assembler, "scaffold_piece", lambda span, slot: None)  # no encode: only the dict
+    monkeypatch.setattr(engine.assembler, "ensure_stored", lambda want: None)  # no encode: only the dict
     for i in range(3000):  # a large dict, so one stats() spans many thread switches
-        engine.assembler.scaffolds[(10**6 + i,)] = {((10**6 + i,), (0,))}
+        engine.planner.scaffolds[(10**6 + i,)] = {((10**6 + i,), (0,))}
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as possible: the race shows within a few calls
     errors, done = [], threading.Event()
@@ -256,7 +256,7 @@ def test_stats_while_scaffolds_are_built(loaded, monkeypatch):
     poller.start()
     try:
         for i in range(300):
-            engine._count_co_retrieval([TokenSegment("chunk", (i, 1), 0), TokenSegment("chunk", (i, 2), 2)])
+            engine.scaffolds.observe([TokenSegment("chunk", (i, 1), 0), TokenSegment("chunk", (i, 2), 2)])
         engine.wait_for_background(timeout=60)
     finally:
         done.set()
@@ -264,3 +264,21 @@ def test_stats_while_scaffolds_are_built(loaded, monkeypatch):
         sys.setswitchinterval(old_interval)
     assert errors == []
     assert engine.stats()["scaffolds"]["groups"] == 3000 + 300
+
+
+def test_engines_given_their_own_discovery_share_nothing(loaded):
+    """Reference: the segments each engine cuts the same string into: only the engine watching the Discovery that
+    holds the document makes it a Chunk."""
+    from pc_rag.prefetch import Prefetcher
+    from pc_rag.text_index import Discovery
+
+    model, tok = loaded
+    own = Discovery()
+    mine = pc_rag.Engine(model, tok, store="memory", discovery=own, prefetcher=Prefetcher())
+    shared = pc_rag.Engine(model, tok, store="memory")
+    doc = "A document that only one engine's own discovery registry holds, about owls and lighthouses."
+    own.discover([doc])
+    text = "Context:\n" + doc + "\n\nQuestion: what is it about?"
+    assert [type(s).__name__ for s in mine.split(text)].count("Chunk") == 1
+    assert not any(isinstance(s, Chunk) for s in shared.split(text))
+    assert mine.prefetcher.wait_idle(30)  # its prefetch ran on its own worker (memory only: nothing to load)

@@ -82,9 +82,9 @@ def test_groups_go_to_disk_as_extents_and_come_back_whole(loaded, tmp_path):
     # a new process: the groups are read from their extents, straight into the request buffer
     store2, memory2, disk2 = tiered(tmp_path)
     engine = pc_rag.Engine(model, tok, store=store2)
-    plan = engine.assembler.plan(engine._segments(prompt), "exact")
+    plan = engine.explain(prompt, "exact").plan
     spans = [p for p in plan.pieces if p.members]
-    assert len(spans) == groups and all(p.n == GROUP and p.pending is not None for p in spans)
+    assert len(spans) == groups and all(p.n == GROUP and p.load == "read" for p in spans)
     got = engine.generate(prompt, mode="exact", max_new_tokens=4)
     assert got.token_ids == ref.token_ids
     assert got.cached_tokens >= groups * GROUP
@@ -141,8 +141,8 @@ def test_a_growing_chat_turns_its_single_blocks_into_an_extent(loaded, tmp_path)
     assert any(k.startswith("extent-") for k in entries(disk))
     ref, ref_logits = full_reference(loaded, text)
     fresh = pc_rag.Engine(model, tok, store=tiered(tmp_path)[0])
-    plan = fresh.assembler.plan(fresh._segments(text), "exact")
-    assert plan.pieces[0].members and plan.pieces[0].pending is not None
+    plan = fresh.explain(text, "exact").plan
+    assert plan.pieces[0].members and plan.pieces[0].load == "read"
     assert (fresh.next_token_logits(text, "exact") - ref_logits).abs().max().item() <= TOL
 
 
@@ -162,7 +162,7 @@ def test_extents_in_a_persistent_store_alone_and_in_redis(loaded, tmp_path, kind
             return DiskStore(tmp_path)
     pc_rag.Engine(model, tok, store=store()).generate(prompt, mode="exact", max_new_tokens=1)
     engine = pc_rag.Engine(model, tok, store=store())
-    plan = engine.assembler.plan(engine._segments(prompt), "exact")
+    plan = engine.explain(prompt, "exact").plan
     assert any(p.members for p in plan.pieces)
     got = engine.generate(prompt, mode="exact", max_new_tokens=4)
     assert got.token_ids == ref.token_ids and got.cached_tokens >= GROUP
@@ -182,7 +182,7 @@ def test_a_damaged_extent_is_recomputed_and_written_again(loaded, tmp_path):
     data[-100] ^= 0xFF
     path.write_bytes(bytes(data))
     memory.clear()
-    engine.assembler.prefixes.clear()
+    engine.planner.prefixes.clear()
     got = engine.generate(prompt, mode="exact", max_new_tokens=4)
     assert got.token_ids == ref.token_ids
     assert disk.tier_stats()[0].corrupt == 1

@@ -173,6 +173,9 @@ def test_a_wrong_rotation_is_refused_by_the_self_check(tmp_path, docs, how, reco
     check = engine.stats()["relocation_check"]
     record_property("wrong_rotation_error", check["error"])
     assert not check["ok"] and check["layer"] == first and check["error"] > 10 * check["tolerance"]
+    with pytest.raises(pc_rag.UnsupportedModelError, match=rf"layer {first} "):  # explain refuses as requests do
+        engine.explain(prompt, "modular")
+    assert engine.explain(prompt, "exact").mode == "exact"
     full = engine.next_token_logits(prompt, "full")  # exact and full never relocate: they work
     assert (engine.next_token_logits(prompt, "exact") - full).abs().max().item() <= 1e-4
     # the right rotation of the same weights is checked on its own, and passes
@@ -186,10 +189,26 @@ def test_longrope_refuses_modular_but_runs_exact(tmp_path, docs):
     rope = {"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
             "short_factor": [1.0] * 6, "long_factor": [2.0] * 6, "original_max_position_embeddings": 1024}
     engine = pc_rag.Engine.from_pretrained(build_tiny(tmp_path, "phi3", rope_parameters=rope), store="memory")
+    _refuses_reuse_but_runs_exact(engine, docs, "longrope")
+
+
+def test_m_rope_refuses_modular_but_runs_exact(tmp_path, docs):
+    # M-RoPE (Qwen2-VL style) rotates sections of each head by positions of other modalities: never relocated. A
+    # text-only Qwen2 given `mrope_section` computes plain RoPE in HF; pc_rag still refuses to relocate it.
+    rope = {"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3]}
+    engine = pc_rag.Engine.from_pretrained(build_tiny(tmp_path, "qwen2", rope_parameters=rope), store="memory")
+    assert engine.runner.rope_type == "mrope"
+    _refuses_reuse_but_runs_exact(engine, docs, "mrope|M-RoPE")
+
+
+def _refuses_reuse_but_runs_exact(engine, docs, reason):
+    """modular, blend (and their explain) refused naming `reason`; full = HF's forward, exact = full (<= 1e-4)."""
     prompt = [Text("Intro. "), Chunk(docs[0]), Text("\nWhat?")]
     for mode in ("modular", "blend"):
-        with pytest.raises(pc_rag.UnsupportedModelError, match="longrope"):
+        with pytest.raises(pc_rag.UnsupportedModelError, match=reason):
             engine.generate(prompt, mode=mode)
+        with pytest.raises(pc_rag.UnsupportedModelError, match=reason):
+            engine.explain(prompt, mode)
     engine.generate(prompt, mode="exact", max_new_tokens=2)
     full = engine.next_token_logits(prompt, "full")
     assert (full - engine.runner.reference_logits(prompt_ids(engine, prompt))).abs().max().item() <= 1e-4

@@ -11,8 +11,8 @@ import pytest
 
 import pc_rag
 from pc_rag import prefetch
-from pc_rag.find import discover
 from pc_rag.store import DiskStore, MemoryStore, TieredStore
+from pc_rag.text_index import discover
 
 WAIT_S = 30.0  # generous: the machine is shared; a pass takes milliseconds
 
@@ -36,7 +36,7 @@ def string_prompt(docs) -> str:
 def chunk_keys(engine, docs) -> list[str]:
     from pc_rag.segments import TokenSegment
 
-    return engine.assembler.chunk_keys([TokenSegment("chunk", engine.segmenter.ids(d.strip()), 0) for d in docs])
+    return engine.planner.chunk_keys([TokenSegment("chunk", engine.segmenter.ids(d.strip()), 0) for d in docs])
 
 
 def test_discovered_documents_are_loaded_into_memory(disk_engine, docs):
@@ -113,13 +113,13 @@ def test_discover_never_blocks_and_drops_jobs_past_the_bound(disk_engine, docs, 
     release = threading.Event()
     blocker = prefetch.submit(lambda: release.wait(WAIT_S) and 0)
     try:
-        monkeypatch.setattr(prefetch, "MAX_PENDING", 2)
-        dropped = prefetch.dropped
+        monkeypatch.setattr(prefetch.PREFETCHER, "max_pending", 2)
+        dropped = prefetch.PREFETCHER.dropped
         t0 = time.perf_counter()
         for _ in range(5):
             discover(docs[:2])
         assert time.perf_counter() - t0 < 1.0
-        assert prefetch.dropped > dropped
+        assert prefetch.PREFETCHER.dropped > dropped
     finally:
         release.set()
     blocker.result(WAIT_S)

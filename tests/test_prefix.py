@@ -11,9 +11,9 @@ import torch
 
 import pc_rag
 from pc_rag import Chunk, Text
-from pc_rag.find import DISCOVERED, ChunkIndex, discover
 from pc_rag.prefix import BLOCK_TOKENS, PrefixIndex, run_blocks
 from pc_rag.store import DiskStore, MemoryStore, TieredStore
+from pc_rag.text_index import DISCOVERED, ChunkIndex, discover
 
 TOL = 1e-4
 

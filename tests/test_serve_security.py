@@ -253,24 +253,58 @@ def test_silent_and_dripping_clients_are_cut_off(keyed):
     assert status == 408 and 0.9 < seconds < 4.0, (status, seconds)
 
 
-def test_a_prefill_past_its_deadline_is_answered_and_stopped(keyed):
-    """--prefill-timeout 1: a prompt of 180 distinct chunks takes about 3 s to prefill here (one encode per
-    chunk). It is answered 503 after 1 s, and stopped at its next chunk encode: the only running place
-    (--max-running 1) is free for the next request at once rather than after the whole prefill. Before: no
-    deadline, the place held until the prefill was done."""
-    headers = {"authorization": "Bearer flag-a"}
-    chunks = [f"n{i} {uuid.uuid4().hex[:6]}" for i in range(180)]
-    t0 = time.monotonic()
-    r = httpx.post(keyed.url + "/v1/completions", headers=headers, timeout=60,
-                   json={"prompt": "\n".join(chunks) + "\nQ?", "chunks": chunks, "max_tokens": 1})
-    answered = time.monotonic() - t0
-    assert r.status_code == 503 and r.json()["error"]["code"] == "prefill_timeout", r.text
-    next_one = httpx.post(keyed.url + "/v1/completions", headers=headers, timeout=60,
-                          json={"prompt": "hi", "max_tokens": 1})
-    freed = time.monotonic() - t0
-    assert next_one.status_code == 200
-    print(json.dumps({"timeout_answered_s": answered, "next_request_done_s": freed}))
-    assert 0.9 < answered < 2.0 and freed < 2.5, (answered, freed)
+@pytest.fixture(scope="module")
+def bench_path(tmp_path_factory):
+    """The bench-sized model (33M): its prefill of 180 chunks takes seconds here, so the timing tests below have
+    room on a machine several times faster (the tiny model's took 0.26 s on CI)."""
+    from pc_rag.testing import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("bench"), size="bench", seed=0)
+
+
+def _spread_prompt(n: int) -> tuple[str, list[str]]:
+    chunks = [f"n{i} {uuid.uuid4().hex[:6]}" for i in range(n)]
+    return "\n".join(chunks) + "\nQ?", chunks
+
+
+def test_a_prefill_past_its_deadline_is_answered_and_stopped(bench_path, tmp_path_factory):
+    """--prefill-timeout: a prompt of 180 distinct chunks on the bench-sized model (one encode per chunk) is
+    answered 503 at the deadline and stopped at its next layer: the only running place (--max-running 1) is free
+    for the next request at once rather than after the whole prefill. Before: no deadline, the place held until
+    the prefill was done.
+
+    The deadline is a quarter of the whole prefill measured here first, in-process on the same model (a fixed
+    1 s deadline passed on a faster CI machine, whose whole prefill took 0.26 s)."""
+    import pc_rag
+
+    folder, path = tmp_path_factory.mktemp("deadline"), bench_path
+    engine = pc_rag.Engine.from_pretrained(path)
+    wholes = []
+    for _ in range(2):  # the first also warms up; the faster of the two is the reference
+        text, chunks = _spread_prompt(180)
+        t0 = time.monotonic()
+        engine.generate(engine.split(text, chunks), max_new_tokens=1)
+        wholes.append(time.monotonic() - t0)
+    whole = min(wholes)
+    del engine
+    deadline = round(max(whole / 4, 0.05), 3)
+    extra = ["--store", "memory", "--max-running", "1", "--prefill-timeout", str(deadline)]
+    with ServerProcess(path, extra=extra, env=worktree_env(folder / "cache")) as server:
+        assert httpx.post(server.url + "/v1/completions", timeout=60,  # the server's own warm-up
+                          json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+        text, chunks = _spread_prompt(180)
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"prompt": text, "chunks": chunks, "max_tokens": 1})
+        answered = time.monotonic() - t0
+        assert r.status_code == 503 and r.json()["error"]["code"] == "prefill_timeout", r.text
+        next_one = httpx.post(server.url + "/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 1})
+        freed = time.monotonic() - t0
+        assert next_one.status_code == 200, next_one.text
+    print(json.dumps({"whole_prefill_s": whole, "deadline_s": deadline, "timeout_answered_s": answered,
+                      "next_request_done_s": freed}))
+    assert deadline * 0.9 < answered < deadline + whole / 4, (answered, deadline, whole)
+    assert freed < deadline + whole / 2, (freed, deadline, whole)
 
 
 def test_unusual_values_are_4xx_or_answered_never_500(keyed):
@@ -325,35 +359,43 @@ def test_keyless_loopback_serves_only_loopback_host_names(open_loopback, host, s
         assert "DNS rebinding" in r.json()["error"]["message"]
 
 
-def test_a_client_that_leaves_during_prefill_frees_its_place_at_once(open_loopback):
-    """--max-running 1. Reference: the same-sized prefill (180 distinct chunks, one encode each) run to its end,
-    timed here. A client that leaves 0.5 s into such a prefill (its request seen running by /health first): the
-    next request is done well within a third of that time, because the prefill stops at its next chunk encode.
-    Before: it waited for the whole prefill (a request was stopped only between decode steps)."""
-    def heavy_body() -> bytes:
-        chunks = [f"n{i} {uuid.uuid4().hex[:6]}" for i in range(180)]
-        return json.dumps({"prompt": "\n".join(chunks) + "\nQ?", "chunks": chunks, "max_tokens": 1}).encode()
+def test_a_client_that_leaves_during_prefill_frees_its_place_at_once(bench_path, tmp_path_factory):
+    """--max-running 1, the bench-sized model. Reference: the same-sized prefill (180 distinct chunks, one encode
+    each) run to its end, timed here. A client that leaves a quarter of the way into such a prefill (its request
+    seen running by /health first): the next request is done within half of that time, because the prefill stops
+    at its next layer; waiting for the rest of the prefill would take three quarters of it. Before: it waited for
+    the whole prefill (a request was stopped only between decode steps)."""
+    env = worktree_env(tmp_path_factory.mktemp("leaving"))
+    for name in ("PC_RAG_API_KEY", "PC_RAG_API_KEYS"):
+        env.pop(name, None)
+    with ServerProcess(bench_path, extra=["--store", "memory", "--max-running", "1"], env=env) as server:
+        def heavy_body() -> bytes:
+            text, chunks = _spread_prompt(180)
+            return json.dumps({"prompt": text, "chunks": chunks, "max_tokens": 1}).encode()
 
-    t0 = time.monotonic()
-    assert httpx.post(open_loopback.url + "/v1/completions", content=heavy_body(), timeout=60,
-                      headers={"content-type": "application/json"}).status_code == 200
-    whole = time.monotonic() - t0
-    body = heavy_body()
-    leaving = socket.create_connection(("127.0.0.1", open_loopback.port))
-    leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    deadline = time.monotonic() + 10
-    while open_loopback.health()["running"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert open_loopback.health()["running"] == 1
-    time.sleep(0.5)
-    leaving.close()
-    t0 = time.monotonic()
-    r = httpx.post(open_loopback.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
-    after = time.monotonic() - t0
-    assert r.status_code == 200
+        wholes = []
+        for _ in range(2):  # the first also warms the server up; the faster is the reference
+            t0 = time.monotonic()
+            assert httpx.post(server.url + "/v1/completions", content=heavy_body(), timeout=60,
+                              headers={"content-type": "application/json"}).status_code == 200
+            wholes.append(time.monotonic() - t0)
+        whole = min(wholes)
+        body = heavy_body()
+        leaving = socket.create_connection(("127.0.0.1", server.port))
+        leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while server.health()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.health()["running"] == 1
+        time.sleep(whole / 4)
+        leaving.close()
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+        after = time.monotonic() - t0
+        assert r.status_code == 200
     print(json.dumps({"whole_prefill_s": whole, "next_request_after_leaving_s": after}))
-    assert whole > 1.5 and after < whole / 3, (whole, after)
+    assert after < whole / 2, (whole, after)
 
 
 def test_the_tenant_is_known_to_the_request(loaded, tiny_path, caplog):

@@ -160,12 +160,13 @@ class LlamaRunner:
         """The relocation self-check's result for this model, if it ran in this process (`check_relocation`)."""
         return rope_check.checked(self.fingerprint, self.rope)
 
-    def check_relocation(self) -> RelocationCheck:
+    def check_relocation(self, probe: bool = True) -> RelocationCheck | None:
         """Refuse `modular`/`blend` (UnsupportedModelError) unless relocated keys equal keys encoded in place.
 
         First a RoPE whose frequencies change with the sequence length is refused outright; then, on first use
         per model and rotation, the self-check (rope.py) compares, in every layer, a probe's keys computed at
-        positions 0.. and relocated by rope.PROBE_DELTA with its keys computed there."""
+        positions 0.. and relocated by rope.PROBE_DELTA with its keys computed there. With `probe=False` no forward
+        runs (Engine.explain): only what is already known is refused, and None is returned before the first check."""
         name = self._model_name()
         if not self.relocatable:
             raise UnsupportedModelError(
@@ -173,6 +174,8 @@ class LlamaRunner:
                 f"positions of other modalities), so relocating cached keys by rotation is not exact; use "
                 f"mode='exact' or mode='full' with this model")
         result = rope_check.checked(self.fingerprint, self.rope)
+        if result is None and not probe:
+            return None
         if result is None:
             ids = self.tokenizer(rope_check.PROBE_TEXT, add_special_tokens=False)["input_ids"]
             bos = self.tokenizer.bos_token_id

@@ -71,7 +71,7 @@ Every problem is a `pc_rag.PMLError` naming the element and line.
 # The package, in dependency order (each module imports only from those above it):
 #   parse.py   safe XML parsing into a small node tree; tag/name constants and the name and attribute checks
 #   roles.py   chat roles cut out of the tokenizer's chat template
-#   schema.py  schema reading and layout at schema positions (Schema, Piece, ModuleInfo, UnionInfo)
+#   schema.py  schema reading and layout at schema positions (Schema, SchemaPiece, ModuleInfo, UnionInfo)
 #   prompt.py  SchemaRegistry: schema registration, prompt reading and placement (schema or compact layout)
 #   chunks.py  helpers for plain chunk lists (schema_for_chunks, prompt_for, escape_text)
 
@@ -79,7 +79,7 @@ from .chunks import chunk_module_name, escape_text, prompt_for, schema_for_chunk
 from .parse import MAX_DEPTH, ROLE_TAGS, parse_pml
 from .prompt import PML, SchemaRegistry, equivalent_plain_prompt
 from .roles import ChatRoles, chat_roles
-from .schema import ModuleInfo, Piece, Schema, UnionInfo
+from .schema import ModuleInfo, Piece, Schema, SchemaPiece, UnionInfo
 
 __all__ = [
     "MAX_DEPTH",
@@ -89,6 +89,7 @@ __all__ = [
     "PML",
     "Piece",
     "Schema",
+    "SchemaPiece",
     "SchemaRegistry",
     "UnionInfo",
     "chat_roles",

@@ -271,7 +271,7 @@ class _RoleFn:
 def _emission_order(schema: Schema, events: list) -> list[tuple[str, object]]:
     """Schema pieces the prompt uses, in schema order, with the prompt's fresh text slotted in.
 
-    Returns ("piece", Piece, value) and ("fresh", text) entries. Fresh text written after an import (or at
+    Returns ("piece", SchemaPiece, value) and ("fresh", text) entries. Fresh text written after an import (or at
     the start) comes after that import and the always-included text up to the next imported module.
     """
     imported = {e.path for e in events if isinstance(e, _Import)}

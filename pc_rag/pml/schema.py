@@ -11,8 +11,9 @@ from .parse import ROLE_TAGS, _check_attrs, _check_name, _is_layout, _Node, _Tex
 
 
 @dataclass(frozen=True)
-class Piece:
-    """One laid-out part of a schema: a run of cached text, or a parameter's reserved positions."""
+class SchemaPiece:
+    """One laid-out part of a schema: a run of cached text, or a parameter's reserved positions. (Not the plan's
+    `pc_rag.plan.Piece`, which says where a prompt slot's KV comes from.)"""
 
     kind: str  # "text" | "param"
     owner: tuple[str, ...]  # path of the innermost module holding it; () = always included
@@ -21,6 +22,9 @@ class Piece:
     text: str = ""  # text pieces
     name: str = ""  # param pieces
     line: int = 0
+
+
+Piece = SchemaPiece  # the name earlier versions exported
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class Schema:
     name: str
     source: str
     length: int  # one past the last schema position (includes the BOS sink position when there is one)
-    pieces: tuple[Piece, ...]
+    pieces: tuple[SchemaPiece, ...]
     modules: dict[tuple[str, ...], ModuleInfo]
     unions: tuple[UnionInfo, ...]
     scaffolds: tuple[tuple[tuple[str, ...], ...], ...] = ()  # <scaffold> groups: member module paths
@@ -235,7 +239,7 @@ class _Layout:
     def __init__(self, st: SegmentTokenizer, max_positions: int):
         self.st = st
         self.max_positions = max_positions
-        self.pieces: list[Piece] = []
+        self.pieces: list[SchemaPiece] = []
         self.modules: dict[tuple[str, ...], ModuleInfo] = {}
         self.unions: list[UnionInfo] = []
 
@@ -254,10 +258,10 @@ class _Layout:
                         "split it into smaller modules"
                     )
                 if n:
-                    self.pieces.append(Piece("text", mod.path, pos, n, text=it, line=mod.line))
+                    self.pieces.append(SchemaPiece("text", mod.path, pos, n, text=it, line=mod.line))
                 pos += n
             elif isinstance(it, _Param):
-                self.pieces.append(Piece("param", mod.path, pos, it.length, name=it.name, line=it.line))
+                self.pieces.append(SchemaPiece("param", mod.path, pos, it.length, name=it.name, line=it.line))
                 pos += it.length
             elif isinstance(it, _Module):
                 pos = self.place(it, pos)

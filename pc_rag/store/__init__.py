@@ -1,15 +1,17 @@
 """Where KV blocks live. Storage knows blocks (tensors + metadata) and string keys, never the model.
 
-The engine calls `get(key) -> KVBlock | None`, `put(key, block)`, `tier_stats()` and `clear()`, and
-`get_with_source(store, key)` to learn which tier served a block; `get_many_with_source(store, keys)`
-looks up a request's blocks at once (one Redis round trip), `find_many_with_source(store, keys)` does the same
-but leaves disk and Redis blocks unread (PendingBlocks, read later by `TieredStore.read_pending` straight into a
-request's buffer: a `Sink` names the slots), `put_block(store, key, block, persist=False)`
-keeps a block out of persistent tiers, `put_persistent(store, key, block)` puts one only there (the engine's
-extents of prefix blocks; lookups take `tiers="volatile"` or `"persistent"` to match),
-`TieredStore.set_placement(fn)` places blocks read from lower tiers (e.g. on the engine's device) before they
-are promoted, and `TieredStore.prefetch(keys)` loads blocks from the persistent tiers into memory ahead of a
-request (pc_rag.prefetch). Build stores with `open_store(spec)`:
+Every store subclasses `Store` (tier.py), the one interface the engine calls: `get`, `put`, `clear` and
+`tier_stats`, which a store must define, and, with defaults built on those, the batch lookups
+(`get_many_with_source(keys, tiers=...)`, `find_many_with_source`, which leaves disk and Redis blocks unread as
+PendingBlocks for `read_pending` to read straight into a request's buffer: a `ReadTarget`, alias `Sink`, names
+the slots),
+`where(keys)` (which tier holds each key, reading and counting nothing: `Engine.explain`), `put_volatile` (memory
+only) and `put_persistent` (disk and Redis only: the engine's extents of prefix blocks), `promote`, `prefetch`
+(pc_rag.prefetch) and `set_placement` (TieredStore places blocks read from lower tiers, e.g. on the engine's
+device, before promoting them). A user's store either subclasses Store or is a plain object with get, put, clear
+and tier_stats, seen through the interface by `as_store` (open_store does it). The free functions
+`get_many_with_source(store, ...)`, `put_block(store, key, block, persist=...)` and the like call these methods on
+any such object. Build stores with `open_store(spec)`:
 
     memory.py      MemoryStore: tensors in process memory, LRU bounded by bytes, optional TTL
     disk.py        DiskStore: one safetensors file per block in <dir>/pc_rag-kv-v1/, persistent, LRU bounded
@@ -29,12 +31,16 @@ from .memory import MemoryStore
 from .redis_tier import RedisStore
 from .spec import default_cache_dir, open_store, parse_bytes
 from .tier import (
+    ForeignStore,
+    Held,
     PendingBlock,
+    ReadTarget,
     Sink,
     Store,
     StoreUsageError,
     TierStats,
     TierUnavailableError,
+    as_store,
     check_key,
     find_many_with_source,
     get_many_with_source,
@@ -49,8 +55,11 @@ __all__ = [
     "BLOCKS_DIR",
     "CorruptBlockError",
     "DiskStore",
+    "ForeignStore",
+    "Held",
     "MemoryStore",
     "PendingBlock",
+    "ReadTarget",
     "RedisStore",
     "Sink",
     "Store",
@@ -58,6 +67,7 @@ __all__ = [
     "TierStats",
     "TierUnavailableError",
     "TieredStore",
+    "as_store",
     "block_files",
     "check_key",
     "default_cache_dir",

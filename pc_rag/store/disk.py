@@ -70,6 +70,7 @@ from .codec import (
 from .tier import (
     KEY_PATTERN,
     Sink,
+    Store,
     StoreUsageError,
     TierStats,
     TierUnavailableError,
@@ -327,9 +328,10 @@ class _Load:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-class DiskStore:
+class DiskStore(Store):
     name = "disk"
     persistent = True
+    reads_in_place = True
 
     def __init__(self, path: str | os.PathLike, max_bytes: int = 20 << 30, compress: str | None = None):
         """`compress`: None (blocks stored bit-exact) or "int8" (8-bit keys and values with scales, about a
@@ -416,6 +418,14 @@ class DiskStore:
                     self.stats.misses += 1
                     self._forget(key)
         return held
+
+    def contains(self, key: str) -> bool:
+        """Whether an entry exists under the key's name (one lstat), counted as nothing (`locate` counts misses)."""
+        try:
+            os.lstat(self.file_for(key))
+        except OSError:
+            return False
+        return True
 
     def read_into(self, keys: list[str], sinks: list[Sink | Callable[[KVBlock], bool]]) -> list[bool]:
         """Reads the blocks of `keys` and hands each one to its sink (a Sink, or a plain `take(block) -> bool`:

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ..blocks import KVBlock
-from .tier import StoreUsageError, TierStats, check_key
+from .tier import Store, StoreUsageError, TierStats, check_key
 
 
-class MemoryStore:
+class MemoryStore(Store):
     """LRU bounded by bytes (not entries): chunk KV sizes vary by orders of magnitude.
 
     `ttl_s`: an entry older than this (since its last put) is a miss and is dropped. Blocks are held by

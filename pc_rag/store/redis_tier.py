@@ -33,14 +33,24 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..blocks import KVBlock
 from ..errors import StoreError
 from .codec import CorruptBlockError, StaleBlockError, decode_block, encode_block, tier_codec
-from .tier import Sink, StoreUsageError, TierStats, TierUnavailableError, add_time, check_key, in_parallel
+from .tier import (
+    Held,
+    Sink,
+    Store,
+    StoreUsageError,
+    TierStats,
+    TierUnavailableError,
+    add_time,
+    check_key,
+    in_parallel,
+)
 
 log = logging.getLogger("pc_rag.store")
 
@@ -166,7 +176,7 @@ def _connect(url: str, timeout_s: float) -> Any:
     )
 
 
-class RedisStore:
+class RedisStore(Store):
     """`client`: an existing redis.Redis-compatible client (tests pass a fakeredis one); else built from
     `url` with `timeout_s` for connect and for every call.
 
@@ -176,6 +186,7 @@ class RedisStore:
 
     name = "redis"
     persistent = True
+    reads_in_place = True
 
     def __init__(
         self,
@@ -237,9 +248,22 @@ class RedisStore:
         return self._read(keys, [None] * len(keys), count)
 
     def locate(self, keys: list[str]) -> list[bool]:
-        """Whether the server holds an entry under each key's name (one round trip, a pipeline of EXISTS), reading
-        no block: the keys `read_into` may then load. A key with no entry is a miss; an entry that expires before
-        `read_into` is a miss then."""
+        """Whether the server holds an entry under each key's name, reading no block: the keys `read_into` may
+        then load. A key with no entry is a miss; an entry that expires before `read_into` is a miss then."""
+        held = self._exists(keys)
+        with self._lock:
+            self.stats.misses += held.count(False)
+        return held
+
+    def where(self, keys: Sequence[str], tiers: str = "all") -> list[Held | None]:
+        """As `locate` (one round trip), counted as nothing."""
+        keys = list(keys)
+        if not self._of_kind(tiers):
+            return [None] * len(keys)
+        return [Held(self.name, True) if h else None for h in self._exists(keys)]
+
+    def _exists(self, keys: list[str]) -> list[bool]:
+        """One round trip: a pipeline of EXISTS."""
         names = [self.prefix + check_key(key) for key in keys]
         if not names:
             return []
@@ -250,10 +274,8 @@ class RedisStore:
                 pipe.exists(name)
             return pipe.execute()
 
-        held = [bool(n) for n in self._read_batch(f"EXISTS of {len(names)} keys", ask, 64 * len(names))]
-        with self._lock:
-            self.stats.misses += held.count(False)
-        return held
+        # Under the batch deadline of the reads (`_read_batch`); `locate` counts the misses, `where` nothing.
+        return [bool(n) for n in self._read_batch(f"EXISTS of {len(names)} keys", ask, 64 * len(names))]
 
     def read_into(self, keys: list[str], sinks: list[Sink | Callable[[KVBlock], bool]]) -> list[bool]:
         """Fetches the blocks of `keys` (one round trip) and hands each one to its sink, as `DiskStore.read_into`:

@@ -11,7 +11,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from .disk import DiskStore
 from .memory import MemoryStore
 from .redis_tier import RedisStore
-from .tier import Store, StoreUsageError
+from .tier import Store, StoreUsageError, as_store, looks_like_store
 from .tiered import TieredStore
 
 SPEC_HELP = (
@@ -43,7 +43,9 @@ def open_store(spec: str | Store | Sequence[str | Store] | None = None) -> Store
 
     - None: memory (4 GiB) over disk (20 GiB) under `default_cache_dir()` ($PC_RAG_CACHE_DIR,
       $XDG_CACHE_HOME/pc_rag or ~/.cache/pc_rag).
-    - a store object (anything with get/put/clear/tier_stats): used as is.
+    - a store object: a `Store` subclass is used as is; any other object with get/put/clear/tier_stats (a
+      duck-typed store of one's own) is seen through the Store interface (`as_store`: its own methods, the
+      defaults for the rest).
     - "memory" (4 GiB), "memory:2GiB", "memory?max_bytes=2GiB&ttl_s=600".
     - "disk" (default directory), "disk:/path/to/dir", "disk:/path?max_bytes=50GiB"; `compress=int8` stores
       8-bit keys and values with scales (lossy, about a quarter of float32's bytes; see docs/store.md).
@@ -59,14 +61,14 @@ def open_store(spec: str | Store | Sequence[str | Store] | None = None) -> Store
         return TieredStore([_open_tier(spec)])
     if isinstance(spec, Sequence):
         return TieredStore([_open_tier(s) for s in spec])
-    if isinstance(spec, Store):
-        return spec
+    if looks_like_store(spec):
+        return as_store(spec)
     raise StoreUsageError(f"cannot make a store from {type(spec).__name__}: {SPEC_HELP}")
 
 
 def _open_tier(spec: str | Store) -> Store:
-    if isinstance(spec, Store):
-        return spec
+    if looks_like_store(spec):
+        return as_store(spec)
     if not isinstance(spec, str):
         raise StoreUsageError(f"cannot make a store tier from {type(spec).__name__}: {SPEC_HELP}")
     if spec.startswith(("redis://", "rediss://")):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -10,7 +9,6 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -75,15 +73,15 @@ class PendingBlock:
 
 
 @dataclass(frozen=True)
-class Sink:
-    """Where `read_into` hands a block it read for the caller: `take(block) -> bool` (True: used). `keys` and
-    `values`, when given, are where the block belongs: CPU tensors [L, H_kv, T, D] whose [T, D] planes are each
-    contiguous (a request buffer's slots). A block stored bit-exact in their shape and dtype is then read from its
-    file straight into them, verified there, and the block `take` gets views them: nothing is left to copy. A
-    compressed block of their shape and dtype is verified where it was read (a staging buffer, a Redis reply) and
-    dequantized straight into them, and the block `take` gets views them too. (If a block fails its checks they may
-    hold garbage, and `take` is not called.) Any other block (of another dtype or shape) views a staging buffer or
-    the reply, and `take` copies it."""
+class ReadTarget:
+    """Where `read_into` hands a block it read for the caller (the tiers' read calls name it a sink):
+    `take(block) -> bool` (True: used). `keys` and `values`, when given, are where the block belongs: CPU tensors
+    [L, H_kv, T, D] whose [T, D] planes are each contiguous (a request buffer's slots). A block stored bit-exact in
+    their shape and dtype is then read from its file straight into them, verified there, and the block `take` gets
+    views them: nothing is left to copy. A compressed block of their shape and dtype is verified where it was read
+    (a staging buffer, a Redis reply) and dequantized straight into them, and the block `take` gets views them too.
+    (If a block fails its checks they may hold garbage, and `take` is not called.) Any other block (of another
+    dtype or shape) views a staging buffer or the reply, and `take` copies it."""
 
     take: Callable[[KVBlock], bool]
     keys: torch.Tensor | None = None
@@ -95,9 +93,14 @@ class Sink:
         return None if self.keys is None or self.values is None else (self.keys, self.values)
 
     @staticmethod
-    def of(sink: Sink | Callable[[KVBlock], bool]) -> Sink:
-        """A Sink, or a plain `take(block) -> bool` made one (with no slots)."""
-        return sink if isinstance(sink, Sink) else Sink(sink)
+    def of(sink: ReadTarget | Callable[[KVBlock], bool]) -> ReadTarget:
+        """A ReadTarget, or a plain `take(block) -> bool` made one (with no slots)."""
+        return sink if isinstance(sink, ReadTarget) else ReadTarget(sink)
+
+
+# The name the tiers' read calls and earlier versions use. "Sink" also names the attention-sink tokens chunks are
+# encoded after (pc_rag.plan), so code outside the store says ReadTarget.
+Sink = ReadTarget
 
 
 # A request's blocks are read and decoded in parallel: file reads, zstd and the xxh3 checksum release the GIL.
@@ -128,116 +131,237 @@ def in_parallel(load: Callable, items: list) -> list:
     return out
 
 
-@runtime_checkable
-class Store(Protocol):
-    """What the engine calls. Every tier and the tiered composition implement it.
-
-    Optional, used when present: `get_many(keys)` (one call for a request's blocks), `get_with_source`,
-    `get_many_with_source`, a `persist` argument to `put`, and a `persistent` class attribute (True for
-    tiers that outlive the process: disk, Redis). Reads into the caller's memory: a store with
-    `find_many_with_source` and `read_pending` (TieredStore), over tiers with `locate(keys) -> [bool]` and
-    `read_into(keys, sinks) -> [bool]` (DiskStore).
-    """
-
-    name: str
-
-    def get(self, key: str) -> KVBlock | None: ...
-
-    def put(self, key: str, block: KVBlock) -> None: ...
-
-    def clear(self) -> None: ...
-
-    def tier_stats(self) -> list[TierStats]: ...
-
-
-def get_with_source(store: Store, key: str) -> tuple[KVBlock | None, str | None]:
-    """The block and the name of the tier that served it, for any store: a TieredStore says which of its
-    tiers hit; a single tier answers with its own name."""
-    if hasattr(store, "get_with_source"):
-        return store.get_with_source(key)
-    block = store.get(key)
-    return block, (store.name if block is not None else None)
-
-
 TIERS = ("all", "volatile", "persistent")
 
 
-def get_many_with_source(store: Store, keys: Sequence[str],
-                         tiers: str = "all") -> list[tuple[KVBlock | None, str | None]]:
-    """`get_with_source` for a request's keys at once, in order: a TieredStore asks each tier once for all the
-    keys still missing (one Redis round trip for the whole request); a single tier with `get_many` is asked
-    once; any other store is asked key by key. `tiers`: "all", or only the tiers that do not outlive the process
-    ("volatile": memory) or those that do ("persistent": disk, Redis); a store of one tier is that kind of tier,
-    by its `persistent` attribute, and answers all misses when it is not of the kind asked."""
-    keys = list(keys)
-    if hasattr(store, "get_many_with_source"):
-        return store.get_many_with_source(keys, tiers) if tiers != "all" else store.get_many_with_source(keys)
-    if not _of_kind(store, tiers):
-        return [(None, None)] * len(keys)
-    if hasattr(store, "get_many"):
-        blocks = get_many(store, keys)
-        return [(b, store.name if b is not None else None) for b in blocks]
-    return [get_with_source(store, key) for key in keys]
+@dataclass(frozen=True)
+class Held:
+    """Where a store holds a key, as `Store.where` answers without reading it: the tier's name, and whether that tier
+    reads blocks straight into a caller's buffer (`read_pending`) rather than into memory of their own."""
+
+    tier: str
+    in_place: bool = False
 
 
-def find_many_with_source(store: Store, keys: Sequence[str],
-                          tiers: str = "all") -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
-    """`get_many_with_source`, except that a store able to read blocks straight into the caller's memory (a
-    TieredStore over a disk or Redis tier) answers PendingBlocks for the blocks it would read from such a tier,
-    for its `read_pending`. Any other store answers as `get_many_with_source`."""
-    if hasattr(store, "find_many_with_source"):
-        return store.find_many_with_source(list(keys), tiers) if tiers != "all" else store.find_many_with_source(
-            list(keys))
-    return get_many_with_source(store, keys, tiers)
+class Store:
+    """The one store interface: every tier (memory, disk, Redis), their composition (`TieredStore`) and a user's
+    own store subclass it. A store must define `get`, `put` and `clear`; every other method has a default built on
+    those, which a tier overrides where it can do better (one round trip for many keys, a read straight into a
+    request buffer, a lookup that reads nothing). So what a store can do is read from its class, not discovered.
 
+    A user's store may also be a plain object with `get`, `put`, `clear` and `tier_stats` (and a `name`) that does
+    not subclass Store: `as_store` wraps it in a `ForeignStore`, which uses the object's own methods of this
+    interface where it has them and these defaults for the rest (`open_store` and `TieredStore` do this).
 
-def _of_kind(store: Store, tiers: str) -> bool:
-    if tiers not in TIERS:
-        raise StoreUsageError(f"unknown tiers {tiers!r}; choose one of {', '.join(TIERS)}")
-    return tiers == "all" or (tiers == "persistent") == bool(getattr(store, "persistent", False))
+    Class attributes a tier sets: `name` (reported as the origin of the blocks it serves), `persistent` (it
+    outlives the process: disk, Redis) and `reads_in_place` (`locate` and `read_into` read blocks straight into a
+    caller's buffer: disk, Redis).
+    """
 
+    name: str = "store"
+    persistent: bool = False
+    reads_in_place: bool = False
 
-def has_persistent(store: Store) -> bool:
-    """Whether the store outlives the process in part (a TieredStore with a disk or Redis tier) or whole (such a
-    tier alone)."""
-    return bool(getattr(store, "has_persistent", getattr(store, "persistent", False)))
+    # ---- what every store defines -------------------------------------------------------------------------
+    def get(self, key: str) -> KVBlock | None:
+        raise NotImplementedError(f"{type(self).__name__} must define get(key)")
 
+    def put(self, key: str, block: KVBlock) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define put(key, block)")
 
-def get_many(store: Store, keys: list[str]) -> list[KVBlock | None]:
-    """`store.get_many(keys)` when the store has it, else one `get` per key; always one result per key."""
-    if not hasattr(store, "get_many"):
-        return [store.get(key) for key in keys]
-    blocks = list(store.get_many(keys))
-    if len(blocks) != len(keys):
-        raise StoreError(f"store {store.name!r}: get_many returned {len(blocks)} results for {len(keys)} keys")
-    return blocks
+    def clear(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define clear()")
 
+    def tier_stats(self) -> list[TierStats]:
+        """One TierStats per tier (none by default: a store that counts nothing)."""
+        return []
 
-def put_block(store: Store, key: str, block: KVBlock, persist: bool = True) -> None:
-    """`store.put(key, block, persist=persist)` when the store takes `persist` (TieredStore); otherwise a plain
-    `store.put(key, block)`, skipped when `persist` is False and the store is itself persistent (a disk or
-    Redis tier used alone). persist=False: the block may be kept in memory but must not outlive the process."""
-    if _takes_persist(store):
-        store.put(key, block, persist=persist)
-    elif persist or not getattr(store, "persistent", False):
-        store.put(key, block)
+    # ---- lookups ----------------------------------------------------------------------------------------------
+    def get_many(self, keys: list[str]) -> list[KVBlock | None]:
+        """The blocks of `keys`, in order (None for a miss): one `get` per key unless a tier batches them."""
+        return [self.get(key) for key in keys]
 
+    def get_with_source(self, key: str) -> tuple[KVBlock | None, str | None]:
+        """The block and the name of the tier that served it; a store of one tier answers with its own name."""
+        block = self.get(key)
+        return block, (self.name if block is not None else None)
 
-def put_persistent(store: Store, key: str, block: KVBlock) -> None:
-    """`key` into the store's persistent tiers only (TieredStore.put_persistent), or into a store of one tier as it
-    is (the caller only asks this of stores with `has_persistent`)."""
-    if hasattr(store, "put_persistent"):
-        store.put_persistent(key, block)
-    else:
-        store.put(key, block)
+    def get_many_with_source(self, keys: Sequence[str],
+                             tiers: str = "all") -> list[tuple[KVBlock | None, str | None]]:
+        """`get_with_source` for a request's keys at once, in order. `tiers`: "all", or only the tiers that do not
+        outlive the process ("volatile": memory) or those that do ("persistent": disk, Redis); a store of one tier
+        is that kind of tier, by its `persistent` attribute, and answers all misses when it is not of the kind
+        asked."""
+        keys = list(keys)
+        if not self._of_kind(tiers):
+            return [(None, None)] * len(keys)
+        return [(b, self.name if b is not None else None) for b in self.get_many(keys)]
 
+    def find_many_with_source(self, keys: Sequence[str],
+                              tiers: str = "all") -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
+        """`get_many_with_source`, except that blocks a tier can read straight into the caller's memory come back
+        unread, as PendingBlocks for `read_pending` (TieredStore over disk or Redis). By default every block is read."""
+        return self.get_many_with_source(keys, tiers)
 
-def _takes_persist(store: Store) -> bool:
-    try:
-        params = inspect.signature(store.put).parameters
-    except (TypeError, ValueError):  # a builtin or C-implemented put without a signature
+    def contains(self, key: str) -> bool:
+        """Whether a live entry is held, without reading it, counting a hit or a miss, or touching any order. The
+        default answers False (a store that cannot tell without reading): a prefetch then loads the block anyway
+        and `Engine.explain` reports a miss."""
         return False
-    return "persist" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    def where(self, keys: Sequence[str], tiers: str = "all") -> list[Held | None]:
+        """Which tier holds each key (None: none), by `contains`: nothing is read, counted, promoted or waited for
+        (`Engine.explain` asks this)."""
+        keys = list(keys)
+        if not self._of_kind(tiers):
+            return [None] * len(keys)
+        return [Held(self.name, self.reads_in_place) if self.contains(key) else None for key in keys]
+
+    @property
+    def has_persistent(self) -> bool:
+        """Whether the store outlives the process, in part (a TieredStore with a disk or Redis tier) or whole."""
+        return self.persistent
+
+    def _of_kind(self, tiers: str) -> bool:
+        if tiers not in TIERS:
+            raise StoreUsageError(f"unknown tiers {tiers!r}; choose one of {', '.join(TIERS)}")
+        return tiers == "all" or (tiers == "persistent") == self.persistent
+
+    # ---- reads into a caller's memory -------------------------------------------------------------------------
+    def locate(self, keys: list[str]) -> list[bool]:
+        """Whether each key may be read by `read_into` (a tier that reads in place answers without reading)."""
+        return [b is not None for b in self.get_many(keys)]
+
+    def read_into(self, keys: list[str], sinks: list[Sink | Callable[[KVBlock], bool]]) -> list[bool]:
+        """Reads each block and hands it to its sink (`take(block) -> bool`, True: taken); per key, whether it was
+        taken. By default the block is read into memory of its own first (a tier with `reads_in_place` reads it
+        into the sink's slots)."""
+        return [b is not None and bool(Sink.of(s).take(b)) for b, s in zip(self.get_many(keys), sinks, strict=True)]
+
+    def read_pending(self, pending: Sequence[PendingBlock], sinks: Sequence) -> list[bool]:
+        """`read_into` for the PendingBlocks `find_many_with_source` answered."""
+        return self.read_into([p.key for p in pending], list(sinks))
+
+    def reread(self, keys: list[str]) -> list[KVBlock | None]:
+        """`get_many` for blocks already served once (`read_into`), wanted in memory of their own: a tier that
+        counts its reads does not count these again."""
+        return self.get_many(keys)
+
+    def promote(self, pending: Sequence[PendingBlock]) -> None:
+        """Puts blocks `read_pending` served into the tiers above theirs; a store of one tier has none."""
+
+    # ---- writes -----------------------------------------------------------------------------------------------
+    def put_volatile(self, key: str, block: KVBlock) -> None:
+        """`key` into the tiers that do not outlive the process only (a block only this process's index can find);
+        a persistent store used alone skips it."""
+        if not self.persistent:
+            self.put(key, block)
+
+    def put_persistent(self, key: str, block: KVBlock) -> None:
+        """`key` into the persistent tiers only (the engine's extents of prefix blocks, whose single blocks memory
+        keeps); the engine asks this only of a store with `has_persistent`."""
+        if self.persistent:
+            self.put(key, block)
+
+    # ---- ahead of a request -----------------------------------------------------------------------------------
+    @property
+    def can_prefetch(self) -> bool:
+        """True when `prefetch` can bring blocks closer (memory over disk or Redis: a TieredStore)."""
+        return False
+
+    def prefetch(self, keys: Sequence[str]) -> int:
+        """Loads the blocks of `keys` from the persistent tiers into memory; returns how many were brought up."""
+        return 0
+
+    def set_placement(self, fn: Callable[[KVBlock], KVBlock] | None) -> None:
+        """fn(block) -> block for blocks read from a lower tier before they are promoted (TieredStore); a store of
+        one tier places nothing."""
+
+
+class ForeignStore(Store):
+    """A user's store object that does not subclass Store (duck-typed: get, put, clear, tier_stats, name), seen
+    through the Store interface: its own `get_many`, `contains`, `persistent` and `name` where it has them, the
+    defaults for the rest. Other attributes are read from the object itself."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = getattr(inner, "name", type(inner).__name__)
+        self.persistent = bool(getattr(inner, "persistent", False))
+
+    def get(self, key: str) -> KVBlock | None:
+        return self.inner.get(key)
+
+    def put(self, key: str, block: KVBlock) -> None:
+        self.inner.put(key, block)
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+    def tier_stats(self) -> list[TierStats]:
+        return list(self.inner.tier_stats())
+
+    def get_many(self, keys: list[str]) -> list[KVBlock | None]:
+        own = getattr(self.inner, "get_many", None)
+        if own is None:
+            return super().get_many(keys)
+        blocks = list(own(keys))
+        if len(blocks) != len(keys):
+            raise StoreError(f"store {self.name!r}: get_many returned {len(blocks)} results for {len(keys)} keys")
+        return blocks
+
+    def contains(self, key: str) -> bool:
+        own = getattr(self.inner, "contains", None)
+        return bool(own(key)) if own is not None else False
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (copy, pickle): never recurse
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+STORE_METHODS = ("get", "put", "clear", "tier_stats")
+
+
+def as_store(store) -> Store:
+    """`store` itself when it subclasses Store, else the object wrapped in a ForeignStore."""
+    return store if isinstance(store, Store) else ForeignStore(store)
+
+
+def looks_like_store(obj) -> bool:
+    """Whether `obj` has the calls every store has (a Store subclass or a duck-typed one)."""
+    return isinstance(obj, Store) or all(callable(getattr(obj, m, None)) for m in STORE_METHODS)
+
+
+# ---- the calls on any store object (Store or duck-typed), kept for callers of the earlier free functions ---------
+def get_with_source(store, key: str) -> tuple[KVBlock | None, str | None]:
+    return as_store(store).get_with_source(key)
+
+
+def get_many_with_source(store, keys: Sequence[str], tiers: str = "all") -> list[tuple[KVBlock | None, str | None]]:
+    return as_store(store).get_many_with_source(keys, tiers)
+
+
+def find_many_with_source(store, keys: Sequence[str],
+                          tiers: str = "all") -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
+    return as_store(store).find_many_with_source(keys, tiers)
+
+
+def has_persistent(store) -> bool:
+    return as_store(store).has_persistent
+
+
+def put_block(store, key: str, block: KVBlock, persist: bool = True) -> None:
+    """`put` (persist=True) or `put_volatile` (persist=False: the block may be kept in memory but must not outlive
+    the process)."""
+    store = as_store(store)
+    if persist:
+        store.put(key, block)
+    else:
+        store.put_volatile(key, block)
+
+
+def put_persistent(store, key: str, block: KVBlock) -> None:
+    as_store(store).put_persistent(key, block)
 
 
 def check_key(key: str) -> str:

@@ -42,15 +42,15 @@ from ..blocks import KVBlock
 from ..errors import StoreError
 from .tier import (
     TIERS,
+    Held,
     PendingBlock,
     Store,
     StoreUsageError,
     TierStats,
     TierUnavailableError,
+    as_store,
     check_block,
     check_key,
-    get_many,
-    put_block,
 )
 
 log = logging.getLogger("pc_rag.store")
@@ -59,13 +59,13 @@ READ, WRITE = "reads", "writes"
 _DIRECTION = {"get": READ, "put": WRITE, "clear": WRITE}
 
 
-class TieredStore:
+class TieredStore(Store):
     name = "tiered"
 
     def __init__(self, tiers: Sequence[Store], retry_after_s: float = 5.0):
         if not tiers:
             raise StoreUsageError("TieredStore needs at least one tier")
-        self.tiers = list(tiers)
+        self.tiers = [as_store(t) for t in tiers]  # a user's duck-typed tier is seen through the Store interface
         self.retry_after_s = retry_after_s
         # Per tier and direction: when to try again after a failure; None while working.
         self._retry_at: list[dict[str, float | None]] = [{READ: None, WRITE: None} for _ in self.tiers]
@@ -85,6 +85,12 @@ class TieredStore:
 
     def get(self, key: str) -> KVBlock | None:
         return self.get_with_source(key)[0]
+
+    def get_many(self, keys: list[str]) -> list[KVBlock | None]:
+        return [block for block, _ in self.get_many_with_source(keys)]
+
+    def contains(self, key: str) -> bool:
+        return self.where([key])[0] is not None
 
     def get_with_source(self, key: str) -> tuple[KVBlock | None, str | None]:
         """The block and the name of the tier that served it ("memory", "disk", "redis"), or (None, None)."""
@@ -106,13 +112,37 @@ class TieredStore:
     def _answer(self, keys: Sequence[str], pending: bool,
                 tiers: str = "all") -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
         keys = [check_key(k) for k in keys]
-        top = self._volatile_top()
-        if tiers not in TIERS:
-            raise StoreUsageError(f"unknown tiers {tiers!r}; choose one of {', '.join(TIERS)}")
-        first, end = {"all": (0, None), "volatile": (0, top), "persistent": (top, None)}[tiers]
+        first, end = self._range(tiers)
         self._wait_for_prefetch(keys)
         found = self._lookup(list(dict.fromkeys(keys)), first, pending=pending, end=end)
         return [found.get(key, (None, None)) for key in keys]
+
+    def _range(self, tiers: str) -> tuple[int, int | None]:
+        """The tiers a lookup limited to `tiers` asks: (first, end excluded)."""
+        if tiers not in TIERS:
+            raise StoreUsageError(f"unknown tiers {tiers!r}; choose one of {', '.join(TIERS)}")
+        top = self._volatile_top()
+        return {"all": (0, None), "volatile": (0, top), "persistent": (top, None)}[tiers]
+
+    def where(self, keys: Sequence[str], tiers: str = "all") -> list[Held | None]:
+        """Which tier holds each key, the first from the top (the one a lookup would read), by each tier's `where`:
+        nothing is read, counted, promoted or waited for, and a tier that fails here is a miss (not paused)."""
+        keys = [check_key(k) for k in keys]
+        first, end = self._range(tiers)
+        out: list[Held | None] = [None] * len(keys)
+        for i, tier in enumerate(self.tiers[first:end], start=first):
+            missing = [j for j, held in enumerate(out) if held is None]
+            if not missing:
+                break
+            if not self._usable(i, READ):
+                continue
+            try:
+                answers = tier.where([keys[j] for j in missing])
+            except Exception:  # explaining a request must not fail, nor pause the tier, where a lookup would miss
+                continue
+            for j, held in zip(missing, answers, strict=True):
+                out[j] = held
+        return out
 
     @property
     def has_persistent(self) -> bool:
@@ -156,7 +186,7 @@ class TieredStore:
                 continue
             keys = list(dict.fromkeys(keys))
             try:
-                blocks = tier.reread(keys) if hasattr(tier, "reread") else get_many(tier, keys)
+                blocks = tier.reread(keys)
             except Exception as e:
                 self._failed(i, "get", e)
                 continue
@@ -175,9 +205,9 @@ class TieredStore:
                 break
             if not self._usable(i, READ):
                 continue
-            direct = pending and _reads_into(tier)
+            direct = pending and tier.reads_in_place
             try:
-                blocks = tier.locate(missing) if direct else get_many(tier, missing)
+                blocks = tier.locate(missing) if direct else tier.get_many(missing)
             except Exception as e:  # any tier failure is a miss; the caller recomputes the KV
                 self._failed(i, "get", e)
                 continue
@@ -203,7 +233,7 @@ class TieredStore:
     def _volatile_top(self) -> int:
         """How many tiers, from the top, are not persistent (the tiers a prefetch fills)."""
         n = 0
-        while n < len(self.tiers) and not _persistent(self.tiers[n]):
+        while n < len(self.tiers) and not self.tiers[n].persistent:
             n += 1
         return n
 
@@ -215,7 +245,7 @@ class TieredStore:
             return 0
         top = self._volatile_top()
         keys = [check_key(k) for k in dict.fromkeys(keys)]
-        keys = [k for k in keys if not any(_holds(tier, k) for tier in self.tiers[:top])]
+        keys = [k for k in keys if not any(tier.contains(k) for tier in self.tiers[:top])]
         with self._lock:
             keys = [k for k in keys if k not in self._loading]
             for k in keys:
@@ -240,10 +270,10 @@ class TieredStore:
 
     def _place_and_promote(self, i: int, key: str, block: KVBlock) -> KVBlock:
         placed = block
-        if self._placement is not None and (i > 0 or _persistent(self.tiers[i])):
+        if self._placement is not None and (i > 0 or self.tiers[i].persistent):
             placed = check_block(self._placement(block))
         for upper in range(i):
-            self._put_into(upper, key, block if _persistent(self.tiers[upper]) else placed)
+            self._put_into(upper, key, block if self.tiers[upper].persistent else placed)
         return placed
 
     def put(self, key: str, block: KVBlock, persist: bool = True) -> None:
@@ -252,6 +282,10 @@ class TieredStore:
         check_block(block)  # a bad block is the caller's bug: raise it rather than mark tiers down
         for i in range(len(self.tiers)):
             self._put_into(i, key, block, persist)
+
+    def put_volatile(self, key: str, block: KVBlock) -> None:
+        """Writes only the tiers that do not outlive the process (memory)."""
+        self.put(key, block, persist=False)
 
     def put_persistent(self, key: str, block: KVBlock) -> None:
         """Writes only the persistent tiers (disk, Redis): an entry memory would hold twice (an extent of prefix
@@ -264,8 +298,12 @@ class TieredStore:
     def _put_into(self, i: int, key: str, block: KVBlock, persist: bool = True) -> None:
         if not self._usable(i, WRITE):
             return
+        tier = self.tiers[i]
         try:
-            put_block(self.tiers[i], key, block, persist=persist)
+            if persist:
+                tier.put(key, block)
+            else:
+                tier.put_volatile(key, block)
         except Exception as e:
             self._failed(i, "put", e)
         else:
@@ -315,15 +353,3 @@ class TieredStore:
     def tier_stats(self) -> list[TierStats]:
         return [s for tier in self.tiers for s in tier.tier_stats()]
 
-
-def _persistent(tier: Store) -> bool:
-    return bool(getattr(tier, "persistent", False))
-
-
-def _reads_into(tier: Store) -> bool:
-    return hasattr(tier, "locate") and hasattr(tier, "read_into")
-
-
-def _holds(tier: Store, key: str) -> bool:
-    contains = getattr(tier, "contains", None)
-    return bool(contains(key)) if contains is not None else False

@@ -8,7 +8,7 @@ from typing import Any
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field
 
-from pc_rag.adapters import SamplingOptions, shared_engine
+from pc_rag.adapters import GenerationOptions, shared_engine
 
 
 class EngineFields(BaseModel):
@@ -79,10 +79,10 @@ class EngineFields(BaseModel):
             ls_stop=list(options.stop) if options.stop else None,
         )
 
-    def _options(self, stop: Sequence[str] | None, kwargs: dict[str, Any]) -> SamplingOptions:
+    def _options(self, stop: Sequence[str] | None, kwargs: dict[str, Any]) -> GenerationOptions:
         """Defaults from the fields, overridden by the call's `stop` and keyword arguments."""
         stop = stop if stop is not None else kwargs.get("stop", self.stop)
-        return SamplingOptions(
+        return GenerationOptions(
             mode=kwargs.get("mode", self.mode),
             max_new_tokens=int(kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))),
             temperature=float(kwargs.get("temperature", self.temperature)),

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pc_rag import Engine
-from pc_rag.find import ChunkIndex, ReplyIndex
 from pc_rag.segments import Chunk, Text
+from pc_rag.text_index import DISCOVERY, ChunkIndex, ReplyIndex
 
 
 class FakeTokenizer:
@@ -57,6 +57,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.segmenter = CharSegmenter()
         self.chunks, self.replies = ChunkIndex(), ReplyIndex()
+        self.discovery = DISCOVERY  # what the hooks register into, as a real engine's default
         self.pieces = pieces
         self.calls: list[tuple[list, dict]] = []
 

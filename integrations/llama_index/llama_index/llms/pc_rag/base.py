@@ -40,7 +40,7 @@ from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from pc_rag.adapters import SamplingOptions, chat_prompt, completion_prompt, shared_engine, stream_generation, usage
+from pc_rag.adapters import GenerationOptions, chat_prompt, completion_prompt, shared_engine, stream_generation, usage
 
 T = TypeVar("T")
 
@@ -298,9 +298,9 @@ class PromptCacheLLM(CustomLLM):
             totals.add(usage)
 
     # ---- the request path ---------------------------------------------------------------------------------
-    def _options(self, kwargs: dict[str, Any]) -> SamplingOptions:
+    def _options(self, kwargs: dict[str, Any]) -> GenerationOptions:
         stop = kwargs.get("stop", self.stop)
-        return SamplingOptions(
+        return GenerationOptions(
             mode=kwargs.get("mode", self.mode),
             max_new_tokens=int(kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))),
             temperature=float(kwargs.get("temperature", self.temperature)),

@@ -1,6 +1,4 @@
-"""The demo: RAG over Python's own documentation, TTFT per mode, and the KV cache surviving a restart.
-
-    python -m pc_rag.demo            (same as `pc-rag demo`; options: `pc-rag demo --help`)
+"""The demo's run: RAG over Python's own documentation, TTFT per mode, and the KV cache surviving a restart.
 
 For each question: FAISS finds the top-k chunks (all-MiniLM-L6-v2 embeddings), the prompt is
 [Text(system), Chunk, Text("\\n\\n"), Chunk, ..., Text(question)], and it is answered in every mode (full,
@@ -22,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .segments import Chunk, Text
+from ..segments import Chunk, Text
 
 SYSTEM = "You answer questions about Python using only the documentation excerpts below.\n\n"
 # Pairs on one subject, so later questions retrieve some chunks an earlier one used (in another order).
@@ -72,7 +70,7 @@ class DemoReport:
 
 def demo_model(cache_dir: Path, progress: bool = True) -> Path:
     """The offline bench Llama in `<cache_dir>/models/bench`, built on first use (random weights)."""
-    from .testing import build_tiny_llama
+    from ..testing import build_tiny_llama
 
     path = cache_dir / "models" / "bench"
     if (path / "pc_rag_test_model.json").is_file():  # written last by build_tiny_llama: the build finished
@@ -176,8 +174,3 @@ def format_report(report: DemoReport) -> str:
         lines.append("Run the same command again: a new process will find these chunks' KV on disk.")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    from .cli import main
-
-    sys.exit(main(["demo", *sys.argv[1:]]))

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from pc_rag.errors import PCRagError
-from pc_rag.find import ChunkIndex, index_for
 from pc_rag.segments import Chunk, Text
+from pc_rag.text_index import ChunkIndex, index_for
 
 DOC_A = "Paris is the capital of France. It lies on the Seine."
 DOC_B = "The Rhine flows through Basel, Strasbourg and Cologne."
@@ -139,3 +139,27 @@ def test_100k_chunks(capsys):
             f"\n100k chunks: build {build_s:.2f} s, split of {len(prompt)} chars {split_s * 1e3:.2f} ms, "
             f"add 2 + split {add_split_s * 1e3:.2f} ms"
         )
+
+
+def test_a_discovery_notifies_and_serves_only_the_engines_watching_it():
+    """Reference: which stand-in engines were asked to prefetch, and which index finds the text afterwards."""
+    from pc_rag.text_index import Discovery
+
+    class Watcher:
+        prefetch_on_discover = True
+
+        def __init__(self):
+            self.asked = []
+
+        def prefetch(self, texts):
+            self.asked.append(list(texts))
+
+    mine, other = Discovery(), Discovery()
+    a, b = Watcher(), Watcher()
+    mine.watch(a)
+    other.watch(b)
+    assert mine.discover([DOC_A]) == 1 and mine.discover([DOC_A]) == 0
+    assert a.asked == [[DOC_A], [DOC_A]] and b.asked == []
+    text = "Context: " + DOC_A
+    assert [(s.start, s.end) for s in mine.candidates(text)] == [(9, 9 + len(DOC_A))]
+    assert other.candidates(text) == []

@@ -1,0 +1,364 @@
+"""Indexes of texts to cut prompt strings at, so frameworks that flatten documents into one string still hit.
+
+RAG frameworks hand the model one string (LangChain's stuff chain joins `page_content` with blank lines;
+LlamaIndex puts metadata lines before each node's text). A `ChunkIndex` holds texts to treat as chunks and
+finds them with one Aho-Corasick pass (pyahocorasick), linear in the prompt length whatever the number of
+texts. `Engine.split` asks, for each prompt string: the texts registered with the engine (`register`, the
+wrappers), the documents the framework hooks discovered (its `Discovery`, by default the process's `DISCOVERY`:
+`discover`), the texts marked for this request (`marked`: content blocks with `cache_control`), and the replies
+the engine generated (`ReplyIndex`); `resolve` keeps leftmost-longest, non-overlapping spans, and
+`SegmentTokenizer.split` turns them into segments with the tokens of the joined string.
+
+Matching rules, each chosen so that a hit never changes what the model is asked:
+- Chunk keys are the text with surrounding whitespace stripped. Chat templates trim message content
+  (Llama 3's `| trim`) and formatters add or drop newlines around documents; a stripped key matches in all
+  those layouts. Whitespace inside a chunk is matched exactly.
+- Leftmost-longest, non-overlapping: when texts overlap (one contains another), the match that starts first
+  wins, then the longest one starting there.
+- With `word_boundaries` (the default) a match glued to a letter or digit on either side ("cat" inside
+  "concatenate") is not a hit.
+- Everything else is text: a prompt with no known text is answered as usual (and still reuses the longest
+  cached token prefix, prefix.py).
+- Bounded: an index keeps at most `max_texts` texts and `max_chars` characters, least recently used first.
+
+Registering is cheap at any index size: new texts go to a small "recent" automaton, which is folded into the
+main one (a full rebuild) only once it holds more than an eighth of the keys (or after an eviction), so a
+retriever that registers a few documents per request does not pay for a rebuild of 100,000 keys each time.
+Built automata are never modified, only replaced, so a split can run while another thread registers texts.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import ahocorasick
+
+from .errors import PCRagError
+from .segments import Chunk, Text, cut_at
+
+_RECENT_MIN = 256  # the recent automaton is folded into the main one past max(_RECENT_MIN, keys // 8)
+
+
+def _build(keys: Iterable[str]) -> ahocorasick.Automaton | None:
+    automaton = ahocorasick.Automaton(ahocorasick.STORE_INTS)
+    for key in keys:
+        automaton.add_word(key, len(key))
+    if len(automaton) == 0:
+        return None
+    automaton.make_automaton()
+    return automaton
+
+
+def _glued(text: str, start: int, end: int) -> bool:
+    """True when the span [start, end) starts or ends inside a word of `text`."""
+    if start > 0 and text[start - 1].isalnum() and text[start].isalnum():
+        return True
+    return end < len(text) and text[end].isalnum() and text[end - 1].isalnum()
+
+
+@dataclass(frozen=True)
+class Span:
+    """Characters [start, end) of a prompt string: a "chunk", or a "reply" this engine generated (`reply_ids`:
+    the token ids it generated for exactly that text, when known)."""
+
+    start: int
+    end: int
+    kind: str = "chunk"
+    reply_ids: tuple[int, ...] | None = None
+
+
+class ChunkIndex:
+    """The chunk texts a prompt string is split at. Thread-safe; see the module docstring for the rules.
+
+    Bounded: at most `max_texts` texts and `max_chars` characters, least recently used (registered or found
+    in a prompt) dropped first, so a long-running server that sees new documents every request stays flat.
+    Eviction drops an eighth of the bound at once: removing keys means rebuilding the automaton.
+    """
+
+    def __init__(self, texts: Iterable[str] = (), *, word_boundaries: bool = True, max_texts: int = 200_000,
+                 max_chars: int = 512 << 20):
+        if max_texts < 1 or max_chars < 1:
+            raise PCRagError(f"ChunkIndex bounds must be >= 1, got max_texts={max_texts}, max_chars={max_chars}")
+        self.word_boundaries = word_boundaries
+        self.max_texts = max_texts
+        self.max_chars = max_chars
+        self._lock = threading.Lock()
+        self._keys: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self._chars = 0
+        self._recent: set[str] = set()
+        self._main: ahocorasick.Automaton | None = None
+        self._recent_automaton: ahocorasick.Automaton | None = None
+        self._dirty = False
+        self._stale_main = False
+        self.add_many(texts)
+
+    @staticmethod
+    def key(text: str) -> str:
+        """The form a chunk text is registered and matched in (surrounding whitespace stripped)."""
+        if not isinstance(text, str):
+            raise PCRagError(f"a chunk text must be a str, got {type(text).__name__}")
+        return text.strip()
+
+    def add(self, text: str) -> bool:
+        """Register one chunk text; return False when it was already there or is only whitespace."""
+        return self.add_many([text]) == 1
+
+    def add_many(self, texts: Iterable[str]) -> int:
+        """Register chunk texts (already registered ones count as used); return how many were new."""
+        keys = [k for k in map(self.key, texts) if k and len(k) <= self.max_chars]
+        with self._lock:
+            new = 0
+            for k in keys:
+                if k in self._keys:
+                    self._keys.move_to_end(k)
+                    continue
+                self._keys[k] = None
+                self._chars += len(k)
+                self._recent.add(k)
+                new += 1
+            if new:
+                self._dirty = True
+                self._evict()
+        return new
+
+    def _evict(self) -> None:
+        if len(self._keys) <= self.max_texts and self._chars <= self.max_chars:
+            return
+        keep_texts, keep_chars = self.max_texts * 7 // 8, self.max_chars * 7 // 8
+        while self._keys and (len(self._keys) > keep_texts or self._chars > keep_chars):
+            k, _ = self._keys.popitem(last=False)
+            self._chars -= len(k)
+            if k in self._recent:
+                self._recent.discard(k)
+            else:
+                self._stale_main = True
+        self._dirty = True
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, text: object) -> bool:
+        return isinstance(text, str) and text.strip() in self._keys
+
+    def _automata(self) -> list[ahocorasick.Automaton]:
+        """The built automata, rebuilding what registrations since the last call made stale."""
+        with self._lock:
+            if self._dirty:
+                if self._stale_main or len(self._recent) > max(_RECENT_MIN, len(self._keys) // 8):
+                    self._main = _build(self._keys)
+                    self._recent = set()
+                    self._stale_main = False
+                self._recent_automaton = _build(self._recent)
+                self._dirty = False
+            return [a for a in (self._main, self._recent_automaton) if a is not None]
+
+    def candidates(self, prompt_text: str) -> list[Span]:
+        """Every occurrence of a registered text in `prompt_text` (overlapping ones included); marks them used."""
+        found = []
+        for automaton in self._automata():
+            for end_index, length in automaton.iter(prompt_text):
+                start = end_index + 1 - length
+                if self.word_boundaries and _glued(prompt_text, start, end_index + 1):
+                    continue
+                found.append(Span(start, end_index + 1))
+        if found:
+            with self._lock:
+                for span in found:
+                    k = prompt_text[span.start: span.end]
+                    if k in self._keys:  # an automaton may still hold a key evicted since it was built
+                        self._keys.move_to_end(k)
+        return [s for s in found if prompt_text[s.start: s.end] in self._keys]
+
+    def spans(self, prompt_text: str) -> list[tuple[int, int]]:
+        """The (start, end) character spans of registered chunks in `prompt_text`, leftmost-longest."""
+        return [(s.start, s.end) for s in resolve(self.candidates(prompt_text))]
+
+    def split(self, prompt_text: str) -> list[Text | Chunk]:
+        """Cut `prompt_text` into segments: registered chunk texts become `Chunk`, the rest `Text`.
+
+        Joining the segments' texts gives `prompt_text` back exactly. (Each piece is tokenized on its own;
+        `Engine.split` instead keeps the tokens of the joined string.)
+        """
+        if not isinstance(prompt_text, str):
+            raise PCRagError(f"split takes the prompt as a str, got {type(prompt_text).__name__}")
+        return cut_at(prompt_text, self.spans(prompt_text))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._keys.clear()
+            self._chars = 0
+            self._recent = set()
+            self._main = self._recent_automaton = None
+            self._dirty = self._stale_main = False
+
+
+class ReplyIndex(ChunkIndex):
+    """Replies an engine generated, as the next turn writes them back, with the token ids generated for them.
+
+    A chat's next turn carries the previous reply as text after the previous prompt, and tokenizing the
+    joined string can differ from what the model saw in two places: where the previous prompt ended (with
+    a GPT-2 style pre-tokenizer, "\n\n" at the end of a string is one token, "\n\nHi" gives two), and inside
+    the reply (a model may generate a non-canonical tokenization; a random test model does so all the
+    time). So a reply is a hard cut: the text before it is tokenized as the string it was when the model
+    answered, and the reply gets back its generated ids. The next turn's tokens then continue the earlier
+    request's exactly, and the automatic prefix reuse covers the previous prompt and the reply.
+
+    A reply is only a cut where the text before it is exactly the prompt it was generated after (a hash of
+    that prompt is kept with it): the same words elsewhere ("Yes" quoted in another prompt) stay ordinary
+    text, tokenized with their neighbours.
+
+    Keys are kept as written (not stripped): a reply is remembered both as generated and trimmed, the way
+    chat templates write it back; `ids` is None for a trimmed form whose tokens cannot be told (a token that
+    mixes the trimmed whitespace and text), which still cuts the prompt where the reply begins.
+    """
+
+    MAX_PROMPTS = 8  # prompts remembered per reply text (the same short reply may follow several prompts)
+
+    def __init__(self, max_texts: int = 4096, max_chars: int = 16 << 20):
+        super().__init__(max_texts=max_texts, max_chars=max_chars)
+        self._ids: dict[str, tuple[int, ...] | None] = {}
+        self._after: dict[str, list[int]] = {}  # reply text -> hashes of the prompts it followed
+
+    @staticmethod
+    def key(text: str) -> str:
+        if not isinstance(text, str):
+            raise PCRagError(f"a reply text must be a str, got {type(text).__name__}")
+        return text if text.strip() else ""
+
+    def remember(self, text: str, token_ids: Sequence[int] | None, after: str) -> None:
+        """`text` was generated as `token_ids` right after the prompt string `after`."""
+        if not self.key(text):
+            return
+        with self._lock:
+            self._ids[text] = None if token_ids is None else tuple(token_ids)
+            prompts = self._after.setdefault(text, [])
+            h = hash(after)
+            if h not in prompts:
+                prompts.append(h)
+                del prompts[: -self.MAX_PROMPTS]
+        self.add(text)
+        with self._lock:
+            if len(self._ids) > len(self._keys):
+                for k in [k for k in self._ids if k not in self._keys]:
+                    del self._ids[k]
+                    self._after.pop(k, None)
+
+    def candidates(self, prompt_text: str) -> list[Span]:
+        spans = super().candidates(prompt_text)
+        with self._lock:
+            return [Span(s.start, s.end, "reply", self._ids.get(prompt_text[s.start: s.end])) for s in spans
+                    if hash(prompt_text[: s.start]) in self._after.get(prompt_text[s.start: s.end], ())]
+
+    def clear(self) -> None:
+        super().clear()
+        with self._lock:
+            self._ids.clear()
+            self._after.clear()
+
+
+def marked(prompt_text: str, texts: Iterable[str]) -> list[Span]:
+    """Occurrences of texts marked as chunks for one request (e.g. content blocks with `cache_control`)."""
+    found = []
+    for text in texts:
+        key = ChunkIndex.key(text)
+        i = prompt_text.find(key) if key else -1
+        while i >= 0:
+            found.append(Span(i, i + len(key)))
+            i = prompt_text.find(key, i + len(key))
+    return found
+
+
+def resolve(candidates: Iterable[Span]) -> list[Span]:
+    """Leftmost-longest, non-overlapping: the span that starts first wins, then the longest starting there."""
+    spans: list[Span] = []
+    cursor = 0
+    for span in sorted(candidates, key=lambda s: (s.start, s.start - s.end)):
+        if span.start >= cursor:
+            spans.append(span)
+            cursor = span.end
+    return spans
+
+
+# ---- documents discovered by the framework hooks ----------------------------------------------------------
+class Discovery:
+    """Documents the framework hooks discovered, and the engines that split prompts with them.
+
+    A retriever's documents are seen (LangChain callback, LlamaIndex event) before any LLM call, so a hook cannot
+    know which engine will answer: it registers the texts here (`discover`), every engine watching this Discovery
+    cuts prompt strings at them (unless turned off per call, or by PC_RAG_DISCOVERY=0), and each of those engines
+    starts prefetching their KV (`Engine.prefetch`, unless its `prefetch_on_discover` is False). Engines are held
+    weakly: one no longer used is never kept alive here. The hooks use the process's one `DISCOVERY`; an engine
+    given another (`Engine(discovery=...)`) shares nothing with engines it never met."""
+
+    def __init__(self, max_texts: int = 50_000, max_chars: int = 128 << 20):
+        self.index = ChunkIndex(max_texts=max_texts, max_chars=max_chars)
+        self._engines: weakref.WeakSet = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def watch(self, engine) -> None:
+        """Split `engine`'s prompts at the discovered documents and ask it to prefetch new ones."""
+        with self._lock:
+            self._engines.add(engine)
+
+    def engines(self) -> list:
+        with self._lock:
+            return list(self._engines)
+
+    def discover(self, texts: Iterable[str]) -> int:
+        """Register retrieved document texts and start prefetching their KV into memory for every watching engine
+        that wants it (never blocks); returns how many texts were new. A no-op when PC_RAG_DISCOVERY=0."""
+        if not discovery_enabled():
+            return 0
+        texts = [t for t in texts if isinstance(t, str)]
+        added = self.index.add_many(texts)
+        if texts and prefetch_enabled():
+            for engine in self.engines():
+                if engine.prefetch_on_discover:
+                    engine.prefetch(texts)
+        return added
+
+    def candidates(self, prompt_text: str) -> list[Span]:
+        return self.index.candidates(prompt_text) if discovery_enabled() else []
+
+
+def discovery_enabled() -> bool:
+    return os.environ.get("PC_RAG_DISCOVERY", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def prefetch_enabled() -> bool:
+    """PC_RAG_PREFETCH=0 turns prefetch on discovery off for the process."""
+    return os.environ.get("PC_RAG_PREFETCH", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# The process's one entry point for the framework hooks: every Engine watches it unless given its own.
+DISCOVERY = Discovery()
+DISCOVERED = DISCOVERY.index  # its texts (the name earlier versions exported)
+
+
+def discover(texts: Iterable[str]) -> int:
+    """`DISCOVERY.discover(texts)`: what the framework hooks call."""
+    return DISCOVERY.discover(texts)
+
+
+# One index per engine, so every adapter instance built on the same Engine (the LangChain chat model, its
+# retriever wrapper, the LlamaIndex LLM and postprocessor) registers into and splits with the same texts.
+_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_INDEXES_LOCK = threading.Lock()
+
+
+def index_for(engine: object) -> ChunkIndex:
+    """The ChunkIndex of texts registered with `engine` (its own `chunks`, or one kept here for other objects)."""
+    own = getattr(engine, "chunks", None)
+    if isinstance(own, ChunkIndex):
+        return own
+    with _INDEXES_LOCK:
+        index = _INDEXES.get(engine)
+        if index is None:
+            index = _INDEXES[engine] = ChunkIndex()
+        return index
+
