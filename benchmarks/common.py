@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 import pc_rag
 from pc_rag import Chunk, Text
+from pc_rag.model.hf import with_cache
 
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents below.\n\n"
 QUESTION = "\n\nQuestion: Which statement does the documentation above describe, and how is it used?\nAnswer:"
@@ -109,9 +110,9 @@ class Workload:
         model = engine.model
         with torch.inference_mode():
             self.sys_cache = DynamicCache(config=model.config)
-            model(input_ids=self.x[:, : self.n_sys], cache=self.sys_cache)
+            model(input_ids=self.x[:, : self.n_sys], **with_cache(self.sys_cache))
             pre = DynamicCache(config=model.config)
-            model(input_ids=self.x[:, : -self.q], cache=pre)
+            model(input_ids=self.x[:, : -self.q], **with_cache(pre))
         self.prefix_kv = [(layer.keys, layer.values) for layer in pre.layers]
 
     @torch.inference_mode()
@@ -121,7 +122,7 @@ class Workload:
     @torch.inference_mode()
     def hf_prefix(self):
         cache = copy.deepcopy(self.sys_cache)
-        self.engine.model(input_ids=self.x[:, self.n_sys:], cache=cache, logits_to_keep=1)
+        self.engine.model(input_ids=self.x[:, self.n_sys:], **with_cache(cache), logits_to_keep=1)
 
     def ideal_case(self):
         """(run, setup): the question alone over a ready DynamicCache (the copy is made in setup, untimed)."""
@@ -132,7 +133,7 @@ class Workload:
 
         @torch.inference_mode()
         def run():
-            self.engine.model(input_ids=self.x[:, -self.q:], cache=caches[0], logits_to_keep=1)
+            self.engine.model(input_ids=self.x[:, -self.q:], **with_cache(caches[0]), logits_to_keep=1)
 
         return run, setup
 
@@ -147,7 +148,7 @@ class Workload:
         def gen(k):
             cache = DynamicCache(ddp_cache_data=[(k_.clone(), v.clone()) for k_, v in self.prefix_kv])
             t0 = time.perf_counter()
-            self.engine.model.generate(input_ids=self.x, cache=cache, max_new_tokens=k, min_new_tokens=k,
+            self.engine.model.generate(input_ids=self.x, **with_cache(cache), max_new_tokens=k, min_new_tokens=k,
                                        do_sample=False, pad_token_id=self.engine.tokenizer.eos_token_id)
             return time.perf_counter() - t0
 
@@ -157,11 +158,11 @@ class Workload:
     def hf_decode_tokens_per_s(self, n=32):
         """Greedy decode with HF's DynamicCache over the full prompt cache."""
         cache = DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in self.prefix_kv])
-        out = self.engine.model(input_ids=self.x[:, -self.q:], cache=cache, logits_to_keep=1)
+        out = self.engine.model(input_ids=self.x[:, -self.q:], **with_cache(cache), logits_to_keep=1)
         tok = out.logits[:, -1:].argmax(-1)
         t0 = time.perf_counter()
         for _ in range(n):
-            tok = self.engine.model(input_ids=tok, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            tok = self.engine.model(input_ids=tok, **with_cache(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)
         return n / (time.perf_counter() - t0)
 
 

@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 import pc_rag
+from pc_rag.model.hf import with_cache
 from pc_rag.store import DiskStore, MemoryStore, TieredStore
 
 from .common import model_or_bench
@@ -52,13 +53,13 @@ def ideal_s(engine, system: str, question: str, reps: int) -> float:
     sys_ids = [engine.segmenter.bos_id, *engine.segmenter.ids(system)]
     q_ids = list(engine.segmenter.ids(system + question))[len(sys_ids) - 1:]
     pre = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([sys_ids], device=dev), cache=pre)
+    model(input_ids=torch.tensor([sys_ids], device=dev), **with_cache(pre))
     kv = [(layer.keys, layer.values) for layer in pre.layers]
     times = []
     for _ in range(reps + 1):
         cache = DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in kv])
         t0 = time.perf_counter()
-        model(input_ids=torch.tensor([q_ids], device=dev), cache=cache, logits_to_keep=1)
+        model(input_ids=torch.tensor([q_ids], device=dev), **with_cache(cache), logits_to_keep=1)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 

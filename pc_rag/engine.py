@@ -33,7 +33,7 @@ from .grammar import Grammar, Grammars
 from .lookups import WhereLookups
 from .model import LlamaRunner
 from .options import DEFAULT_RECOMPUTE_RATIO, MODES, GenerationOptions, check_device, checked_cache_salt
-from .plan import COMPUTE, COPY, ENCODE, READ, STORED, Plan, Planner
+from .plan import COMPUTE, COPY, ENCODE, READ, REUSING_CHUNKS, STORED, Plan, Planner
 from .pml import PML, Schema, SchemaRegistry
 from .prefetch import PREFETCHER, Prefetcher
 from .scaffolds import ScaffoldBuilder
@@ -133,7 +133,7 @@ class Explanation:
 
 
 class Engine:
-    """Generate with a Llama-family HF model, reusing cached chunk KV.
+    """Generate with an HF decoder of a supported family (docs/models.md), reusing cached chunk KV.
 
     Modes: "full" (no reuse, the reference), "exact" (longest cached prefix: identical to full),
     "modular" (default: exact prefix where there is one, then every chunk from its own cached encoding,
@@ -281,9 +281,12 @@ class Engine:
         answers that read nothing (`Store.where`). No forward pass runs and the store is left as it is (no block
         read, counted, promoted or written). A plain-string prompt is split as `generate` splits it; `cache_salt`:
         the namespace of the request explained (it sees what that request would). What it cannot know: a
-        block's tokens (checked when a request reads it) and blend's recomputed share."""
+        block's tokens (checked when a request reads it) and blend's recomputed share. A mode a request would
+        refuse for this model (a RoPE that cannot be relocated, a failed relocation self-check) is refused."""
         namespace = checked_cache_salt(cache_salt)
         segments, _ = self._checked_segments(prompt, mode, namespace=namespace)
+        if mode in REUSING_CHUNKS:  # refused as a request would be, by what is known without a forward pass
+            self.runner.check_relocation(probe=False)
         plan = self.planner.plan(segments, mode, WhereLookups(self.store, self.assembler.direct_loads), namespace)
         rows = []
         for p in plan.pieces:
@@ -398,9 +401,11 @@ class Engine:
         """Store tiers' counters; scaffolds: groups declared, bytes of their joint KV, automatic builds that
         failed (each logged on the "pc_rag" logger); prefix blocks this process's index knows; texts registered
         as chunks with this engine and replies it remembers; decode: batched decode steps, the tokens they
-        produced, the largest batch seen, requests decoding and waiting for a row now."""
+        produced, the largest batch seen, requests decoding and waiting for a row now; relocation_check: the
+        RoPE relocation self-check of this model (run before its first modular or blend request; None before)."""
         groups, failed = self.scaffolds.snapshot()  # background builds may add groups meanwhile
         decoder = self._decoder
+        check = self.runner.relocation_check
         decode = decoder.stats() if decoder is not None else {
             "active": 0, "waiting": 0, "steps": 0, "tokens": 0, "max_batch": self.max_batch, "max_batch_seen": 0}
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
@@ -408,7 +413,8 @@ class Engine:
                               "failed": failed},
                 "prefix": {"blocks_indexed": len(self.planner.prefixes), "block_tokens": self.planner.block_tokens},
                 "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
-                "decode": decode}
+                "decode": decode,
+                "relocation_check": check.as_dict() if check is not None else None}
 
     def wait_for_background(self, timeout: float | None = None) -> None:
         """Wait for background work (automatic scaffold encodes) to finish."""
@@ -439,12 +445,6 @@ class Engine:
         # Decoding stops where positions run out, so no more slots than that can be written: without this
         # bound, max_new_tokens=10**9 asked the pool for a billion-token buffer.
         extra_capacity = min(extra_capacity, shape.max_positions - segments[-1].end)
-        total = sum(len(s) for s in segments)
-        if shape.sliding_window is not None and total + extra_capacity > shape.sliding_window:
-            raise PromptError(
-                f"prompt plus max_new_tokens ({total + extra_capacity} tokens) exceeds the model's sliding "
-                f"window of {shape.sliding_window}; pc_rag assembles full attention only"
-            )
         return segments, extra_capacity
 
     def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int, recompute_ratio: float,
@@ -453,6 +453,8 @@ class Engine:
         lookups that keep what they found), then encode, build and forward (`Assembler.assemble`); every key in
         the request's cache `namespace`."""
         segments, extra_capacity = self._checked_segments(prompt, mode, extra_capacity, namespace)
+        if mode in REUSING_CHUNKS:  # refused (UnsupportedModelError) where relocated keys would be wrong
+            self.runner.check_relocation()
         recompute = Recompute(recompute_ratio, self.blend_selection) if mode == "blend" else None
         lookups = self.assembler.lookups()
         plan = self.planner.plan(segments, mode, lookups, namespace)

@@ -10,7 +10,8 @@ class PromptError(PCRagError, ValueError):
 
 
 class UnsupportedModelError(PCRagError, ValueError):
-    """The checkpoint is not a Llama-family decoder, or its RoPE cannot be relocated exactly."""
+    """The checkpoint is not a decoder of a supported family, or its cached keys cannot be relocated exactly (a
+    RoPE that changes with the sequence length, or a failed relocation self-check): modular and blend only."""
 
 
 class PMLError(PCRagError, ValueError):

@@ -1,9 +1,11 @@
-"""An offline Llama checkpoint for tests, benchmarks and the demo: nothing is downloaded.
+"""Offline checkpoints for tests, benchmarks and the demo: nothing is downloaded.
 
 `build_tiny_llama` trains a byte-level BPE tokenizer on Python's own `pydoc_data.topics` text (so merges
 at segment boundaries behave like a real tokenizer's), builds a `LlamaForCausalLM` with random weights from
 a fixed seed, and saves both with `save_pretrained`, so callers load it through the real
-`from_pretrained` path. The weights are random: the text it generates means nothing.
+`from_pretrained` path. `build_tiny` does the same for every supported family (`TINY_FAMILIES`: each one's
+real HF config class, with what makes the family differ switched on at a tiny size). The weights are random:
+the text they generate means nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ SIZES = {
     # The layer shapes of Qwen2.5-0.5B (24 layers, hidden 896, 14/2 heads of 64, MLP 4864) with the bench vocabulary,
     # as a Llama: 0.37B parameters, for benchmarks at the size of a small model people run (benchmarks/peers.py).
     "large": TinyShape(8192, 896, 24, 14, 2, 4864, 32768),
+    # Llama 3.2 1B's layers (16 of hidden 2048, 32/8 heads of 64, MLP 8192) with the bench vocabulary: 1.0B
+    # parameters, for the GPU check (benchmarks/gpu_check.py), built in memory on the device.
+    "1b": TinyShape(8192, 2048, 16, 32, 8, 8192, 16384),
 }
 
 
@@ -56,6 +61,14 @@ def pydoc_corpus() -> list[str]:
 
 
 def train_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on `pydoc_corpus` (trained once per process and size)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_trained_tokenizer(vocab_size))
+
+
+@functools.cache
+def _trained_tokenizer(vocab_size: int) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -72,7 +85,7 @@ def train_tokenizer(vocab_size: int):
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
     )
-    return tok
+    return tok.to_str()
 
 
 def build_tiny_llama(
@@ -91,25 +104,13 @@ def build_tiny_llama(
     not to hinge on float noise.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     if size not in SIZES:
         raise PCRagError(f"unknown test model size {size!r}; choose one of {sorted(SIZES)}")
     shape = SIZES[size]
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(shape.vocab_size),
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=EOS,
-        additional_special_tokens=CHAT_TOKENS,
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=shape.max_positions,
-        clean_up_tokenization_spaces=False,
-    )
-    tok.save_pretrained(out)
+    tok = save_tokenizer(out, shape)
 
     rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
     if rope_scaling:
@@ -134,6 +135,91 @@ def build_tiny_llama(
     model.save_pretrained(out)
     (out / "pc_rag_test_model.json").write_text(json.dumps({"size": size, "seed": seed}))
     return out
+
+
+def save_tokenizer(out: Path, shape: TinyShape):
+    """Write the tiny tokenizer (Llama 3's special tokens and chat template) into `out`; return it."""
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(shape.vocab_size),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        additional_special_tokens=CHAT_TOKENS,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=shape.max_positions,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.save_pretrained(out)
+    return tok
+
+
+# Every supported family at the "tiny" size: (config class, model class, what makes the family differ). Windows are
+# 32 tokens (test prompts are longer), layer patterns mix the layer kinds, soft-caps are small enough to bend
+# random-weight logits, and multipliers are far from 1, so that a forward ignoring any of them fails its tests.
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 32,
+                                                  "max_window_layers": 1}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "sliding_window": 32, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 1.0,
+        "final_logit_softcapping": 2.0}),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "sliding_window": 32, "query_pre_attn_scalar": 24,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0}}}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        "sliding_window": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75}}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1]}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {
+        "embedding_multiplier": 6.0, "attention_multiplier": 0.15, "residual_multiplier": 0.5,
+        "logits_scaling": 4.0}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+}
+
+
+def build_tiny(directory: str | Path, family: str, seed: int = 0, **config_changes) -> Path:
+    """Write a tiny random-weight checkpoint of `family` (a key of TINY_FAMILIES) with the tiny tokenizer, from the
+    family's real HF config class, and `config_changes` over TINY_FAMILIES' settings; return its path."""
+    out = Path(directory)
+    tok = save_tokenizer(out, SIZES["tiny"])
+    tiny_model(family, tok, "tiny", seed, **config_changes).save_pretrained(out)
+    (out / "pc_rag_test_model.json").write_text(json.dumps({"family": family, "seed": seed}))
+    return out
+
+
+def tiny_model(family: str, tokenizer, size: str = "tiny", seed: int = 0, **config_changes):
+    """A random-weight `...ForCausalLM` of `family` at `size` (SIZES) in memory, on torch's default device and
+    dtype, for `tokenizer`: the family's real HF config class with TINY_FAMILIES' settings and `config_changes`."""
+    import torch
+    import transformers
+
+    if family not in TINY_FAMILIES:
+        raise PCRagError(f"unknown test model family {family!r}; choose one of {sorted(TINY_FAMILIES)}")
+    if size not in SIZES:
+        raise PCRagError(f"unknown test model size {size!r}; choose one of {sorted(SIZES)}")
+    config_name, model_name, changes = TINY_FAMILIES[family]
+    shape = SIZES[size]
+    settings = dict(
+        vocab_size=len(tokenizer), hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, head_dim=shape.hidden_size // shape.num_heads,
+        max_position_embeddings=shape.max_positions, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, initializer_range=0.05)
+    settings.update(changes)
+    settings.update(config_changes)
+    if family == "phi3":  # Phi-3's config derives head_dim from hidden_size and num_attention_heads
+        settings.pop("head_dim")
+    config = getattr(transformers, config_name)(**settings)
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(config)
 
 
 @functools.cache

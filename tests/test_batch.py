@@ -192,9 +192,10 @@ def _clone(runner, cache):
     return copy
 
 
-def _check_decode_batch(engine, docs):
+def _check_decode_batch(engine, docs, chars: int = 120):
+    """Four requests' first decode step (prompts of `chars` + 60 i characters), batched and one at a time."""
     runner = engine.runner
-    prompts = [[Text(f"Q{i}. "), Chunk(docs[i % len(docs)][: 120 + 60 * i])] for i in range(4)]
+    prompts = [[Text(f"Q{i}. "), Chunk(docs[i % len(docs)][: chars + 60 * i])] for i in range(4)]
     asms = _prefilled(engine, prompts)
     first = [int(a.logits.argmax()) for a in asms]
     positions = [a.last_position + 1 for a in asms]

@@ -1,5 +1,6 @@
 """The benchmark scripts' own claims, checked small: exact == full on the trained model, blend's end points,
-and that training is reproducible bit for bit (the committed checkpoint relies on it)."""
+that training is reproducible bit for bit (the committed checkpoint relies on it), and the GPU check's checks
+on the CPU."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 import pc_rag
@@ -92,3 +94,14 @@ def test_loads_benchmark_runs_prefetch_and_compression(tiny_path):
     assert 0.24 < row["bytes_per_token"]["disk int8"] / row["bytes_per_token"]["disk"] < 0.3
     assert result["fidelity"]["none"]["kl_modular"] == 0.0  # the reference against itself
     assert "| int8 |" in loads.markdown(result)
+
+
+def test_gpu_check_runs_its_checks_on_the_cpu(capsys):
+    # The CUDA check's own code paths, on the tiny models (the CUDA run itself needs a GPU: docs/models.md).
+    from benchmarks import gpu_check
+
+    assert gpu_check.main(["--device", "cpu", "--small"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| pass |") == 10 and "FAIL" not in out and out.count("| measured |") == 2
+    if not torch.cuda.is_available():  # without a GPU it says so and runs nothing
+        assert gpu_check.main([]) == 0 and "no CUDA device" in capsys.readouterr().out

@@ -11,7 +11,7 @@ import xxhash
 
 import pc_rag
 from pc_rag import Chunk, Text
-from pc_rag.model import LlamaRunner, _hash_tensor
+from pc_rag.model import LlamaRunner, hash_tensor
 from pc_rag.store import MemoryStore
 
 ODD_TOKEN = 1001  # a sample of every other embedding row (the old fingerprint) never saw odd token ids
@@ -141,11 +141,11 @@ def test_hashing_through_a_host_buffer_covers_the_same_bytes(dtype):
     # A chunk size that does not divide the tensor exercises the last, partial chunk.
     t = torch.randn(37, 53).to(dtype).t()  # non-contiguous, as a transposed view would be
     direct, staged = xxhash.xxh3_128(), xxhash.xxh3_128()
-    _hash_tensor(direct, t)
-    _hash_tensor(staged, t, chunk_bytes=1000, stage=True)
+    hash_tensor(direct, t)
+    hash_tensor(staged, t, chunk_bytes=1000, stage=True)
     assert staged.hexdigest() == direct.hexdigest()
     t2 = t.clone()
     t2[-1, -1] = torch.nextafter(t2[-1, -1], torch.tensor(float("inf"), dtype=dtype))
     changed = xxhash.xxh3_128()
-    _hash_tensor(changed, t2, chunk_bytes=1000, stage=True)
+    hash_tensor(changed, t2, chunk_bytes=1000, stage=True)
     assert changed.hexdigest() != direct.hexdigest()

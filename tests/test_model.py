@@ -1,4 +1,5 @@
-"""pc_rag's own layer loop (LlamaRunner.forward_layers) and the decoder weights it multiplies by (weights.py).
+"""pc_rag's own layer loop (LlamaRunner.forward_layers), its attention layouts (model/attention.py) and the decoder
+weights it multiplies by (model/weights.py).
 
 References: HF's own forward over the whole sequence (`reference_logits`, independent of our loop, our attention
 layouts and our packed weights) within 1e-4 (fp32); each attention layout against sdpa with the explicit mask
@@ -13,13 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import pc_rag
-from pc_rag.model import SPLIT_MIN_TOKENS, Writes, _attend_after, _attend_one, _mask
-from pc_rag.weights import Packed, Plain, _packs, weights_of
-
-
-class Attn:  # the attributes of an HF attention module the helpers read
-    def __init__(self, groups: int, d: int = 16):
-        self.num_key_value_groups, self.scaling = groups, d ** -0.5
+from pc_rag.model.attention import SPLIT_MIN_TOKENS, Heads, Writes, _attend_after, _attend_one, _mask
+from pc_rag.model.weights import Packed, Plain, _packs, weights_of
 
 
 def masked(q, keys, values, slots, groups):
@@ -61,7 +57,7 @@ def test_attention_after_a_prefix_equals_the_masked_attention(dtype, tol, groups
     values = torch.randn(1, h_kv, before + n, d, generator=g).to(dtype)
     want = masked(q, keys, values, list(range(before, before + n)), groups)
     got = _attend_after(q, keys[:, :, :before], values[:, :, :before], keys[:, :, before:], values[:, :, before:],
-                        Attn(groups, d))
+                        Heads(groups, d ** -0.5))
     assert (got.float() - want.float()).abs().max().item() <= tol
 
 
@@ -71,7 +67,7 @@ def test_one_query_folds_its_group_onto_the_kv_head(groups):
     q = torch.randn(3, 2 * groups, 1, 16, generator=g)
     keys, values = torch.randn(3, 2, 50, 16, generator=g), torch.randn(3, 2, 50, 16, generator=g)
     want = F.scaled_dot_product_attention(q, keys, values, scale=0.25, enable_gqa=groups > 1)
-    assert (_attend_one(q, keys, values, Attn(groups)) - want).abs().max().item() <= 1e-6
+    assert (_attend_one(q, keys, values, Heads(groups, 0.25)) - want).abs().max().item() <= 1e-6
 
 
 def test_every_layout_equals_hf_forward(engine, docs):
@@ -113,8 +109,9 @@ def test_packed_products_equal_f_linear(dtype):
 
 def test_weights_are_packed_once_per_model_and_not_for_fp16(loaded, tiny_path):
     model, _ = loaded
-    a = weights_of(model, model.config.num_hidden_layers)
-    assert weights_of(model, model.config.num_hidden_layers) is a  # engines over one model share the copy
+    arch = pc_rag.model.describe(model.config)
+    a = weights_of(model, arch)
+    assert weights_of(model, arch) is a  # engines over one model share the copy
     assert a.packed == _packs(torch.float32, torch.device("cpu"))
     half = pc_rag.Engine.from_pretrained(tiny_path, dtype="float16", store="memory")
     assert not half.runner.weights.packed  # no fast oneDNN fp16 path on CPU: the modules themselves

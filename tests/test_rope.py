@@ -125,9 +125,21 @@ def test_relocate_equals_a_direct_rotation(loaded, dtype, tol):
     runner = LlamaRunner(*loaded)
     src = torch.randn(2, 2, 9, runner.shape.head_dim).to(dtype)
     delta = 1234
-    angle = delta * runner.inv_freq
+    angle = delta * runner.rope.tables["default"].inv_freq
     cos, sin = torch.cat([angle.cos(), angle.cos()]), torch.cat([angle.sin(), angle.sin()])
     ref = src.float() * cos + rotate_half(src.float()) * sin
     dst = torch.empty_like(src)
     runner.relocate(dst, src, delta)
     torch.testing.assert_close(dst.float(), ref, rtol=tol, atol=1e-6 if dtype == torch.bfloat16 else tol)
+
+
+def test_rope_types_that_depend_on_more_than_the_position_are_not_relocatable():
+    # M-RoPE (Qwen2-VL style: sections rotated by positions of other modalities) is named by its sections, whatever
+    # rope_type says; dynamic and longrope rescale with the sequence length.
+    from pc_rag.model.architecture import rope_type_of
+    from pc_rag.model.rope import RELOCATABLE_ROPE_TYPES
+
+    assert rope_type_of({"rope_type": "default", "mrope_section": [16, 24, 24]}) == "mrope"
+    assert rope_type_of({"type": "linear", "factor": 2.0}) == "linear" and rope_type_of(None) == "default"
+    for name in ("mrope", "dynamic", "longrope"):
+        assert name not in RELOCATABLE_ROPE_TYPES

@@ -75,6 +75,8 @@ def test_models_and_health(server, client, tiny_path):
     health = server.health()
     assert health["status"] == "ok" and health["model"] == tiny_path.name
     assert set(health["decode"]) >= {"steps", "tokens", "max_batch_seen", "active"}
+    # run while the model loaded, before any request (a first modular request would pay it in its prefill)
+    assert health["relocation_check"]["ok"] and health["relocation_check"]["ms"] > 0
 
 
 def test_chat_streaming_and_not_equal_the_engine_and_reuse_is_reported(client, reference):

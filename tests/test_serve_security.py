@@ -290,8 +290,10 @@ def test_a_prefill_past_its_deadline_is_answered_and_stopped(bench_path, tmp_pat
     deadline = round(max(whole / 4, 0.05), 3)
     extra = ["--store", "memory", "--max-running", "1", "--prefill-timeout", str(deadline)]
     with ServerProcess(path, extra=extra, env=worktree_env(folder / "cache")) as server:
-        assert httpx.post(server.url + "/v1/completions", timeout=60,  # the server's own warm-up
-                          json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+        t0 = time.monotonic()
+        warm = httpx.post(server.url + "/v1/completions", timeout=60,  # the server's own warm-up
+                          json={"prompt": "hi", "max_tokens": 1})
+        assert warm.status_code == 200, (warm.text, time.monotonic() - t0, deadline, whole)
         text, chunks = _spread_prompt(180)
         t0 = time.monotonic()
         r = httpx.post(server.url + "/v1/completions", timeout=60,

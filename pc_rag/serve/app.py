@@ -177,9 +177,10 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     async def health(request: Request):
         if keys and tenant_of(request) is None:  # load balancers need liveness only; the rest is for operators
             return {"status": "ok"}
+        stats = engine.stats()
         return {"status": "ok", "model": settings.model_id, "running": admission.running,
                 "waiting": admission.waiting, "served": admission.served, "rejected": admission.rejected,
-                "decode": engine.stats()["decode"]}
+                "decode": stats["decode"], "relocation_check": stats["relocation_check"]}
 
     @app.get("/ready")
     async def ready():

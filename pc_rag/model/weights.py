@@ -18,6 +18,9 @@ decoder's linear weights (the model's own modules keep theirs, so the HF model s
 Half precision fp16 (no fast oneDNN path on CPUs without AVX512-FP16), CUDA, and any torch whose oneDNN op fails
 the check below use the modules themselves. Weights changed in place after packing are not seen (nor by the
 model fingerprint, which is computed once).
+
+Which modules a layer has (norms before or after each sublayer, q/k norms, fused projections) comes from the
+model's Architecture (architecture.py): a norm the family does not have is None here, not an identity module.
 """
 
 from __future__ import annotations
@@ -30,27 +33,34 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UnsupportedModelError
+from .architecture import Architecture
+
 log = logging.getLogger("pc_rag.weights")
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Plain:
-    """y = x W^T + b through the model's own modules: one output per module."""
+    """y = x W^T + b through the model's own modules: one output per module, or a fused module's output split
+    into `splits` (Phi-3's q|k|v and gate|up)."""
 
-    def __init__(self, modules: list[torch.nn.Module]):
+    def __init__(self, modules: list[torch.nn.Module], splits: list[int] | None = None):
         self.modules = modules
+        self.splits = splits
 
     def __call__(self, x: torch.Tensor):
         outs = [m(x) for m in self.modules]
+        if self.splits is not None:
+            return list(outs[0].split(self.splits, -1))
         return outs if len(outs) > 1 else outs[0]
 
 
 class Packed:
     """The modules' weights concatenated ([out_1 + out_2 + ..., in]) and reordered by oneDNN; the product is split
-    back into one output per module."""
+    back into one output per module (or into `splits` of a fused module's output)."""
 
-    def __init__(self, modules: list[torch.nn.Module]):
+    def __init__(self, modules: list[torch.nn.Module], splits: list[int] | None = None):
         weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
         biases = [m.bias for m in modules]
         if any(b is not None for b in biases):
@@ -60,7 +70,7 @@ class Packed:
         else:
             self.bias = None
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-        self.splits = [m.weight.shape[0] for m in modules]
+        self.splits = splits if splits is not None else [m.weight.shape[0] for m in modules]
 
     def __call__(self, x: torch.Tensor):
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
@@ -70,15 +80,19 @@ class Packed:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer, as the forward passes call it."""
+    """One decoder layer, as the forward passes call it; the norms a family lacks are None."""
 
-    input_norm: torch.nn.Module
+    input_norm: torch.nn.Module | None  # before attention
     qkv: Callable  # x [.., hidden] -> [q, k, v] projections
+    q_norm: torch.nn.Module | None  # Architecture.qk_norm says over what
+    k_norm: torch.nn.Module | None
     o: Callable
-    post_norm: torch.nn.Module
+    attn_out_norm: torch.nn.Module | None  # on the attention output, before the residual add
+    mlp_norm: torch.nn.Module | None  # before the MLP
     gate_up: Callable  # x -> [gate, up]
     down: Callable
     act: Callable
+    mlp_out_norm: torch.nn.Module | None  # on the MLP output, before the residual add
 
 
 @dataclass(frozen=True)
@@ -110,28 +124,49 @@ _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Wei
 _SHARED_LOCK = threading.Lock()
 
 
-def weights_of(model, num_layers: int) -> Weights:
-    """The layer weights of an HF Llama-family `...ForCausalLM` (its `model.layers[i].self_attn`/`.mlp` modules),
-    packed on CPU where that runs (see the module docstring), built once per model object."""
+def weights_of(model, arch: Architecture) -> Weights:
+    """The layer weights of an HF decoder `...ForCausalLM` (its `model.layers[i].self_attn`/`.mlp` modules, named
+    by `arch`), packed on CPU where that runs (see the module docstring), built once per model object."""
     p = next(model.parameters())
+    num_layers = len(arch.layers)
     with _SHARED_LOCK:
         found = _SHARED.get(model)
         if found is not None and len(found.layers) == num_layers:
             return found
         pack = _packs(p.dtype, p.device)
         kind = Packed if pack else Plain
+        q_size, kv_size = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
         layers = []
-        for layer in model.model.layers[:num_layers]:
+        for i, layer in enumerate(model.model.layers[:num_layers]):
             attn, mlp = layer.self_attn, layer.mlp
+            qkv = [_module(attn, name, arch, i) for name in arch.qkv]
+            gate_up = [_module(mlp, name, arch, i) for name in arch.gate_up]
+            norms = arch.norms
             layers.append(LayerWeights(
-                input_norm=layer.input_layernorm,
-                qkv=kind([attn.q_proj, attn.k_proj, attn.v_proj]),
+                input_norm=_module(layer, norms.before_attention, arch, i),
+                qkv=kind(qkv, [q_size, kv_size, kv_size] if len(qkv) == 1 else None),
+                q_norm=_module(attn, "q_norm" if arch.qk_norm else None, arch, i),
+                k_norm=_module(attn, "k_norm" if arch.qk_norm else None, arch, i),
                 o=kind([attn.o_proj]),
-                post_norm=layer.post_attention_layernorm,
-                gate_up=kind([mlp.gate_proj, mlp.up_proj]),
+                attn_out_norm=_module(layer, norms.after_attention, arch, i),
+                mlp_norm=_module(layer, norms.before_mlp, arch, i),
+                gate_up=kind(gate_up, [gate_up[0].weight.shape[0] // 2] * 2 if len(gate_up) == 1 else None),
                 down=kind([mlp.down_proj]),
-                act=mlp.act_fn,
+                act=_module(mlp, arch.act, arch, i),
+                mlp_out_norm=_module(layer, norms.after_mlp, arch, i),
             ))
         found = Weights(tuple(layers), kind([model.lm_head]), pack)
         _SHARED[model] = found
         return found
+
+
+def _module(parent: torch.nn.Module, name: str | None, arch: Architecture, i: int):
+    """`parent.name` (None for no name), or an error naming what the description expected and did not find."""
+    if name is None:
+        return None
+    found = getattr(parent, name, None)
+    if found is None:
+        raise UnsupportedModelError(
+            f"{arch.model_type}: layer {i} has no {type(parent).__name__}.{name}, which pc_rag's description of "
+            f"this family reads (a transformers version whose modeling code differs?)")
+    return found

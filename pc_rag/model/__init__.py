@@ -1,0 +1,30 @@
+"""Everything that touches transformers: loading, pc_rag's own forward passes over a model's modules, RoPE.
+
+The rest of pc_rag passes plain tensors and dataclasses; when transformers changes (5.24 renamed the forward
+keyword `past_key_values` to `cache`), this package is the one place to edit. What each file holds:
+
+- architecture.py: what differs between decoder families, as data (`Architecture`, one `Layer` per layer);
+- families/: one small file per family (Llama/Mistral/Qwen2, Qwen3, Gemma 2/3, Phi-3/4, SmolLM3, Granite,
+  OLMo 2) reading its HF config into an Architecture;
+- weights.py: each layer's modules as the forwards call them (projections fused, oneDNN-packed on CPU);
+- attention.py: where one forward's tokens go (`Writes`), sliding windows and soft-capping, the kernels;
+- cache.py: a request's KV buffer (`SlotCache`) and the KV shape (`ModelShape`);
+- rope.py: RoPE tables per layer, relocation of cached keys, the relocation self-check;
+- fingerprint.py: the model fingerprint in every store key;
+- hf.py: names in transformers' API that differ between supported releases (for direct HF calls: benchmarks);
+- runner.py: `LlamaRunner`, the layer loop over all of the above.
+"""
+
+from .architecture import Architecture, Layer, Norms
+from .attention import SPLIT_MIN_TOKENS, Heads, Writes
+from .cache import ModelShape, SlotCache
+from .families import FAMILIES, SUPPORTED_MODEL_TYPES, describe
+from .fingerprint import hash_tensor
+from .rope import RELOCATABLE_ROPE_TYPES, RelocationCheck
+from .runner import DTYPES, POOL_MAX_BYTES, POOL_SIZE, PREFILL_CHUNK_TOKENS, LlamaRunner, parse_dtype
+
+__all__ = [
+    "DTYPES", "FAMILIES", "POOL_MAX_BYTES", "POOL_SIZE", "PREFILL_CHUNK_TOKENS", "RELOCATABLE_ROPE_TYPES",
+    "SPLIT_MIN_TOKENS", "SUPPORTED_MODEL_TYPES", "Architecture", "Heads", "Layer", "LlamaRunner", "ModelShape",
+    "Norms", "RelocationCheck", "SlotCache", "Writes", "describe", "hash_tensor", "parse_dtype",
+]

@@ -1,0 +1,458 @@
+"""The runner: an HF decoder's modules driven by pc_rag's own layer loop, into a request's SlotCache.
+
+Not HF's `model(...)`: pc_rag runs the layers itself (`forward_layers`, `decode_batch`), reading the model's
+Architecture (architecture.py) for what its family does differently, its linear layers as weights.py packs them,
+its norms, embedding, rotary module and `apply_rotary_pos_emb` as the model's own code has them, and attention
+as attention.py lays it out. Slots (where a token's KV goes), positions (RoPE) and the order blocks were fetched
+in are independent. HF's forward runs only as the tests' reference (`reference_logits`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..batch import TurnLock
+from ..errors import Cancelled, PCRagError, UnsupportedModelError
+from . import rope as rope_check
+from .attention import Heads, Writes, _attend_one, _mask, attend
+from .cache import ModelShape, SlotCache, _to_device
+from .families import SUPPORTED_MODEL_TYPES, describe
+from .fingerprint import model_fingerprint, tokenizer_fingerprint
+from .rope import RelocationCheck, relocate, rope_of
+from .weights import weights_of
+
+# Free request buffers kept for reuse (each is layers x capacity x KV bytes per token): at most POOL_SIZE of
+# them and at most `LlamaRunner.pool_max_bytes` together, by default POOL_SIZE context-size buffers capped at
+# POOL_MAX_BYTES (a long-context buffer of a 1B model is 4 GiB; the allocation it saves is small next to
+# the prefill of that many tokens).
+POOL_SIZE = 2
+POOL_MAX_BYTES = 1 << 30
+
+# While other requests are decoding, a forward over more fresh tokens than this runs as several forwards of at
+# most this many (a chunked prefill), each taking its own turn on the runner lock, so the decoding requests wait
+# for one chunk, not for the whole prompt: 512 tokens of the 8-layer bench model take about 0.3 s on the 2-core
+# CPU. Only then: a chunk attends through an explicit mask rather than the causal kernel of one forward, which
+# made a 4K-token prefill ~20% slower (bench model, medians of 3: 2.97 s in chunks of 512, 3.21 s in chunks of
+# 256, 2.44 s whole), a cost a request alone should not pay.
+PREFILL_CHUNK_TOKENS = 512
+
+log = logging.getLogger("pc_rag.model")
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise PCRagError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class LlamaRunner:
+    """Owns an HF decoder of a supported family (families/): forward passes into a SlotCache, RoPE relocation,
+    fingerprints. (Named for the first family it ran; every family goes through the same code.)"""
+
+    def __init__(self, model, tokenizer):
+        config = model.config
+        if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+            raise UnsupportedModelError(
+                f"pc_rag runs decoder-only ...ForCausalLM models ({', '.join(SUPPORTED_MODEL_TYPES)}); "
+                f"got {type(model).__name__} (model_type={getattr(config, 'model_type', None)!r})")
+        # pc_rag's forwards never call the model's attention modules, so the attention implementation it was
+        # loaded with (eager, sdpa, flash, flex) changes nothing here: the model is left as loaded.
+        self.arch = describe(config)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config
+        arch = self.arch
+        windows = arch.windows
+        self.shape = ModelShape(
+            num_layers=len(arch.layers),
+            kv_heads=arch.kv_heads,
+            head_dim=arch.head_dim,
+            max_positions=config.max_position_embeddings,
+            sliding_window=windows[0] if windows else None,
+        )
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.heads = Heads(arch.heads // arch.kv_heads, arch.attn_scale, arch.attn_softcap)
+        _check_against_modules(model, arch)
+        self.rope = rope_of(model, arch)
+        # RoPE is applied as the model's own attention does: each family's modeling file has its copy (Phi-3's
+        # passes the dims beyond the rotary ones through).
+        modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+        if not hasattr(modeling, "apply_rotary_pos_emb"):
+            raise UnsupportedModelError(f"{arch.model_type}: its modeling module {modeling.__name__} has no "
+                                        "apply_rotary_pos_emb (a transformers version whose modeling code differs?)")
+        self._apply_rope = modeling.apply_rotary_pos_emb
+        # The linear layers as the forward passes multiply by them (fused, oneDNN-packed on CPU: weights.py).
+        self.weights = weights_of(model, arch)
+        # One forward at a time: requests from several threads interleave step by step, each with its own
+        # cache, so every thread gets exactly what a serial run gives. Turns are taken in arrival order (see
+        # batch.TurnLock): a decode step waits for at most one prefill chunk.
+        self._lock = TurnLock()
+        self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS
+        # Whether other requests are in flight (set by the engine): long forwards are chunked then, so their
+        # decode steps wait for one chunk at a time.
+        self.others_decoding: Callable[[], bool] = lambda: False
+        # Per thread: the Event that stops the forwards of the request this thread is prefilling (`cancellable`).
+        self._cancel = threading.local()
+        self._pool: list[SlotCache] = []
+        self._pool_lock = threading.Lock()
+        context_bytes = self.shape.max_positions * self.shape.kv_bytes_per_token(self.dtype)
+        self.pool_max_bytes = min(POOL_MAX_BYTES, POOL_SIZE * context_bytes)
+        self._fingerprint: str | None = None
+        self._fingerprint_lock = threading.Lock()
+
+    @property
+    def fingerprint(self) -> str:
+        """What the KV depends on besides the tokens: every weight byte, the forward-relevant config, the
+        dtype and the tokenizer; never where the files live. Part of every store key.
+
+        Computed on first use (an Engine reads it when it is built), so a runner that only loads a model for
+        another one to wrap does not hash the weights twice.
+        """
+        with self._fingerprint_lock:
+            if self._fingerprint is None:
+                self._fingerprint = model_fingerprint(self.model, self.dtype) + "-" + tokenizer_fingerprint(
+                    self.tokenizer)
+            return self._fingerprint
+
+    @classmethod
+    def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu") -> LlamaRunner:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from ..options import check_device
+
+        check_device(device)  # before any weights load: "cuda" on a CPU build is one clear error
+
+        config = AutoConfig.from_pretrained(path_or_id)
+        try:
+            describe(config)  # before any weights load: an unsupported family is one clear error
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(f"{path_or_id}: {e}") from None
+        tokenizer = AutoTokenizer.from_pretrained(path_or_id)
+        # The attention implementation is transformers' default for the family (sdpa, or eager for Gemma 2's
+        # soft-capping): it only serves `reference_logits` and a user's own calls of the model.
+        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=parse_dtype(dtype))
+        return cls(model.to(device), tokenizer)
+
+    @property
+    def relocatable(self) -> bool:
+        """Whether every RoPE table's frequencies are fixed (rope.RELOCATABLE_ROPE_TYPES)."""
+        return self.rope.relocatable
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope.rope_type
+
+    @property
+    def relocation_check(self) -> RelocationCheck | None:
+        """The relocation self-check's result for this model, if it ran in this process (`check_relocation`)."""
+        return rope_check.checked(self.fingerprint, self.rope)
+
+    def check_relocation(self, probe: bool = True) -> RelocationCheck | None:
+        """Refuse `modular`/`blend` (UnsupportedModelError) unless relocated keys equal keys encoded in place.
+
+        First a RoPE whose frequencies change with the sequence length is refused outright; then, on first use
+        per model and rotation, the self-check (rope.py) compares, in every layer, a probe's keys computed at
+        positions 0.. and relocated by rope.PROBE_DELTA with its keys computed there. With `probe=False` no forward
+        runs (Engine.explain): only what is already known is refused, and None is returned before the first check."""
+        name = self._model_name()
+        if not self.relocatable:
+            raise UnsupportedModelError(
+                f"{name}: rope_type {self.rope_type!r} rescales with sequence length (or, for M-RoPE, rotates by "
+                f"positions of other modalities), so relocating cached keys by rotation is not exact; use "
+                f"mode='exact' or mode='full' with this model")
+        result = rope_check.checked(self.fingerprint, self.rope)
+        if result is None and not probe:
+            return None
+        if result is None:
+            ids = self.tokenizer(rope_check.PROBE_TEXT, add_special_tokens=False)["input_ids"]
+            bos = self.tokenizer.bos_token_id
+            ids = ([bos] if bos is not None else []) + list(ids)
+            result = rope_check.check(self.fingerprint, self.rope, name, lambda delta: self._probe_keys(ids, delta),
+                                      len(ids), self.dtype, self.shape.max_positions)
+            log.info("relocation self-check of %s: %s, worst layer %d at %.2g (tolerance %.2g), %.1f ms", name,
+                     "passed" if result.ok else "FAILED", result.layer, result.error, result.tolerance, result.ms)
+        if not result.ok:
+            raise UnsupportedModelError(
+                f"{name}: relocating cached keys by RoPE rotation does not reproduce keys encoded at the new "
+                f"position in layer {result.layer} (max relative error {result.error:.3g} > {result.tolerance:.3g}, "
+                f"probe moved by {result.delta} positions); modes 'modular' and 'blend' are refused for this model, "
+                f"'exact' and 'full' work. Please report it with the model's config.json")
+        return result
+
+    @torch.inference_mode()
+    def _probe_keys(self, ids: list[int], delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's keys [L, H_kv, T, D] of `ids` at positions 0.. and at delta.., both computed from the layer
+        inputs of one forward at 0.. (slots 0..): they differ by the rotation each layer applies and nothing else,
+        so half-precision rounding does not compound through the layers (rope.check)."""
+        n, dev = len(ids), self.device
+        cache = self.new_cache(n)
+        w = Writes.of(list(range(n)), self.dtype, dev)
+        far = []
+        with self._lock:
+            hidden = self._embed(torch.tensor([ids], device=dev))
+            at_near = self._rope_at(hidden, torch.arange(n, device=dev)[None])
+            at_far = self._rope_at(hidden, torch.arange(delta, delta + n, device=dev)[None])
+            for i in range(self.shape.num_layers):
+                q, k, v = self._qkv(i, hidden, at_near)
+                far.append(self._qkv(i, hidden, at_far)[1][0])
+                o = attend(cache.keys[i], cache.values[i], self.heads, self.arch.layers[i].window, q, k, v, w)
+                hidden = self._after_attention(i, hidden, o)
+        return cache.keys[:, 0].clone(), torch.stack(far)
+
+    def _model_name(self) -> str:
+        path = getattr(self.config, "_name_or_path", "") or type(self.model).__name__
+        return f"{path} ({self.arch.model_type})"
+
+    def new_cache(self, capacity: int) -> SlotCache:
+        s = self.shape
+        return SlotCache(s.num_layers, s.kv_heads, s.head_dim, capacity, self.dtype, self.device)
+
+    def acquire_cache(self, capacity: int) -> SlotCache:
+        """A request buffer from the pool (or a new one), never larger than the model's context: no request
+        writes a slot beyond it (a prompt's slots never outnumber its positions, and decoding stops at the
+        context's end). Reusing buffers matters: allocating and first touching a fresh 64 MB buffer cost about
+        as much as relocating every cached chunk (measured, CPU)."""
+        capacity = min(capacity, self.shape.max_positions)
+        with self._pool_lock:
+            fits = [c for c in self._pool if c.capacity >= capacity]
+            if fits:
+                cache = min(fits, key=lambda c: c.capacity)
+                self._pool.remove(cache)
+                cache.length = 0
+                return cache
+        # round up so nearby sizes share buffers
+        return self.new_cache(min(-(-capacity // 256) * 256, self.shape.max_positions))
+
+    def release_cache(self, cache: SlotCache) -> None:
+        """Return a buffer to the pool; the pool keeps the largest buffers that fit, at most POOL_SIZE of them
+        and `pool_max_bytes` together (the others are freed)."""
+        with self._pool_lock:
+            kept, total = [], 0
+            for c in sorted([*self._pool, cache], key=lambda c: c.capacity, reverse=True):
+                if len(kept) < POOL_SIZE and total + c.nbytes <= self.pool_max_bytes:
+                    kept.append(c)
+                    total += c.nbytes
+            self._pool = kept
+
+    def place(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's keys and values on the model's device (the same tensors when they are there already).
+
+        Blocks read from disk or Redis are CPU tensors: move each once, here, rather than on every copy into a
+        request buffer (`relocate` would otherwise move it again for each request)."""
+        return _to_device(keys, self.device), _to_device(values, self.device)
+
+    @contextlib.contextmanager
+    def cancellable(self, stop: threading.Event) -> Iterator[None]:
+        """While inside, every forward this thread starts raises `Cancelled` once `stop` is set: a server request
+        whose client left stops at its next chunk encode or prefill chunk instead of running its whole prefill.
+        A forward already running finishes (a prefill alone is one forward: it is not split for this)."""
+        previous = getattr(self._cancel, "stop", None)
+        self._cancel.stop = stop
+        try:
+            yield
+        finally:
+            self._cancel.stop = previous
+
+    def _check_cancelled(self) -> None:
+        stop = getattr(self._cancel, "stop", None)
+        if stop is not None and stop.is_set():
+            raise Cancelled("the request was cancelled before its first token (its client left or its deadline "
+                            "passed)")
+
+    @torch.inference_mode()
+    def forward(self, cache: SlotCache, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """Run `ids` (at `positions`, written to `slots`) over everything already in `cache`.
+
+        Each token attends to every filled slot up to its own; returns the last token's logits [vocab] (fp32).
+        While other requests decode, more than `prefill_chunk_tokens` tokens in increasing slot order run as a
+        chunked prefill (equal to one forward within 1e-5, fp32).
+        """
+        n = self.prefill_chunk_tokens
+        if n and len(ids) > n and self.others_decoding() and all(a < b for a, b in zip(slots, slots[1:], strict=False)):
+            return self._forward_chunked(cache, ids, positions, slots, n)
+        return self.forward_layers(cache, ids, positions, slots)
+
+    def _forward_chunked(self, cache: SlotCache, ids, positions, slots, n: int) -> torch.Tensor:
+        """The same forward, `n` tokens at a time. A chunk's tokens attend to slots [0, its last slot]: every
+        slot there is filled (cached blocks, earlier chunks, this chunk)."""
+        for a in range(0, len(ids), n):
+            logits = self.forward_layers(cache, ids[a: a + n], positions[a: a + n], slots[a: a + n])
+        return logits
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of `ids` [B, T] (Gemma's scaling is inside its embedding module): [B, T, hidden]."""
+        hidden = self.model.model.embed_tokens(ids)
+        if self.arch.embed_multiplier is not None:
+            hidden = hidden * self.arch.embed_multiplier
+        return hidden
+
+    def _rope_at(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) [B, T, rotary dims] of every RoPE table at `positions` [B, T], from the model's rotary module
+        (once per forward: a dynamic RoPE updates its frequencies there, as in HF's own forward)."""
+        rotary = self.model.model.rotary_emb
+        if self.arch.rope_by_layer_type:
+            return {name: rotary(hidden, positions, name) for name in self.rope.tables}
+        return {name: rotary(hidden, positions) for name in self.rope.tables}
+
+    def _qkv(self, i: int, hidden: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+        """Layer `i`'s queries, keys and values for `hidden` [B, T, hidden], RoPE applied, [B, H, T, D] each: the
+        ops of the model's own attention module (its projections fused, see weights.py)."""
+        lw, arch = self.weights.layers[i], self.arch
+        x = lw.input_norm(hidden) if lw.input_norm is not None else hidden
+        q, k, v = lw.qkv(x)
+        if arch.qk_norm == "projection":  # OLMo 2: over all heads at once
+            q, k = lw.q_norm(q), lw.k_norm(k)
+        shape = (*x.shape[:2], -1, arch.head_dim)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        if arch.qk_norm == "head":  # Qwen3, Gemma 3: each head's dims
+            q, k = lw.q_norm(q), lw.k_norm(k)
+        table = arch.layers[i].rope
+        if table is None:  # a NoPE layer
+            return q, k, v
+        return (*self._apply_rope(q, k, *rope[table]), v)
+
+    def _after_attention(self, i: int, hidden: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The rest of layer `i`: the attention output `o` [B, H_q, T, D] through o_proj into the residual, then
+        the MLP (down(act(gate(x)) * up(x)), as the model's own MLP module), each with the norms and multiplier
+        the family has."""
+        lw, scale = self.weights.layers[i], self.arch.residual_multiplier
+        out = lw.o(o.transpose(1, 2).reshape(*hidden.shape[:2], -1))
+        if lw.attn_out_norm is not None:
+            out = lw.attn_out_norm(out)
+        hidden = hidden + (out if scale is None else out * scale)
+        gate, up = lw.gate_up(lw.mlp_norm(hidden) if lw.mlp_norm is not None else hidden)
+        out = lw.down(lw.act(gate) * up)
+        if lw.mlp_out_norm is not None:
+            out = lw.mlp_out_norm(out)
+        return hidden + (out if scale is None else out * scale)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output logits of the last hidden states [B, T, hidden], in the model's dtype: final norm, lm_head, then
+        Granite's divisor and Gemma 2's soft-cap as the model's own head applies them."""
+        arch = self.arch
+        logits = self.weights.lm_head(self.model.model.norm(hidden))
+        if arch.logits_divisor is not None:
+            logits = logits / arch.logits_divisor
+        if arch.final_softcap is not None:
+            logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
+        return logits
+
+    @torch.inference_mode()
+    def forward_layers(self, cache: SlotCache, ids: list[int], positions: list[int], slots: list[int],
+                       narrow: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
+                       ) -> torch.Tensor:
+        """The forward pass, layer by layer over the model's own modules: `ids` at `positions`, their KV written
+        to `slots` of `cache`, each token attending to the slots up to its own (within its window, in a
+        sliding-window layer). Returns the last token's logits [vocab] (fp32).
+
+        Not HF's `model(...)`: that call builds a 4-D mask from the cache length, captures outputs and goes
+        through the cache API per layer, and its sdpa could only skip the masked half of a prefill when the
+        mask is plain causal. Here the attention layout is chosen once per forward (`Writes`); the ops of a
+        layer are the model's own modules, so the logits equal HF's forward within float rounding
+        (tests/test_model.py and tests/test_families.py compare them, 1e-4 in fp32).
+
+        `narrow(layer, slots, keys)` (blend) is called in every layer once the rows' fresh keys ([H_kv, n, D],
+        RoPE applied) exist, before any KV is written: it returns the indices of the rows to go on with (None:
+        all). A dropped row keeps the KV already in its slot from this layer on (CacheBlend's selection: a row
+        is dropped once its fresh KV shows it needs no recompute). The last row must stay.
+        """
+        self._check_cancelled()
+        dev = self.device
+        w = Writes.of(slots, self.dtype, dev)
+        if narrow is not None and w.layout != "slots":  # rows may drop out: attention by mask over the buffer
+            rows = w.rows(dev)
+            w = Writes(w.n, w.kv, "slots", None, rows, _mask(rows, w.kv, self.dtype))
+        cache.length = max(cache.length, w.kv)
+        layers = self.arch.layers
+        with self._lock:
+            hidden = self._embed(torch.tensor([ids], device=dev))  # [1, n, hidden]
+            rope = self._rope_at(hidden, torch.tensor([positions], device=dev))  # table -> [1, n, D] each
+            for i in range(self.shape.num_layers):
+                q, k, v = self._qkv(i, hidden, rope)  # [1, H, n, D]
+                keep = narrow(i, w.rows(dev), k[0]) if narrow is not None else None
+                if keep is not None:
+                    hidden, q, k, v = hidden[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
+                    rope = {name: (cos[:, keep], sin[:, keep]) for name, (cos, sin) in rope.items()}
+                    w = w.keep(keep, w.rows(dev), self.dtype)
+                o = attend(cache.keys[i], cache.values[i], self.heads, layers[i].window, q, k, v, w)
+                hidden = self._after_attention(i, hidden, o)
+            logits = self._logits(hidden[:, -1:])
+        return logits[0, -1].float()
+
+    @torch.inference_mode()
+    def decode_batch(self, caches: list[SlotCache], ids: list[int], positions: list[int],
+                     slots: list[int]) -> torch.Tensor:
+        """One decode step for B requests at once: token `ids[b]` at `positions[b]`, its KV written to
+        `slots[b]` of `caches[b]`, attending to slots [0, slots[b]] of that cache only (its last `window` slots
+        in a sliding-window layer). Returns [B, vocab] fp32.
+
+        The layers' own modules run on the batch, so every weight is read once per step for all B requests
+        (the step is memory-bound on CPU: B rows cost little more than one); attention runs per request over
+        its own buffer, so nothing is padded or copied to line the requests up. With B = 1 the logits equal
+        `forward`'s bit for bit (tests/test_batch.py); with B > 1 the matrix products over B rows may round
+        differently in the last bits (measured: logits within 1e-5, fp32).
+        """
+        n = len(ids)
+        dev = self.device
+        layers = self.arch.layers
+        with self._lock:
+            hidden = self._embed(torch.tensor(ids, device=dev)[:, None])  # [B, 1, hidden]
+            rope = self._rope_at(hidden, torch.tensor(positions, device=dev)[:, None])  # table -> [B, 1, D] each
+            # Each request's slots [0, slot] in every layer, and its new slot: views taken once per step.
+            seen = [(c.keys[:, :, :, : s + 1], c.values[:, :, :, : s + 1]) for c, s in zip(caches, slots, strict=True)]
+            new = [(k[:, 0, :, -1], v[:, 0, :, -1]) for k, v in seen]  # [L, H_kv, D] each
+            for i in range(self.shape.num_layers):
+                q, k, v = self._qkv(i, hidden, rope)  # [B, H, 1, D]
+                k_new, v_new = k[:, :, 0], v[:, :, 0]  # [B, H_kv, D]
+                window = layers[i].window
+                out = []
+                for b in range(n):
+                    new[b][0][i] = k_new[b]
+                    new[b][1][i] = v_new[b]
+                    keys, values = seen[b][0][i], seen[b][1][i]  # [1, H_kv, slot + 1, D]
+                    if window is not None and slots[b] + 1 > window:  # the last `window` slots only
+                        keys, values = keys[:, :, -window:], values[:, :, -window:]
+                    out.append(_attend_one(q[b: b + 1], keys, values, self.heads))
+                hidden = self._after_attention(i, hidden, torch.cat(out) if n > 1 else out[0])
+            logits = self._logits(hidden)[:, 0]  # [B, vocab]
+        for cache, s in zip(caches, slots, strict=True):
+            cache.length = max(cache.length, s + 1)
+        return logits.float()
+
+    @torch.inference_mode()
+    def reference_logits(self, ids: list[int], positions: list[int] | None = None) -> torch.Tensor:
+        """A plain HF forward over the whole sequence, no pc_rag cache: the reference tests compare to."""
+        kwargs = {} if positions is None else {"position_ids": torch.tensor([positions], device=self.device)}
+        # With use_cache=False, transformers 5.24 reads position ids that jump (PML layouts) as packed sequences
+        # and masks across the jump: the default (a cache) keeps one causal sequence.
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), **kwargs)
+        return out.logits[0, -1].float()
+
+    def relocate(self, dst: torch.Tensor, src: torch.Tensor, delta: int) -> None:
+        """Write keys `src` ([L, H, T, D], RoPE at p) into `dst` as if computed at p + delta, each layer rotated by
+        its own RoPE table (NoPE layers copied): rope.relocate."""
+        relocate(self.rope, dst, src, delta)
+
+
+def _check_against_modules(model, arch) -> None:
+    """The description against the model's own attention modules, where they state the same thing: a family file
+    or a transformers version that disagrees fails here, at load, not as wrong logits."""
+    for i, layer in enumerate(model.model.layers[: len(arch.layers)]):
+        scaling = getattr(layer.self_attn, "scaling", None)
+        if scaling is not None and abs(scaling - arch.attn_scale) > 1e-6 * abs(arch.attn_scale):
+            raise UnsupportedModelError(
+                f"{arch.model_type}: layer {i}'s attention scales logits by {scaling}, pc_rag's description of the "
+                f"family by {arch.attn_scale} (a transformers version whose modeling code differs?)")
