@@ -28,7 +28,7 @@ import pc_rag
 from pc_rag.adapters import GenerationOptions, chat_request, stream_chat
 from pc_rag.store import MemoryStore
 
-from .common import model_or_bench
+from .common import common_prefix, model_or_bench
 
 TOOLS = [
     {"type": "function", "function": {"name": "search_docs", "description": "Search the Python documentation.",
@@ -48,15 +48,6 @@ SYSTEM = "You are a helpful assistant for Python programmers. Use the tools to l
 
 def documents(n: int = 3, chars: int = 600) -> list[str]:
     return [doc[:chars] for doc in pc_rag.testing.pydoc_corpus()[:n]]
-
-
-def shared_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def run_reply(engine, messages, mode, tool_choice, seed):
@@ -82,7 +73,7 @@ def agent_loop(model, tokenizer, steps: int) -> list[dict]:
         full = run_reply(reference, messages, "full", choice, step)
         gen = reply.generation
         prompt = list(gen.prompt_ids)
-        bound = shared_prefix(prompt, previous) if previous is not None else 0
+        bound = common_prefix(prompt, previous) if previous is not None else 0
         tail = engine.tokenizer.decode(prompt[bound:])
         bound += sum(len(engine.segmenter.ids(d)) * tail.count(d) for d in seen_docs)
         rows.append({"step": step + 1, "prompt_tokens": gen.prompt_tokens, "cached_tokens": gen.cached_tokens,

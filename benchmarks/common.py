@@ -303,3 +303,9 @@ def model_or_bench(model: str | None, out: Path):
     if not (path / "config.json").exists():
         pc_rag.testing.build_tiny_llama(path, size="bench")
     return path
+
+
+def common_prefix(a, b) -> int:
+    """How many leading items two sequences share (token ids: the tokens one prompt could reuse of another)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

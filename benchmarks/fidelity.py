@@ -34,7 +34,7 @@ import pc_rag
 from pc_rag.assemble import Assembler
 from pc_rag.store import MemoryStore
 
-from .common import build_prompt, model_or_bench
+from .common import build_prompt, common_prefix, model_or_bench
 
 RATIOS = (0.05, 0.15, 0.3)
 
@@ -42,15 +42,6 @@ RATIOS = (0.05, 0.15, 0.3)
 def kl(full_logits, logits):
     p = full_logits.log_softmax(-1)
     return float(torch.sum(p.exp() * (p - logits.log_softmax(-1))))
-
-
-def greedy_prefix(a, b):
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def chunk_sets(engine, kind, n, k, tokens_per_chunk, rng):
@@ -109,7 +100,7 @@ def measure(engine, nosink, prompts, new_tokens):
                 engine.planner.reuse_separators = True
                 engine.assembler = default
             row[v.name] = {"kl": kl(lf, lm), "top1": int(lf.argmax() == lm.argmax()),
-                           "greedy_prefix": greedy_prefix(full.token_ids, gen.token_ids),
+                           "greedy_prefix": common_prefix(full.token_ids, gen.token_ids),
                            "cached_tokens": gen.cached_tokens}
         engine.planner.scaffolds.clear()
         rows.append(row)

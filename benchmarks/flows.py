@@ -53,6 +53,8 @@ from pathlib import Path
 import pc_rag
 from pc_rag.store import MemoryStore
 
+from .common import common_prefix
+
 MODES = ("exact", "modular")
 TURNS = 3
 # Topics of Python's documentation the RAG flows retrieve from (~60 chunks: embedded in ~15 s on 2 cores,
@@ -112,14 +114,6 @@ class RecordingEngine:
         written = tuple(self.engine.segmenter.ids(generation.text.strip())) if generation.text.strip() else ()
         return Call(self.turn, ids, chunks, tuple(generation.token_ids), written, generation.prompt_tokens,
                     generation.cached_tokens)
-
-
-def common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def shared_tokens(call: Call, earlier: list[Call], mode: str) -> int:

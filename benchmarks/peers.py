@@ -41,6 +41,8 @@ import torch
 import pc_rag
 from pc_rag import Chunk, Text
 
+from .common import common_prefix
+
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("system", "rag", "cold4k", "cold8k", "decode", "chat", "e2e_rag")
 PEERS = ("vllm", "llamacpp")
@@ -344,16 +346,11 @@ def summarize(plan: Plan, systems: dict, costs: dict, rates: dict) -> list[dict]
         elif base in ("cold4k", "cold8k"):
             row["bound"] = prefill_s(costs, rates, n, 0) * 1e3
         else:  # what a prefix cache must still compute: the tokens after the longest prefix seen before
-            seen = max((_common(r.ids, r0.ids) for r in plan.requests[: idx[0]]), default=0)
+            seen = max((common_prefix(r.ids, r0.ids) for r in plan.requests[: idx[0]]), default=0)
             row["bound"] = prefill_s(costs, rates, n - seen, seen) * 1e3
             row["bound_note"] = f"{n - seen} of {n} tokens new to a prefix cache"
         rows.append(row)
     return rows
-
-
-def _common(a, b) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def markdown(result: dict) -> str:
