@@ -7,6 +7,8 @@ The one path every adapter request takes:
     `cached_tokens`, `stored_tokens`) -> `usage`.
 With tools (`chat_request`): the tools go through the template too (pc_rag.tools), a forced `tool_choice` or a
 `response_format` becomes the request's grammar, and `CallFilter` turns the reply into text and tool calls.
+Reasoning models (pc_rag.reasoning): what the model writes between the thinking markers (`<think>...</think>`) is
+given out apart (`Reasoning` pieces, `ChatReply.reasoning`), and only the answer is read for tool calls.
 Completion-style calls skip the chat template and split the prompt string as it is. Nothing needs wiring: the
 automatic prefix reuse works on any prompt, and the framework hooks (`discover`) register retrieved documents.
 `GenerationOptions.cache_salt` (the classes' `cache_salt` field, or a per-call keyword) keeps one user's cache
@@ -24,11 +26,12 @@ from typing import Any
 from .errors import OptionError, OptionTypeError, PCRagError
 from .grammar import Grammar
 from .options import GenerationOptions
+from .reasoning import CONTENT, ThinkingFilter, ThinkingMarkers
 from .segments import Chunk, Text
 from .text_index import discover, discovery_enabled, index_for
 from .tools import CallFilter, ToolCall, ToolFormat, call_grammar, check_tool_choice, render_messages, tool_specs
 
-__all__ = ["ChatReply", "ChatRequest", "GenerationOptions", "SamplingOptions", "ToolCall", "chat_prompt",
+__all__ = ["ChatReply", "ChatRequest", "GenerationOptions", "Reasoning", "SamplingOptions", "ToolCall", "chat_prompt",
            "chat_request", "completion_prompt", "discover", "discovery_enabled", "register", "render_chat",
            "response_grammar", "shared_engine", "stream_chat", "stream_generation", "usage"]
 
@@ -105,6 +108,8 @@ class ChatRequest:
     tool_format: ToolFormat
     tools: list[dict[str, Any]]  # OpenAI function dicts
     tool_choice: str  # auto, none, required or a tool's name
+    thinking: ThinkingMarkers = ThinkingMarkers()
+    starts_thinking: bool = False  # the template's generation prompt opened the thinking block
 
     @property
     def forced(self) -> bool:
@@ -116,6 +121,10 @@ class ChatRequest:
             return None
         return CallFilter(self.tool_format, self.tools, forced=self.forced, tokenizer=tokenizer)
 
+    def thinking_filter(self) -> ThinkingFilter:
+        """What splits the reply's pieces into reasoning and answer (pc_rag.reasoning)."""
+        return ThinkingFilter(self.thinking, inside=self.starts_thinking)
+
 
 def chat_request(engine, messages: Sequence[Mapping[str, Any]], options: GenerationOptions,
                  tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
@@ -123,7 +132,8 @@ def chat_request(engine, messages: Sequence[Mapping[str, Any]], options: Generat
                  chunk_texts: Sequence[str] = (), discovered: bool = True) -> ChatRequest:
     """A chat request as the engine runs it. `tool_choice` "required" (LangChain's "any") or a tool's name
     constrains the reply to a valid call (`parallel_tool_calls`: one or more); a `response_format` constrains it
-    to JSON; both at once is refused (a forced call is already JSON)."""
+    to JSON; both at once is refused (a forced call is already JSON). A reply after a generation prompt that opened
+    the thinking block starts inside it, unless a forced call or a response format makes the whole reply that."""
     specs = tool_specs(tools)
     choice = check_tool_choice(tool_choice, specs)
     fmt = ToolFormat.detect(engine.tokenizer)
@@ -135,8 +145,11 @@ def chat_request(engine, messages: Sequence[Mapping[str, Any]], options: Generat
         grammar = wanted
     if grammar is not None:
         options = dataclasses.replace(options, grammar=grammar)
-    prompt = chat_prompt(engine, messages, chunk_texts, discovered, options.cache_salt, tools=specs)
-    return ChatRequest(prompt, options, fmt, specs, choice)
+    text = render_chat(engine.tokenizer, messages, specs)
+    prompt = completion_prompt(engine, text, chunk_texts, discovered, options.cache_salt)
+    markers = ThinkingMarkers.detect(engine.tokenizer)
+    inside = grammar is None and markers.starts_inside(text)
+    return ChatRequest(prompt, options, fmt, specs, choice, markers, inside)
 
 
 def completion_prompt(engine, prompt_text: str, chunk_texts: Sequence[str] = (),
@@ -181,13 +194,21 @@ def usage(generation) -> dict[str, int]:
     }
 
 
+class Reasoning(str):
+    """A piece of a chat reply's reasoning (the text between the thinking markers); the answer's pieces are `str`."""
+
+    __slots__ = ()
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatReply:
-    """A finished chat reply: its text (calls taken out), its tool calls, and the engine's `Generation`."""
+    """A finished chat reply: its text (calls and thinking taken out), its tool calls, the engine's `Generation`,
+    and its reasoning (the text between the thinking markers; "" when there was none)."""
 
     content: str
     tool_calls: list[ToolCall]
     generation: Any
+    reasoning: str = ""
 
     @property
     def finish_reason(self) -> str:
@@ -195,24 +216,38 @@ class ChatReply:
 
 
 def stream_chat(engine, request: ChatRequest, heartbeat: bool = False) -> Iterator[Any]:
-    """The text pieces of one chat request (`str`; what may be a tool call is held back), then its `ChatReply`.
-    `heartbeat`: an empty piece for each token held back, so that a caller which stops or times out a request
-    between pieces (the server) still can while a call is decoded."""
+    """The pieces of one chat request: the answer's text (`str`; what may be a tool call is held back) and its
+    reasoning (`Reasoning`, a `str` too: test for it first), then its `ChatReply`. `heartbeat`: an empty piece
+    for each token held back, so that a caller which stops or times out a request between pieces (the server)
+    still can while a call is decoded."""
     calls = request.call_filter(engine.tokenizer)
+    thinking = request.thinking_filter()
     text: list[str] = []
-    for item in stream_generation(engine, request.prompt, request.options):
-        if isinstance(item, str):
-            piece = calls.feed(item) if calls is not None else item
+    thought: list[str] = []
+
+    def pieces(parts):
+        for kind, part in parts:
+            if kind != CONTENT:
+                thought.append(part)
+                yield Reasoning(part)
+                continue
+            piece = calls.feed(part) if calls is not None else part
             if piece:
                 text.append(piece)
                 yield piece
-            elif heartbeat:
+
+    for item in stream_generation(engine, request.prompt, request.options):
+        if isinstance(item, str):
+            out = list(pieces(thinking.feed(item)))
+            yield from out
+            if not out and heartbeat:
                 yield ""
             continue
+        yield from pieces(thinking.finish())
         found: list[ToolCall] = []
         if calls is not None:
             rest, found = calls.finish()
             if rest:
                 text.append(rest)
                 yield rest
-        yield ChatReply("".join(text), found, item)
+        yield ChatReply("".join(text), found, item, "".join(thought))

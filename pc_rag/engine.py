@@ -36,6 +36,7 @@ from .options import DEFAULT_RECOMPUTE_RATIO, MODES, GenerationOptions, check_de
 from .plan import COMPUTE, COPY, ENCODE, READ, REUSING_CHUNKS, STORED, Plan, Planner
 from .pml import PML, Schema, SchemaRegistry
 from .prefetch import PREFETCHER, Prefetcher
+from .reasoning import ThinkingMarkers
 from .scaffolds import ScaffoldBuilder
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment
 from .store import open_store
@@ -576,7 +577,11 @@ class Engine:
         the generated tokens cannot serve the next turn: with `asm` (a reply that ran to its end), the trimmed
         reply is run once over the prompt's cache, after the reply is out, and stored as the prefix's other
         continuation, so a chat's next turn still reuses the previous reply. It costs one forward over the
-        reply's tokens (a fraction of decoding them) and only when the template's trim would lose them."""
+        reply's tokens (a fraction of decoding them) and only when the template's trim would lose them.
+
+        A reply with a thinking block (pc_rag.reasoning) is written back by chat templates as its answer alone
+        (Qwen3's drops earlier turns' thinking): the answer is remembered after the prompt too, and run over the
+        prompt's cache the same way, so the next turn reuses the prompt and the answer."""
         if isinstance(prompt, str):
             after = prompt
         elif isinstance(prompt, (list, tuple)) and all(isinstance(s, (Text, Chunk)) for s in prompt):
@@ -585,6 +590,9 @@ class Engine:
             return  # PML: its text is not the prompt's text
         if not text.strip():
             return
+        answer = ThinkingMarkers.detect(self.tokenizer).answer(text)
+        if answer:
+            self._remember_continuation(answer, after, asm, saved, namespace)
 
         def decode(t):
             return self.tokenizer.decode(t, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -607,13 +615,21 @@ class Engine:
             if decode(ids[start:end]) == stripped:
                 self.replies.remember(stripped, ids[start:end], after, namespace)
                 return
-            alt = self.segmenter.ids(stripped, namespace)  # how the next turn's prompt tokenizes it (a hard cut)
-            self.replies.remember(stripped, alt, after, namespace)
-            if asm is not None and self._continues_layout(asm) and len(alt) <= asm.cache.capacity - asm.prompt_tokens:
-                first = asm.last_position + 1
-                slots = list(range(asm.prompt_tokens, asm.prompt_tokens + len(alt)))
-                self.runner.forward(asm.cache, list(alt), list(range(first, first + len(alt))), slots)
-                self.assembler.save_prefix(asm, alt, skip=saved)
+            self._remember_continuation(stripped, after, asm, saved, namespace)
+
+    def _remember_continuation(self, text: str, after: str, asm: Assembled | None, saved: frozenset[str],
+                               namespace: str | None) -> None:
+        """Remember `text`, which the model did not generate as such right after the prompt `after` (a trimmed
+        reply, or the answer after a thinking block), as that prompt's reply, with the ids the next turn's prompt
+        tokenizes it into; with `asm`, run them over the prompt's cache and store them as its other
+        continuation."""
+        alt = self.segmenter.ids(text, namespace)  # how the next turn's prompt tokenizes it (a hard cut)
+        self.replies.remember(text, alt, after, namespace)
+        if asm is not None and self._continues_layout(asm) and len(alt) <= asm.cache.capacity - asm.prompt_tokens:
+            first = asm.last_position + 1
+            slots = list(range(asm.prompt_tokens, asm.prompt_tokens + len(alt)))
+            self.runner.forward(asm.cache, list(alt), list(range(first, first + len(alt))), slots)
+            self.assembler.save_prefix(asm, alt, skip=saved)
 
     @staticmethod
     def _continues_layout(asm: Assembled) -> bool:

@@ -305,6 +305,8 @@ def render_messages(messages: Sequence[Mapping[str, Any]], specs: Sequence[Mappi
             out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
         else:
             out.append({"role": role, "content": content})
+        if m.get("reasoning_content"):  # an assistant's thinking: for templates that write it back (Qwen3's)
+            out[-1]["reasoning_content"] = m["reasoning_content"]
     if specs:
         described = fallback_system_text(specs)
         if out and out[0]["role"] == "system":

@@ -15,8 +15,9 @@ One path per request, as in the drop-in classes (pc_rag/adapters.py):
     -> a worker thread: messages and tools through the model's chat template (`chat_request`, `cache_control`
        parts as chunks; a forced tool_choice or a response_format is the request's grammar) or the prompt string
        (`completion_prompt`) -> `Engine.stream_generation` -> text pieces (a tool call held back: `stream_chat`)
-    -> the event loop: SSE chunks (tool calls as one delta at the end), or one JSON body once the reply is in
-       -> usage with cached_tokens.
+    -> the event loop: SSE chunks (tool calls as one delta at the end; a reasoning model's thinking as
+       `delta.reasoning_content`, pc_rag.reasoning), or one JSON body once the reply is in (`message.
+       reasoning_content` beside `content`) -> usage with cached_tokens.
 
 The engine call is blocking, so it runs in a worker thread per request; concurrent requests meet in the
 engine's batched decode loop (pc_rag/batch.py), one forward pass per step for all of them. The response
@@ -48,7 +49,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..adapters import ChatReply, chat_request, completion_prompt, response_grammar, stream_chat, stream_generation
+from ..adapters import (
+    ChatReply,
+    Reasoning,
+    chat_request,
+    completion_prompt,
+    response_grammar,
+    stream_chat,
+    stream_generation,
+)
 from ..blocks import tenant_namespace
 from ..errors import OptionError, PCRagError, PMLError, PromptError, UnsupportedModelError
 from ..options import GenerationOptions
@@ -439,10 +448,12 @@ class _Worker:
         kind, value = await self.next()
         while kind == "piece" and not self._queue.empty():
             entry = self._queue.get_nowait()
-            if entry[0] != "piece":
-                self._held = entry
+            if entry[0] == "piece" and not entry[1]:
+                continue  # a heartbeat (stream_chat): it has done its work in the worker
+            if entry[0] != "piece" or (isinstance(entry[1], Reasoning) != isinstance(value, Reasoning) and value):
+                self._held = entry  # an answer's piece is not joined to the reasoning's, nor the other way round
                 break
-            value += entry[1]
+            value = Reasoning(value + entry[1]) if isinstance(entry[1], Reasoning) else value + entry[1]
         return kind, value
 
     async def next_or(self, disconnect: asyncio.Task, timeout_s: float | None = None) -> tuple[str, Any]:
@@ -473,6 +484,8 @@ class _ChatFormat:
         return [self._chunk({"role": "assistant", "content": ""}, None)]
 
     def piece(self, text: str) -> dict:
+        if isinstance(text, Reasoning):  # the thinking of a reasoning model, as vLLM and Ollama send it
+            return self._chunk({"reasoning_content": str(text)}, None)
         return self._chunk({"content": text}, None)
 
     def closing(self, reply) -> list[dict]:
@@ -487,6 +500,8 @@ class _ChatFormat:
 
     def whole(self, reply, counts: dict) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
         if reply.tool_calls:
             message["content"] = reply.content or None  # as OpenAI: no text beside the calls is null
             message["tool_calls"] = [c.openai() for c in reply.tool_calls]

@@ -1,7 +1,8 @@
 """The OpenAI request and response shapes `pc-rag serve` speaks (pydantic), and what it adds to them.
 
 Requests: the fields pc_rag implements are declared and checked here (tools, tool_choice, parallel_tool_calls,
-response_format, tool messages and assistant tool_calls included: pc_rag.tools); fields that would change the
+response_format, tool messages and assistant tool_calls included: pc_rag.tools; an assistant message's
+`reasoning_content` goes to the chat template, which may write it back or drop it); fields that would change the
 output and that pc_rag cannot honour (the legacy functions/function_call, logprobs, n > 1, penalties) are
 refused with a 400 naming them, rather than ignored; any other field (`user`, `metadata`, `store`, ...) is
 accepted and ignored, as OpenAI clients add new ones every release.
@@ -16,9 +17,10 @@ Extensions (the `openai` client sends them with `extra_body={...}`):
   documents. It never widens it: the namespace is derived from the tenant and the salt together.
 Every text that reaches the tokenizer (prompt, message content, parts, chunks, stop strings) must be valid
 Unicode: a lone surrogate (`"\\ud800"` in the JSON) is a 400 naming the field, not a tokenizer error.
-Responses: `usage.prompt_tokens_details.cached_tokens` as OpenAI reports prompt caching (ChatOpenAI maps it to
-`cache_read`) and `cache_write_tokens` (ChatOpenAI: `cache_creation`), plus `usage.pc_rag` with the engine's
-own counts and the time to first token.
+Responses: a reasoning model's thinking as `message.reasoning_content` (streamed: `delta.reasoning_content`), as
+vLLM and Ollama send it (pc_rag.reasoning); `usage.prompt_tokens_details.cached_tokens` as OpenAI reports prompt
+caching (ChatOpenAI maps it to `cache_read`) and `cache_write_tokens` (ChatOpenAI: `cache_creation`), plus
+`usage.pc_rag` with the engine's own counts and the time to first token.
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class Message(BaseModel):
     content: PromptText | list[ContentPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    reasoning_content: PromptText | None = None  # an assistant's thinking, for templates that write it back
 
 
 class ChatCompletionRequest(_Request):
@@ -172,6 +175,8 @@ class ChatCompletionRequest(_Request):
                 texts += [p.text or "" for p in m.content]
             else:
                 texts.append(m.content or "")
+            if m.reasoning_content:
+                texts.append(m.reasoning_content)
         return texts
 
     @property
@@ -228,6 +233,8 @@ def chat_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, Any]],
             message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            message["reasoning_content"] = m.reasoning_content
         messages.append(message)
     return messages, marked
 

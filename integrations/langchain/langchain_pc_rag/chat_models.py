@@ -12,6 +12,10 @@ and parses its calls out of the reply. `with_structured_output(schema)` constrai
 (method "json_schema", the default, or "json_mode"), or to a forced call ("function_calling"). A tool call in the
 history (`AIMessage.tool_calls`, `ToolMessage`) is written back as the model wrote it, so the next agent step
 reuses the previous step's prompt and reply.
+
+Reasoning models: the text between the thinking markers (`<think>...</think>`, pc_rag.reasoning) is
+`AIMessage.additional_kwargs["reasoning_content"]` (streamed chunks carry their part of it there), not content;
+written back to templates that read it (an AIMessage's `reasoning_content`), dropped by those that do not.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from pc_rag.adapters import ChatReply, chat_request, stream_chat, usage
+from pc_rag.adapters import ChatReply, Reasoning, chat_request, stream_chat, usage
 
 from ._engine import EngineFields
 
@@ -76,6 +80,9 @@ def _message_dict(message: BaseMessage) -> tuple[dict[str, Any], list[str]]:
         ]
     if isinstance(message, ToolMessage):
         out["tool_call_id"] = message.tool_call_id
+    reasoning = message.additional_kwargs.get("reasoning_content") if isinstance(message, AIMessage) else None
+    if isinstance(reasoning, str) and reasoning:
+        out["reasoning_content"] = reasoning
     return out, marked
 
 
@@ -186,6 +193,10 @@ class ChatPromptCache(EngineFields, BaseChatModel):
             discovered=self.auto_chunks,
         )
         for item in stream_chat(engine, request):
+            if isinstance(item, Reasoning):
+                yield ChatGenerationChunk(
+                    message=AIMessageChunk(content="", additional_kwargs={"reasoning_content": str(item)}))
+                continue
             if isinstance(item, str):
                 yield ChatGenerationChunk(message=AIMessageChunk(content=item))
                 continue
@@ -228,6 +239,7 @@ class ChatPromptCache(EngineFields, BaseChatModel):
                 ChatGeneration(
                     message=AIMessage(
                         content=message.content,
+                        additional_kwargs=message.additional_kwargs,
                         tool_calls=message.tool_calls,
                         invalid_tool_calls=message.invalid_tool_calls,
                         usage_metadata=message.usage_metadata,

@@ -11,6 +11,10 @@ Agents: a `FunctionCallingLLM`. Tools are rendered through the model's chat temp
 in `message.additional_kwargs["tool_calls"]` in OpenAI's shape, and tool messages answer them. `chat(...,
 response_format={"type": "json_schema", ...})` constrains the reply to JSON.
 
+Reasoning models: the text between the thinking markers (`<think>...</think>`, pc_rag.reasoning) is
+`message.additional_kwargs["reasoning_content"]`, not content (streamed: the reasoning so far, and each response's
+`additional_kwargs["reasoning_delta"]`); a message's `reasoning_content` goes back to templates that read it.
+
 Usage of every request: `raw["usage"]` in OpenAI's shape (`prompt_tokens`, `completion_tokens`,
 `total_tokens`, `prompt_tokens_details.cached_tokens`: what LlamaIndex's TokenCountingHandler reads) plus
 `cached_tokens` and `cache_creation_tokens`; `llm.last_usage`; and `track_usage()` around any query or chat.
@@ -50,6 +54,7 @@ from llama_index.core.llms.llm import ToolSelection
 from pc_rag.adapters import (
     ChatReply,
     GenerationOptions,
+    Reasoning,
     chat_request,
     completion_prompt,
     shared_engine,
@@ -133,6 +138,9 @@ def _message_parts(message: ChatMessage) -> tuple[dict[str, Any], list[str]]:
         out["tool_calls"] = [_call_dict(c) for c in calls]
     if message.additional_kwargs.get("tool_call_id"):
         out["tool_call_id"] = message.additional_kwargs["tool_call_id"]
+    reasoning = message.additional_kwargs.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning:
+        out["reasoning_content"] = reasoning
     return out, marked
 
 
@@ -396,14 +404,24 @@ class PromptCacheLLM(FunctionCallingLLM):
                                    delta=response.delta, raw=response.raw or {})
             return
         self._sent(request.prompt)
-        text = ""
+        text = thought = ""
         for item in stream_chat(self.get_engine(), request):
+            if isinstance(item, Reasoning):
+                thought += item
+                message = ChatMessage(role=MessageRole.ASSISTANT, content=text,
+                                      additional_kwargs={"reasoning_content": thought})
+                yield ChatResponse(message=message, delta="", additional_kwargs={"reasoning_delta": str(item)})
+                continue
             if isinstance(item, str):
+                extra = {"reasoning_content": thought} if thought else {}
+                message = ChatMessage(role=MessageRole.ASSISTANT, content=text + item, additional_kwargs=extra)
                 text += item
-                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=item)
+                yield ChatResponse(message=message, delta=item)
                 continue
             reply: ChatReply = item
             extra = {"tool_calls": [c.openai() for c in reply.tool_calls]} if reply.tool_calls else {}
+            if reply.reasoning:
+                extra["reasoning_content"] = reply.reasoning
             message = ChatMessage(role=MessageRole.ASSISTANT, content=reply.content, additional_kwargs=extra)
             yield ChatResponse(message=message, delta="", raw=self._raw(reply.generation, reply.finish_reason))
 
