@@ -194,7 +194,10 @@ def test_a_prompt_another_tenant_sent_is_computed_and_timed_like_one_nobody_sent
     """24 trials each, interleaved: alpha sends a new prompt; beta sends it (matched) and a new one of the same
     length (unmatched). Isolated: the same tokens are computed for both, every trial; the median time to the
     first token differs by less than a third of what the --shared-cache server's does (measured here, where
-    a matched prompt is read from the store)."""
+    a matched prompt is read from the store). The times compared are the server's own (`usage.pc_rag.ttft_s`):
+    the part of a client's wall time that the cache decides. On the tiny model the prefill that a leak saves is
+    ~20 ms, within the HTTP round trip's jitter on a fast machine (a wall-clock comparison failed on CI, shared
+    gap 19 ms); the wall times are printed beside them."""
     isolated, shared = servers
     rng = random.Random(7)
 
@@ -210,14 +213,15 @@ def test_a_prompt_another_tenant_sent_is_computed_and_timed_like_one_nobody_sent
             for kind, prompt in order if i % 2 else order[::-1]:
                 t0 = time.perf_counter()
                 u = _complete(server, "beta-key", prompt)
-                out[kind].append((time.perf_counter() - t0, u["pc_rag"]["computed_tokens"], u["prompt_tokens"]))
+                out[kind].append((u["pc_rag"]["ttft_s"], u["pc_rag"]["computed_tokens"], u["prompt_tokens"],
+                                  time.perf_counter() - t0))
         return out
 
     trials(isolated, 4), trials(shared, 4)  # warm-up: the first requests of a process are slower
     kept, leaked = trials(isolated), trials(shared)
 
-    def gap(t):
-        return statistics.median(x[0] for x in t["unmatched"]) - statistics.median(x[0] for x in t["matched"])
+    def gap(t, at=0):  # at=0: the server's TTFT; 3: the client's wall time
+        return statistics.median(x[at] for x in t["unmatched"]) - statistics.median(x[at] for x in t["matched"])
 
     def told_apart(t) -> float:
         """Share of requests a threshold halfway between the two medians classifies right (0.5: chance)."""
@@ -226,13 +230,14 @@ def test_a_prompt_another_tenant_sent_is_computed_and_timed_like_one_nobody_sent
         return right / (len(t["matched"]) + len(t["unmatched"]))
 
     print(json.dumps({"isolated_gap_s": gap(kept), "shared_gap_s": gap(leaked),
+                      "isolated_wall_gap_s": gap(kept, 3), "shared_wall_gap_s": gap(leaked, 3),
                       "isolated_told_apart": told_apart(kept), "shared_told_apart": told_apart(leaked),
                       "isolated_median_s": {k: statistics.median(x[0] for x in v) for k, v in kept.items()},
                       "shared_median_s": {k: statistics.median(x[0] for x in v) for k, v in leaked.items()}}))
     # the route: every prompt token computed, matched or not, but the few first ones beta's own earlier prompts
     # lend it (BOS, a common first hex digit)
     for kind in ("matched", "unmatched"):
-        assert all(computed >= prompt - 4 for _, computed, prompt in kept[kind]), kept[kind]
-    assert all(computed <= 2 for _, computed, _ in leaked["matched"])  # the leak: read from the store
+        assert all(computed >= prompt - 4 for _, computed, prompt, _ in kept[kind]), kept[kind]
+    assert all(computed <= 2 for _, computed, _, _ in leaked["matched"])  # the leak: read from the store
     assert gap(leaked) > 0
     assert abs(gap(kept)) < gap(leaked) / 3, (gap(kept), gap(leaked))
