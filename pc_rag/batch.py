@@ -42,8 +42,8 @@ MAX_BATCH = 16
 # How long the decode thread waits for a newcomer once nothing decodes, before it exits (the next request
 # starts a new one). Starting a thread per burst was cheap in time, but a server whose batch emptied between
 # requests (a new decode thread every few requests) grew its resident memory by ~4 KiB per request more than
-# with one long-lived thread (measured over 3,000 requests; the allocator's doing, not traced further). Not
-# longer: while it lives, its OpenMP team slows a lone request decoding on its own thread (Engine._requests).
+# with one long-lived thread (measured over 3,000 requests; the allocator's doing, not traced further). While
+# it idles it holds no OpenMP team (`on_idle`), which would slow a lone request decoding on its own thread.
 # A lone request never starts it, so only bursts of concurrent requests do.
 IDLE_EXIT_S = 2.0
 
@@ -135,10 +135,11 @@ class BatchDecoder:
     """
 
     def __init__(self, step: Callable[[list, list[int], list[int], list[int]], Any], eos_ids: frozenset[int],
-                 max_batch: int = MAX_BATCH):
+                 max_batch: int = MAX_BATCH, on_idle: Callable[[], None] = lambda: None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self._step = step
+        self._on_idle = on_idle  # called on the loop's thread once nothing decodes (the engine frees its OpenMP team)
         self.eos_ids = eos_ids
         self.max_batch = max_batch
         self._lock = threading.Lock()
@@ -204,12 +205,16 @@ class BatchDecoder:
         while True:
             with self._lock:
                 batch = self._admit()
-                if not batch:
-                    self._wake.wait(self.idle_exit_s)
+            if not batch:
+                self._on_idle()
+                with self._lock:
                     batch = self._admit()
                     if not batch:
-                        self._thread = None
-                        return
+                        self._wake.wait(self.idle_exit_s)
+                        batch = self._admit()
+                        if not batch:
+                            self._thread = None
+                            return
             try:
                 logits = self._step([r.cache for r in batch], [r.token for r in batch],
                                     [r.position for r in batch], [r.slot for r in batch])

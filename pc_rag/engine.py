@@ -31,7 +31,7 @@ from .decode import Sampler, Sampling, TextStream
 from .errors import PromptError
 from .grammar import Grammar, Grammars
 from .lookups import WhereLookups
-from .model import LlamaRunner
+from .model import LlamaRunner, release_team, releasing_team
 from .options import DEFAULT_RECOMPUTE_RATIO, MODES, GenerationOptions, check_device, checked_cache_salt
 from .plan import COMPUTE, COPY, ENCODE, READ, REUSING_CHUNKS, STORED, Plan, Planner
 from .pml import PML, Schema, SchemaRegistry
@@ -218,6 +218,7 @@ class Engine:
         self.runner.others_decoding = lambda: self._requests > 1  # long prefills are chunked while others run
         # One prefill at a time, in arrival order (batch.py: a burst's first request answers after one prefill).
         self._prefill_turn = TurnLock()
+        release_team()  # loading and packing the weights computed on this thread, which may serve none (threads.py)
 
     @classmethod
     def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu", store=None) -> Engine:
@@ -318,7 +319,13 @@ class Engine:
         the namespace `cache_salt` (public documents in none)."""
         namespace = checked_cache_salt(cache_salt)
         texts = [t for t in texts if isinstance(t, str) and t.strip()]
-        return self.prefetcher.submit(lambda: self._prefetch_now(texts, namespace))
+        return self.prefetcher.submit(lambda: self._prefetch_job(texts, namespace))
+
+    def _prefetch_job(self, texts: list[str], namespace: str | None) -> int:
+        try:
+            return self._prefetch_now(texts, namespace)
+        finally:
+            release_team()  # the prefetch worker then idles (pc_rag/model/threads.py)
 
     def _prefetch_now(self, texts: list[str], namespace: str | None = None) -> int:
         if not self.store.can_prefetch:
@@ -362,6 +369,7 @@ class Engine:
                 self.add_scaffold(texts)
         return schema
 
+    @releasing_team
     def next_token_logits(self, prompt: Prompt, mode: str = "modular", recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
                           cache_salt: str | None = None) -> torch.Tensor:
         """Next-token logits after the prompt, [vocab] float32. Like `generate`, it leaves the prompt's prefix
@@ -376,6 +384,7 @@ class Engine:
             self.runner.release_cache(asm.cache)
         return asm.logits
 
+    @releasing_team
     def warm(self, chunks: Iterable[Chunk | str], progress: bool = True, cache_salt: str | None = None) -> int:
         """Encode and store chunk KV ahead of time, in namespace `cache_salt` (public chunks, `Chunk(public=True)`,
         in none); returns how many chunks were newly encoded."""
@@ -542,6 +551,7 @@ class Engine:
                 self._remember_reply(prompt, text.text, ids, asm if done else None, saved, options.cache_salt)
             finally:
                 self.runner.release_cache(asm.cache)
+                release_team()  # a server's request thread waits for its next request (pc_rag/model/threads.py)
         return Generation(
             text=text.text,
             token_ids=tuple(ids),
@@ -564,8 +574,10 @@ class Engine:
         hands out `token`."""
         with self._decoder_lock:
             if self._decoder is None:
-                self._decoder = BatchDecoder(self.runner.decode_batch, self.eos_ids, self.max_batch)
-        return self._decoder.join(cache, sampler, token, position, slot, steps)
+                self._decoder = BatchDecoder(self.runner.decode_batch, self.eos_ids, self.max_batch, release_team)
+        joined = self._decoder.join(cache, sampler, token, position, slot, steps)
+        release_team()  # this thread now waits for the loop's tokens (pc_rag/model/threads.py)
+        return joined
 
     def _remember_reply(self, prompt, text: str, ids: list[int], asm: Assembled | None = None,
                         saved: frozenset[str] = frozenset(), namespace: str | None = None) -> None:

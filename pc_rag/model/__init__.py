@@ -12,7 +12,8 @@ keyword `past_key_values` to `cache`), this package is the one place to edit. Wh
 - rope.py: RoPE tables per layer, relocation of cached keys, the relocation self-check;
 - fingerprint.py: the model fingerprint in every store key;
 - hf.py: names in transformers' API that differ between supported releases (for direct HF calls: benchmarks);
-- runner.py: `LlamaRunner`, the layer loop over all of the above.
+- runner.py: `LlamaRunner`, the layer loop over all of the above;
+- threads.py: `release_team`, a thread that stops computing to wait gives back its OpenMP team.
 """
 
 from .architecture import Architecture, Layer, Norms
@@ -22,9 +23,11 @@ from .families import FAMILIES, SUPPORTED_MODEL_TYPES, describe
 from .fingerprint import hash_tensor
 from .rope import RELOCATABLE_ROPE_TYPES, RelocationCheck
 from .runner import DTYPES, POOL_MAX_BYTES, POOL_SIZE, PREFILL_CHUNK_TOKENS, LlamaRunner, parse_dtype
+from .threads import release_team, releasing_team
 
 __all__ = [
     "DTYPES", "FAMILIES", "POOL_MAX_BYTES", "POOL_SIZE", "PREFILL_CHUNK_TOKENS", "RELOCATABLE_ROPE_TYPES",
     "SPLIT_MIN_TOKENS", "SUPPORTED_MODEL_TYPES", "Architecture", "Heads", "Layer", "LlamaRunner", "ModelShape",
-    "Norms", "RelocationCheck", "SlotCache", "Writes", "describe", "hash_tensor", "parse_dtype",
+    "Norms", "RelocationCheck", "SlotCache", "Writes", "describe", "hash_tensor", "parse_dtype", "release_team",
+    "releasing_team",
 ]
