@@ -206,7 +206,10 @@ class BatchDecoder:
             with self._lock:
                 batch = self._admit()
             if not batch:
-                self._on_idle()
+                try:
+                    self._on_idle()
+                except Exception:  # the loop must go on: a dead loop would leave the next joiners waiting
+                    log.exception("pc_rag: the decode loop's idle hook failed")
                 with self._lock:
                     batch = self._admit()
                     if not batch:
