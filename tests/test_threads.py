@@ -12,9 +12,9 @@ import textwrap
 
 import pytest
 
-from pc_rag.model.threads import _pause
+from pc_rag.model.threads import _pauses
 
-pytestmark = pytest.mark.skipif(_pause() is None, reason="no libgomp in this process (not Linux, or another OpenMP)")
+pytestmark = pytest.mark.skipif(not _pauses(), reason="no libgomp in this process (not Linux, or another OpenMP)")
 
 
 COUNT = """

@@ -27,28 +27,30 @@ _OMP_PAUSE_SOFT = 1
 
 
 @functools.cache
-def _pause():
-    """libgomp's `omp_pause_resource_all`, from the copy this process loaded (torch bundles its own), or None."""
+def _pauses() -> tuple:
+    """`omp_pause_resource_all` of every libgomp this process loaded (torch's own copy; another library may have
+    brought a second one, whose teams are its own), read once from /proc/self/maps: empty where there is none."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+            paths = sorted({line.split()[-1] for line in maps if "/libgomp" in line})
     except OSError:  # not Linux
-        return None
-    for path in sorted(paths):
+        return ()
+    found = []
+    for path in paths:
         try:
             fn = ctypes.CDLL(path).omp_pause_resource_all
         except (OSError, AttributeError):  # a libgomp older than OpenMP 5 (GCC 9)
             continue
         fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        return fn
-    return None
+        found.append(fn)
+    return tuple(found)
 
 
 def release_team() -> None:
     """Free the calling thread's OpenMP team; call it where a thread that computed goes on to wait."""
-    pause = _pause()
-    if pause is not None and pause(_OMP_PAUSE_SOFT) != 0:  # nonzero inside a parallel region: nothing freed
-        log.debug("pc_rag: omp_pause_resource_all refused on this thread")
+    for pause in _pauses():
+        if pause(_OMP_PAUSE_SOFT) != 0:  # nonzero inside a parallel region: nothing freed
+            log.debug("pc_rag: omp_pause_resource_all refused on this thread")
 
 
 def releasing_team(fn):
