@@ -319,14 +319,9 @@ class Engine:
         the namespace `cache_salt` (public documents in none)."""
         namespace = checked_cache_salt(cache_salt)
         texts = [t for t in texts if isinstance(t, str) and t.strip()]
-        return self.prefetcher.submit(lambda: self._prefetch_job(texts, namespace))
+        return self.prefetcher.submit(lambda: self._prefetch_now(texts, namespace))
 
-    def _prefetch_job(self, texts: list[str], namespace: str | None) -> int:
-        try:
-            return self._prefetch_now(texts, namespace)
-        finally:
-            release_team()  # the prefetch worker then idles (pc_rag/model/threads.py)
-
+    @releasing_team  # on the prefetch worker, which then idles
     def _prefetch_now(self, texts: list[str], namespace: str | None = None) -> int:
         if not self.store.can_prefetch:
             return 0
