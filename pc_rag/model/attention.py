@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
 # From this many fresh tokens after a cached prefix, attention runs in two parts on CPU. Measured (bench model,
 # forward of n tokens after 300 / 2000 cached, fp32 and bf16): 2048 tokens 18-22% faster in two parts, 512 up to
 # 20% (fp32 after 2000) or even, below 256 even or the single masked call ahead by up to 15% (fewer ops).
@@ -139,15 +141,29 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads
     With grouped-query attention, the query heads that share a KV head are passed to sdpa as that head's rows
     ([1, H_kv, group, D]; HF's repeat_kv gives query head h the KV head h // group), so each KV head is read
     once: sdpa's own GQA read it once per query head, and its CPU kernel ran a decode step 1.4x (fp32) to 4x
-    (bf16) slower (8 layers, 4K keys, 2 query heads per KV head)."""
+    (bf16) slower (8 layers, 4K keys, 2 query heads per KV head). On CPUs with AVX-512, pc_rag's own kernel runs
+    it (kernels.py): sdpa's read the KV at about half the machine's rate."""
     if heads.softcap is not None:
         return _scores_attention(q, keys, values, None, heads)
     group = heads.num_key_value_groups
+    if _kernel_takes(keys, values):
+        b, h, _, d = q.shape
+        o = kernels.decode_attention(kernels.decode_attention_kernel(), q.reshape(h // group, group, d), keys[0],
+                                     values[0], heads.scaling)
+        return o.reshape(b, h, 1, d)
     if group == 1:
         return F.scaled_dot_product_attention(q, keys, values, scale=heads.scaling)
     b, h, _, d = q.shape
     o = F.scaled_dot_product_attention(q.reshape(b, h // group, group, d), keys, values, scale=heads.scaling)
     return o.reshape(b, h, 1, d)
+
+
+def _kernel_takes(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether pc_rag's decode kernel runs these keys [1, H_kv, T, D]: CPU, fp32/bf16, rows contiguous."""
+    d = keys.shape[-1]
+    return (keys.device.type == "cpu" and keys.dtype in kernels.DTYPES and values.dtype == keys.dtype
+            and keys.shape[0] == 1 and d % 16 == 0 and d <= 256 and keys.stride(-1) == 1 and keys.stride(-2) == d
+            and values.stride(-1) == 1 and values.stride(-2) == d and kernels.decode_attention_kernel() is not None)
 
 
 def _attend_after(q: torch.Tensor, old_keys: torch.Tensor, old_values: torch.Tensor, keys: torch.Tensor,

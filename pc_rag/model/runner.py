@@ -19,6 +19,7 @@ import torch
 
 from ..batch import TurnLock
 from ..errors import Cancelled, PCRagError, UnsupportedModelError
+from . import kernels
 from . import rope as rope_check
 from .attention import Heads, Writes, _attend_one, _mask, attend
 from .cache import ModelShape, SlotCache, _to_device
@@ -96,6 +97,8 @@ class LlamaRunner:
         self._apply_rope = modeling.apply_rotary_pos_emb
         # The linear layers as the forward passes multiply by them (fused, oneDNN-packed on CPU: weights.py).
         self.weights = weights_of(model, arch)
+        if self.device.type == "cpu" and self.dtype in kernels.DTYPES:
+            kernels.decode_attention_kernel()  # compiled now if it must be (once per machine, ~1 s), not mid-request
         # One forward at a time: requests from several threads interleave step by step, each with its own
         # cache, so every thread gets exactly what a serial run gives. Turns are taken in arrival order (see
         # batch.TurnLock): a decode step waits for at most one prefill chunk.
