@@ -36,7 +36,7 @@ def test_kernel_equals_float64_attention(dtype, tol, heads, group, dim):
         k, v = (torch.randn(heads, n, dim, generator=g).to(dtype) for _ in range(2))
         want = F.scaled_dot_product_attention(q[None].double(), k[None].double(), v[None].double(),
                                               scale=dim ** -0.5)[0]
-        got = kernels.decode_attention(fn, q, k, v, dim ** -0.5)
+        got = kernels.decode_attention(fn, q[None], [k], [v], dim ** -0.5)[0]
         assert got.dtype == dtype and got.shape == q.shape
         assert (got.double() - want).abs().max().item() < tol, (n, dtype)
 
@@ -51,21 +51,38 @@ def test_kernel_reads_slices_of_a_request_buffer_and_large_scores():
     keys, values = buf_k[:, :, :513], buf_v[:, :, :513]
     want = F.scaled_dot_product_attention(q.double().reshape(1, 2, 2, 32), keys.double(), values.double(),
                                           scale=0.25)
-    got = kernels.decode_attention(fn, q.reshape(2, 2, 32), keys[0], values[0], 0.25)
+    got = kernels.decode_attention(fn, q.reshape(1, 2, 2, 32), [keys[0]], [values[0]], 0.25)[0]
     assert torch.isfinite(got).all()
     assert (got.double() - want[0]).abs().max().item() < 1e-4 * want.abs().max().item()
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_one_call_for_several_requests_equals_each_alone(dtype, tol):
+    """A batched decode step: requests of different lengths (one key to several chunks) in one call, each
+    against float64 attention over its own keys."""
+    fn, g = kernels.decode_attention_kernel(), torch.Generator().manual_seed(11)
+    lengths = [1, 700, 33, 2048, 16]
+    q = torch.randn(len(lengths), 2, 3, 32, generator=g).to(dtype)
+    keys = [torch.randn(2, n, 32, generator=g).to(dtype) for n in lengths]
+    values = [torch.randn(2, n, 32, generator=g).to(dtype) for n in lengths]
+    got = kernels.decode_attention(fn, q, keys, values, 0.2)
+    for r in range(len(lengths)):
+        want = F.scaled_dot_product_attention(q[r: r + 1].double(), keys[r][None].double(), values[r][None].double(),
+                                              scale=0.2)[0]
+        assert (got[r].double() - want).abs().max().item() < tol, lengths[r]
+
+
+@needs_kernel
 def test_decode_step_with_the_kernel_equals_sdpa(monkeypatch):
-    """`_attend_one` (every decode step) through the kernel against the same call through sdpa."""
+    """`attend_decode` (every decode step) through the kernel against the same call through sdpa."""
     g = torch.Generator().manual_seed(5)
     heads = Heads(2, 0.125)
     q = torch.randn(1, 8, 1, 64, generator=g)
     keys, values = (torch.randn(1, 4, 900, 64, generator=g)[:, :, :811] for _ in range(2))
-    with_kernel = attention._attend_one(q, keys, values, heads)
+    with_kernel = attention.attend_decode(q, [keys], [values], heads)
     monkeypatch.setattr(kernels, "_kernel", None)
-    without = attention._attend_one(q, keys, values, heads)
+    without = attention.attend_decode(q, [keys], [values], heads)
     assert (with_kernel - without).abs().max().item() < 1e-5
 
 
@@ -89,7 +106,7 @@ def test_a_kernel_that_will_not_build_leaves_sdpa(monkeypatch, tmp_path, caplog)
     assert "no-such-compiler-pc-rag" in caplog.text
     q, keys = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 40, 16)
     want = F.scaled_dot_product_attention(q.reshape(1, 2, 2, 16), keys, keys, scale=0.25).reshape(1, 4, 1, 16)
-    assert torch.allclose(attention._attend_one(q, keys, keys, Heads(2, 0.25)), want, atol=1e-6)
+    assert torch.allclose(attention.attend_decode(q, [keys], [keys], Heads(2, 0.25)), want, atol=1e-6)
 
 
 @needs_kernel
@@ -105,7 +122,7 @@ def test_a_broken_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path):
     assert fn is not None and path.read_bytes() == intact
     q, k = torch.randn(1, 2, 16), torch.randn(1, 5, 16)
     want = F.scaled_dot_product_attention(q[None], k[None], k[None], scale=0.25)[0]
-    assert torch.allclose(kernels.decode_attention(fn, q, k, k, 0.25), want, atol=1e-6)
+    assert torch.allclose(kernels.decode_attention(fn, q[None], [k], [k], 0.25)[0], want, atol=1e-6)
 
 
 def test_the_switch_turns_the_kernel_off(monkeypatch):
@@ -117,10 +134,10 @@ def test_the_switch_turns_the_kernel_off(monkeypatch):
 def test_the_kernel_refuses_what_it_cannot_read():
     fn = kernels.decode_attention_kernel()
     with pytest.raises(ValueError, match="fp32 or bf16"):
-        kernels.decode_attention(fn, torch.randn(1, 1, 16).half(), torch.randn(1, 4, 16).half(),
-                                 torch.randn(1, 4, 16).half(), 0.25)
+        kernels.decode_attention(fn, torch.randn(1, 1, 1, 16).half(), [torch.randn(1, 4, 16).half()],
+                                 [torch.randn(1, 4, 16).half()], 0.25)
     q, k = torch.randn(1, 1, 24), torch.randn(1, 4, 24)  # head_dim not a multiple of 16
     with pytest.raises(RuntimeError, match="refused"):
-        kernels.decode_attention(fn, q, k, k, 0.25)
+        kernels.decode_attention(fn, q[None], [k], [k], 0.25)
     assert not attention._kernel_takes(k[None], k[None])
     assert isinstance(fn, ctypes._CFuncPtr)

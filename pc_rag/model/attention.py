@@ -107,7 +107,7 @@ def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, w
         layer_values[:, :, w.start: w.start + w.n] = v
     if w.layout == "after" and w.n == 1:  # a decode step: the last `window` keys at most
         lo = 0 if window is None else max(0, w.kv - window)
-        return _attend_one(q, layer_keys[:, :, lo: w.kv], layer_values[:, :, lo: w.kv], heads)
+        return attend_decode(q, [layer_keys[:, :, lo: w.kv]], [layer_values[:, :, lo: w.kv]], heads)
     if heads.softcap is not None or (window is not None and w.kv > window):
         return _attend_rows(q, layer_keys, layer_values, w, heads, window)
     if w.layout == "causal":  # nothing before these tokens: the fresh tensors are all the keys there are
@@ -135,22 +135,33 @@ def _gqa(heads: Heads) -> dict:
     return {"enable_gqa": True} if heads.num_key_value_groups > 1 else {}  # sdpa repeats the kv heads itself
 
 
+def attend_decode(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], heads: Heads) -> torch.Tensor:
+    """One decode step's attention for B requests: request b's query token q[b] [H_q, 1, D] over every key of its
+    own keys[b] / values[b] [1, H_kv, T_b, D] (no mask). Returns [B, H_q, 1, D].
+
+    On CPUs with AVX-512, pc_rag's own kernel runs all B requests in one call (kernels.py): sdpa's CPU kernel
+    read the KV at about half the machine's rate in fp32 and a third in bf16. Otherwise sdpa, request by
+    request (`_attend_one`)."""
+    b, h, _, d = q.shape
+    group = heads.num_key_value_groups
+    if heads.softcap is None and all(_kernel_takes(k, v) for k, v in zip(keys, values, strict=True)):
+        o = kernels.decode_attention(kernels.decode_attention_kernel(), q.reshape(b, h // group, group, d),
+                                     [k[0] for k in keys], [v[0] for v in values], heads.scaling)
+        return o.reshape(b, h, 1, d)
+    out = [_attend_one(q[i: i + 1], keys[i], values[i], heads) for i in range(b)]
+    return torch.cat(out) if b > 1 else out[0]
+
+
 def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: Heads) -> torch.Tensor:
-    """One query token [1, H_q, 1, D] over every key [1, H_kv, T, D] (a decode step: no mask).
+    """One query token [1, H_q, 1, D] over every key [1, H_kv, T, D] through sdpa (a decode step: no mask).
 
     With grouped-query attention, the query heads that share a KV head are passed to sdpa as that head's rows
     ([1, H_kv, group, D]; HF's repeat_kv gives query head h the KV head h // group), so each KV head is read
     once: sdpa's own GQA read it once per query head, and its CPU kernel ran a decode step 1.4x (fp32) to 4x
-    (bf16) slower (8 layers, 4K keys, 2 query heads per KV head). On CPUs with AVX-512, pc_rag's own kernel runs
-    it (kernels.py): sdpa's read the KV at about half the machine's rate."""
+    (bf16) slower (8 layers, 4K keys, 2 query heads per KV head)."""
     if heads.softcap is not None:
         return _scores_attention(q, keys, values, None, heads)
     group = heads.num_key_value_groups
-    if _kernel_takes(keys, values):
-        b, h, _, d = q.shape
-        o = kernels.decode_attention(kernels.decode_attention_kernel(), q.reshape(h // group, group, d), keys[0],
-                                     values[0], heads.scaling)
-        return o.reshape(b, h, 1, d)
     if group == 1:
         return F.scaled_dot_product_attention(q, keys, values, scale=heads.scaling)
     b, h, _, d = q.shape

@@ -123,26 +123,34 @@ def _bind(lib: ctypes.CDLL):
         raise OSError("this CPU lacks an AVX-512 subset the kernel uses")
     fn = lib.pc_rag_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int, i64, ctypes.c_int, ptr]
+    fn.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, i64, ctypes.c_int, ptr]
     fn.restype = ctypes.c_int
     return fn
 
 
-def decode_attention(fn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [H_kv, G, D] over keys/values [H_kv, n, D] (rows contiguous, fp32 or bf16, CPU): [H_kv, G, D] in q's dtype.
+def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     scale: float) -> torch.Tensor:
+    """One decode step's attention for B requests in one call: request r's query rows q[r] [H_kv, G, D] over its
+    keys[r] / values[r] [H_kv, n_r, D] (CPU, fp32 or bf16, rows contiguous). Returns [B, H_kv, G, D] in q's dtype.
 
-    Keys go to the threads in chunks of 64-512 rows, small enough that every thread gets about four."""
-    if keys.dtype not in DTYPES or values.dtype != keys.dtype:
-        raise ValueError(f"decode attention kernel: keys {keys.dtype}, values {values.dtype} (fp32 or bf16 only)")
-    h, n, d = keys.shape
+    The keys go to the threads in chunks of 64-512 rows, small enough that every thread gets about four."""
+    dtype = keys[0].dtype
+    if dtype not in DTYPES or any(t.dtype != dtype for t in (*keys, *values)):
+        raise ValueError(f"decode attention kernel: keys and values in {sorted({str(t.dtype) for t in keys})} "
+                         "(fp32 or bf16 only, all alike)")
+    b, h, g, d = q.shape
     threads = torch.get_num_threads()
-    rows = min(512, max(64, -(-n * h // (4 * threads))))
+    lengths = [k.shape[1] for k in keys]
+    rows = min(512, max(64, -(-sum(lengths) * h // (4 * threads))))
     q32 = (q.float() * scale).contiguous()
     out = torch.empty(q32.shape, dtype=torch.float32)
-    status = fn(q32.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), values.stride(0), h, n,
-                q.shape[1], d, int(keys.dtype == torch.bfloat16), rows, threads, out.data_ptr())
+    i64s = ctypes.c_int64 * b
+    ptrs = ctypes.c_void_p * b
+    status = fn(b, q32.data_ptr(), ptrs(*[k.data_ptr() for k in keys]), ptrs(*[v.data_ptr() for v in values]),
+                i64s(*lengths), i64s(*[k.stride(0) for k in keys]), i64s(*[v.stride(0) for v in values]), h, g, d,
+                int(dtype == torch.bfloat16), rows, threads, out.data_ptr())
     if status != 0:
-        raise RuntimeError(f"decode attention kernel refused keys {tuple(keys.shape)}")
+        raise RuntimeError(f"decode attention kernel refused keys {[tuple(k.shape) for k in keys]}")
     return out.to(q.dtype)
 
 
@@ -154,6 +162,7 @@ def _agrees(fn) -> bool:
         k = torch.randn(2, 300, 64, generator=g).to(dtype)
         v = torch.randn(2, 300, 64, generator=g).to(dtype)
         want = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], scale=0.125)[0]
-        if not torch.allclose(decode_attention(fn, q, k, v, 0.125).float(), want.float(), rtol=tol, atol=tol):
+        if not torch.allclose(decode_attention(fn, q[None], [k], [v], 0.125)[0].float(), want.float(), rtol=tol,
+                              atol=tol):
             return False
     return True

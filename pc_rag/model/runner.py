@@ -21,7 +21,7 @@ from ..batch import TurnLock
 from ..errors import Cancelled, PCRagError, UnsupportedModelError
 from . import kernels
 from . import rope as rope_check
-from .attention import Heads, Writes, _attend_one, _mask, attend
+from .attention import Heads, Writes, _mask, attend, attend_decode
 from .cache import ModelShape, SlotCache, _to_device
 from .families import SUPPORTED_MODEL_TYPES, describe
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
@@ -421,15 +421,16 @@ class LlamaRunner:
                 q, k, v = self._qkv(i, hidden, rope)  # [B, H, 1, D]
                 k_new, v_new = k[:, :, 0], v[:, :, 0]  # [B, H_kv, D]
                 window = layers[i].window
-                out = []
+                keys, values = [], []
                 for b in range(n):
                     new[b][0][i] = k_new[b]
                     new[b][1][i] = v_new[b]
-                    keys, values = seen[b][0][i], seen[b][1][i]  # [1, H_kv, slot + 1, D]
+                    k_b, v_b = seen[b][0][i], seen[b][1][i]  # [1, H_kv, slot + 1, D]
                     if window is not None and slots[b] + 1 > window:  # the last `window` slots only
-                        keys, values = keys[:, :, -window:], values[:, :, -window:]
-                    out.append(_attend_one(q[b: b + 1], keys, values, self.heads))
-                hidden = self._after_attention(i, hidden, torch.cat(out) if n > 1 else out[0])
+                        k_b, v_b = k_b[:, :, -window:], v_b[:, :, -window:]
+                    keys.append(k_b)
+                    values.append(v_b)
+                hidden = self._after_attention(i, hidden, attend_decode(q, keys, values, self.heads))
             logits = self._logits(hidden)[:, 0]  # [B, vocab]
         for cache, s in zip(caches, slots, strict=True):
             cache.length = max(cache.length, s + 1)

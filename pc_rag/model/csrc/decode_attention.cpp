@@ -92,17 +92,22 @@ PC_AVX512 void attend_chunk(const float* q, const T* k, const T* v, int64_t n, i
   }
 }
 
+// Every request's keys in chunks of `rows`: work item i belongs to request r where first[r] <= i < first[r + 1],
+// head and chunk in request order; each item's max, exp-sum and partial output go to ml, acc at index i.
 template <typename T>
-void attend_all(const float* q, const T* k, const T* v, int64_t k_head, int64_t v_head, int64_t H, int64_t n,
-                int64_t G, int64_t D, int64_t rows, int threads, float* ml, float* acc) {
-  const int64_t C = (n + rows - 1) / rows;
+void attend_all(int64_t B, const float* q, const void* const* keys, const void* const* values, const int64_t* n,
+                const int64_t* k_head, const int64_t* v_head, int64_t H, int64_t G, int64_t D, int64_t rows,
+                int threads, const int64_t* first, float* ml, float* acc) {
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> s(G * rows), m(G), l(G);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < H * C; ++i) {
-      const int64_t h = i / C, t0 = (i % C) * rows, len = std::min(rows, n - t0);
-      attend_chunk<T>(q + h * G * D, k + h * k_head + t0 * D, v + h * v_head + t0 * D, len, G, D, s.data(), m.data(),
+    for (int64_t i = 0; i < first[B]; ++i) {
+      const int64_t r = std::upper_bound(first, first + B + 1, i) - first - 1;
+      const int64_t C = (n[r] + rows - 1) / rows, j = i - first[r];
+      const int64_t h = j / C, t0 = (j % C) * rows, len = std::min(rows, n[r] - t0);
+      attend_chunk<T>(q + (r * H + h) * G * D, static_cast<const T*>(keys[r]) + h * k_head[r] + t0 * D,
+                      static_cast<const T*>(values[r]) + h * v_head[r] + t0 * D, len, G, D, s.data(), m.data(),
                       l.data(), acc + i * G * D);
       for (int64_t g = 0; g < G; ++g) {
         ml[(i * G + g) * 2] = m[g];
@@ -121,36 +126,44 @@ int pc_rag_supported() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
 }
 
-// q [H, G, D] fp32, already scaled: query head h * G + g uses KV head h (HF's repeat_kv). keys, values: H heads of
-// n rows of D elements (fp32, or bf16 when bf16 != 0), rows contiguous, heads k_head / v_head elements apart.
-// rows: keys per work item. out [H, G, D] fp32. Returns 0, or -1 for shapes it does not take.
-int pc_rag_decode_attention(const float* q, const void* keys, const void* values, int64_t k_head, int64_t v_head,
-                            int64_t H, int64_t n, int64_t G, int64_t D, int bf16, int64_t rows, int threads,
-                            float* out) {
-  if (!pc_rag_supported() || D % 16 != 0 || D > 256 || n <= 0 || rows <= 0 || H <= 0 || G <= 0) return -1;
-  const int64_t C = (n + rows - 1) / rows;
-  std::vector<float> ml(H * C * G * 2), acc(H * C * G * D);
+// B requests of one decode step at once (one request: B = 1). q [B, H, G, D] fp32, already scaled: query head
+// h * G + g uses KV head h (HF's repeat_kv). Request r's keys and values: H heads of n[r] rows of D elements (fp32,
+// or bf16 when bf16 != 0) at keys[r], values[r], rows contiguous, heads k_head[r] / v_head[r] elements apart.
+// rows: keys per work item. out [B, H, G, D] fp32. Returns 0, or -1 for shapes it does not take.
+int pc_rag_decode_attention(int64_t B, const float* q, const void* const* keys, const void* const* values,
+                            const int64_t* n, const int64_t* k_head, const int64_t* v_head, int64_t H, int64_t G,
+                            int64_t D, int bf16, int64_t rows, int threads, float* out) {
+  if (!pc_rag_supported() || D % 16 != 0 || D > 256 || rows <= 0 || B <= 0 || H <= 0 || G <= 0) return -1;
+  std::vector<int64_t> first(B + 1, 0);
+  for (int64_t r = 0; r < B; ++r) {
+    if (n[r] <= 0) return -1;
+    first[r + 1] = first[r] + H * ((n[r] + rows - 1) / rows);
+  }
+  std::vector<float> ml(first[B] * G * 2), acc(first[B] * G * D);
   if (bf16)
-    attend_all<uint16_t>(q, static_cast<const uint16_t*>(keys), static_cast<const uint16_t*>(values), k_head, v_head,
-                         H, n, G, D, rows, threads, ml.data(), acc.data());
+    attend_all<uint16_t>(B, q, keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(), ml.data(),
+                         acc.data());
   else
-    attend_all<float>(q, static_cast<const float*>(keys), static_cast<const float*>(values), k_head, v_head, H, n, G,
-                      D, rows, threads, ml.data(), acc.data());
+    attend_all<float>(B, q, keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(), ml.data(),
+                      acc.data());
   // Merge each query row's chunks: weights exp(m_c - max m), normalised by the weighted exp-sums.
-  for (int64_t h = 0; h < H; ++h) {
-    for (int64_t g = 0; g < G; ++g) {
-      float M = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < C; ++c) M = std::max(M, ml[((h * C + c) * G + g) * 2]);
-      float L = 0.f;
-      float* o = out + (h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-      for (int64_t c = 0; c < C; ++c) {
-        const int64_t j = (h * C + c) * G + g;
-        const float w = std::exp(ml[j * 2] - M);
-        L += w * ml[j * 2 + 1];
-        for (int64_t d = 0; d < D; ++d) o[d] += w * acc[j * D + d];
+  for (int64_t r = 0; r < B; ++r) {
+    const int64_t C = (n[r] + rows - 1) / rows;
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        float M = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < C; ++c) M = std::max(M, ml[((first[r] + h * C + c) * G + g) * 2]);
+        float L = 0.f;
+        float* o = out + ((r * H + h) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t j = (first[r] + h * C + c) * G + g;
+          const float w = std::exp(ml[j * 2] - M);
+          L += w * ml[j * 2 + 1];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * acc[j * D + d];
+        }
+        for (int64_t d = 0; d < D; ++d) o[d] /= L;
       }
-      for (int64_t d = 0; d < D; ++d) o[d] /= L;
     }
   }
   return 0;
