@@ -40,6 +40,7 @@ import torch
 
 import pc_rag
 from pc_rag import Chunk, Text
+from pc_rag.model import kernels
 
 from .common import common_prefix
 
@@ -246,9 +247,10 @@ def profile(engine, texts: Texts) -> dict:
     def kinds(prof, wall_s, per):
         out = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
         for e in prof.key_averages():
-            if e.key.startswith("aten::") or e.key.startswith("mkldnn::"):
+            if e.key.startswith(("aten::", "mkldnn::")) or e.key == kernels.PROFILE_NAME:
                 kind = ("matmul" if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise") else
-                        "attention" if "scaled_dot_product" in e.key else "other ops")
+                        "attention" if "scaled_dot_product" in e.key or e.key == kernels.PROFILE_NAME else
+                        "other ops")
                 out[kind] += e.self_cpu_time_total / 1e3 / per
         out["outside ops"] = max(0.0, wall_s * 1e3 / per - sum(out.values()))
         out["wall"] = wall_s * 1e3 / per
