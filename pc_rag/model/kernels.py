@@ -124,7 +124,8 @@ def _bind(lib: ctypes.CDLL):
         raise OSError("this CPU lacks an AVX-512 subset the kernel uses")
     fn = lib.pc_rag_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, i64, ctypes.c_int, ptr]
+    fn.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_float, i64, ctypes.c_int,
+                   ptr]
     fn.restype = ctypes.c_int
     return fn
 
@@ -132,7 +133,8 @@ def _bind(lib: ctypes.CDLL):
 def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                      scale: float) -> torch.Tensor:
     """One decode step's attention for B requests in one call: request r's query rows q[r] [H_kv, G, D] over its
-    keys[r] / values[r] [H_kv, n_r, D] (CPU, fp32 or bf16, rows contiguous). Returns [B, H_kv, G, D] in q's dtype.
+    keys[r] / values[r] [H_kv, n_r, D] (CPU, fp32 or bf16, rows contiguous). Returns [B, H_kv, G, D] in the keys'
+    dtype (scores and softmax in fp32, the output rounded once, as sdpa's CPU kernel does).
 
     The keys go to the threads in chunks of 64-512 rows, small enough that every thread gets about four."""
     dtype = keys[0].dtype
@@ -143,17 +145,16 @@ def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list
     threads = torch.get_num_threads()
     lengths = [k.shape[1] for k in keys]
     rows = min(512, max(64, -(-sum(lengths) * h // (4 * threads))))
-    q32 = (q.float() * scale).contiguous()
-    out = torch.empty(q32.shape, dtype=torch.float32)
-    i64s = ctypes.c_int64 * b
-    ptrs = ctypes.c_void_p * b
+    q = q.to(dtype).contiguous()
+    out = torch.empty(q.shape, dtype=dtype)
+    i64s, ptrs = ctypes.c_int64 * b, ctypes.c_void_p * b
     with torch.profiler.record_function(PROFILE_NAME):  # a torch profile shows the kernel by this name
-        status = fn(b, q32.data_ptr(), ptrs(*[k.data_ptr() for k in keys]), ptrs(*[v.data_ptr() for v in values]),
+        status = fn(b, q.data_ptr(), ptrs(*[k.data_ptr() for k in keys]), ptrs(*[v.data_ptr() for v in values]),
                     i64s(*lengths), i64s(*[k.stride(0) for k in keys]), i64s(*[v.stride(0) for v in values]), h, g,
-                    d, int(dtype == torch.bfloat16), rows, threads, out.data_ptr())
+                    d, int(dtype == torch.bfloat16), scale, rows, threads, out.data_ptr())
     if status != 0:
         raise RuntimeError(f"decode attention kernel refused keys {[tuple(k.shape) for k in keys]}")
-    return out.to(q.dtype)
+    return out
 
 
 def _agrees(fn) -> bool:

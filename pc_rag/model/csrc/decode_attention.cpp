@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include <algorithm>
 #include <cmath>
@@ -126,25 +127,43 @@ int pc_rag_supported() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
 }
 
-// B requests of one decode step at once (one request: B = 1). q [B, H, G, D] fp32, already scaled: query head
-// h * G + g uses KV head h (HF's repeat_kv). Request r's keys and values: H heads of n[r] rows of D elements (fp32,
-// or bf16 when bf16 != 0) at keys[r], values[r], rows contiguous, heads k_head[r] / v_head[r] elements apart.
-// rows: keys per work item. out [B, H, G, D] fp32. Returns 0, or -1 for shapes it does not take.
-int pc_rag_decode_attention(int64_t B, const float* q, const void* const* keys, const void* const* values,
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, as torch's conversion does (the outputs are finite: a softmax average of finite values).
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// B requests of one decode step at once (one request: B = 1). q [B, H, G, D] contiguous, in the keys' dtype: query
+// head h * G + g uses KV head h (HF's repeat_kv); scores are scaled by `scale`. Request r's keys and values: H heads
+// of n[r] rows of D elements (fp32, or bf16 when bf16 != 0) at keys[r], values[r], rows contiguous, heads k_head[r]
+// / v_head[r] elements apart. rows: keys per work item. out [B, H, G, D] in the keys' dtype. Returns 0, or -1 for
+// shapes it does not take.
+int pc_rag_decode_attention(int64_t B, const void* q, const void* const* keys, const void* const* values,
                             const int64_t* n, const int64_t* k_head, const int64_t* v_head, int64_t H, int64_t G,
-                            int64_t D, int bf16, int64_t rows, int threads, float* out) {
+                            int64_t D, int bf16, float scale, int64_t rows, int threads, void* out) {
   if (!pc_rag_supported() || D % 16 != 0 || D > 256 || rows <= 0 || B <= 0 || H <= 0 || G <= 0) return -1;
   std::vector<int64_t> first(B + 1, 0);
   for (int64_t r = 0; r < B; ++r) {
     if (n[r] <= 0) return -1;
     first[r + 1] = first[r] + H * ((n[r] + rows - 1) / rows);
   }
-  std::vector<float> ml(first[B] * G * 2), acc(first[B] * G * D);
+  const int64_t Q = B * H * G * D;
+  std::vector<float> qs(Q), ml(first[B] * G * 2), acc(first[B] * G * D), o(D);
+  for (int64_t i = 0; i < Q; ++i)
+    qs[i] = scale * (bf16 ? bf16_to_f32(static_cast<const uint16_t*>(q)[i]) : static_cast<const float*>(q)[i]);
   if (bf16)
-    attend_all<uint16_t>(B, q, keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(), ml.data(),
-                         acc.data());
+    attend_all<uint16_t>(B, qs.data(), keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(),
+                         ml.data(), acc.data());
   else
-    attend_all<float>(B, q, keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(), ml.data(),
+    attend_all<float>(B, qs.data(), keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(), ml.data(),
                       acc.data());
   // Merge each query row's chunks: weights exp(m_c - max m), normalised by the weighted exp-sums.
   for (int64_t r = 0; r < B; ++r) {
@@ -154,15 +173,20 @@ int pc_rag_decode_attention(int64_t B, const float* q, const void* const* keys, 
         float M = -std::numeric_limits<float>::infinity();
         for (int64_t c = 0; c < C; ++c) M = std::max(M, ml[((first[r] + h * C + c) * G + g) * 2]);
         float L = 0.f;
-        float* o = out + ((r * H + h) * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+        std::fill(o.begin(), o.end(), 0.f);
         for (int64_t c = 0; c < C; ++c) {
           const int64_t j = (first[r] + h * C + c) * G + g;
           const float w = std::exp(ml[j * 2] - M);
           L += w * ml[j * 2 + 1];
           for (int64_t d = 0; d < D; ++d) o[d] += w * acc[j * D + d];
         }
-        for (int64_t d = 0; d < D; ++d) o[d] /= L;
+        const int64_t at = ((r * H + h) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          if (bf16)
+            static_cast<uint16_t*>(out)[at + d] = f32_to_bf16(o[d] / L);
+          else
+            static_cast<float*>(out)[at + d] = o[d] / L;
+        }
       }
     }
   }
