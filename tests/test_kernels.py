@@ -125,6 +125,18 @@ def test_a_broken_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path):
     assert torch.allclose(kernels.decode_attention(fn, q[None], [k], [k], 0.25)[0], want, atol=1e-6)
 
 
+@needs_kernel
+def test_a_cache_folder_that_cannot_be_written_still_gets_the_kernel(monkeypatch, tmp_path):
+    """$XDG_CACHE_HOME under a file (as unwritable as a read-only home, even for root): built in a temporary
+    folder instead, and used."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setattr(kernels, "_kernel", kernels._MISSING)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
+    assert kernels.decode_attention_kernel() is not None
+    assert not (blocker / "cache").exists()
+
+
 def test_the_switch_turns_the_kernel_off(monkeypatch):
     monkeypatch.setenv("PC_RAG_NO_KERNELS", "1")
     assert kernels._unsupported() == "PC_RAG_NO_KERNELS is set"
