@@ -1,19 +1,19 @@
 """Native CPU kernels pc_rag compiles for itself, once per machine: decode attention (csrc/decode_attention.cpp).
 
 Where it runs: Linux on x86-64 with AVX-512 (what servers have: Intel since Skylake-SP, AMD since Zen 4), keys in
-fp32 or bf16, head_dim a multiple of 16 up to 256. There `attention._attend_one` (a decode step's attention)
+fp32 or bf16, head_dim a multiple of 16 up to 256. There `attention.attend_decode` (a decode step's attention)
 calls it instead of sdpa, whose CPU kernel read the KV at about half the machine's rate in fp32 and a third in
 bf16 (bench model, 4K keys, 8 layers: 4.9 against 2.9 ms in fp32, 5.7 against 1.4 ms in bf16).
 
 The source is plain C++ with OpenMP and no torch or Python headers, so `g++` (or $CXX) compiles it in about a
 second, the first time a runner is made on a machine, into $XDG_CACHE_HOME/pc_rag_kernels (default
 ~/.cache/pc_rag_kernels), one file per source and compiler; later processes load that file (where that folder
-cannot be written, each process builds into a temporary one). It is called through
-ctypes (which lets go of the GIL), with the OpenMP runtime torch already loaded (the same `libgomp.so.1`), on as
-many threads as torch's ops use. A build goes to a file of its own and is renamed into place, so processes that
-build at once never wait on each other; a file that does not match the digest written beside it is rebuilt, not
-loaded. Every other case keeps sdpa, with one log line saying why: another
-platform or CPU, no compiler, a kernel that disagrees with sdpa on a probe, or PC_RAG_NO_KERNELS=1 (A/B runs).
+cannot be written, each process builds into a temporary one). It is called through ctypes (which lets go of the
+GIL), on the OpenMP runtime torch already loaded (the same `libgomp.so.1`), with as many threads as torch's ops.
+A build goes to a file of its own and is renamed into place, so processes that build at once never wait on each
+other; a file that does not match the digest written beside it is rebuilt, not loaded. Every other case keeps
+sdpa, with one log line saying why: another platform or CPU, no compiler, a kernel that disagrees with sdpa on a
+probe, or PC_RAG_NO_KERNELS=1 (A/B runs).
 """
 
 from __future__ import annotations
