@@ -7,7 +7,6 @@ x86-64 with AVX-512), only the fallback tests run."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import pytest
@@ -152,4 +151,3 @@ def test_the_kernel_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="refused"):
         kernels.decode_attention(fn, q[None], [k], [k], 0.25)
     assert not attention._kernel_takes(k[None], k[None])
-    assert isinstance(fn, ctypes._CFuncPtr)
