@@ -1,6 +1,6 @@
 // Decode attention on x86-64 CPUs with AVX-512: one query token per KV head group over a request's cached keys and
 // values, read once at the machine's memory rate (kernels.py compiles this file with g++ and calls it through
-// ctypes; attention._attend_one uses it).
+// ctypes; attention.attend_decode uses it).
 //
 // Why not sdpa: its CPU kernel runs a decode step as tiny matrix products (2 query rows against blocks of 512
 // keys) and read the KV at ~9-16 GB/s in fp32 and ~7 GB/s in bf16 on the bench machine, against 23 GB/s for a
