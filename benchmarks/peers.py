@@ -244,12 +244,14 @@ def profile(engine, texts: Texts) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    ours = (kernels.PROFILE_NAME, kernels.PREFILL_PROFILE_NAME)  # pc_rag's own attention kernels
+
     def kinds(prof, wall_s, per):
         out = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
         for e in prof.key_averages():
-            if e.key.startswith(("aten::", "mkldnn::")) or e.key == kernels.PROFILE_NAME:
+            if e.key.startswith(("aten::", "mkldnn::")) or e.key in ours:
                 kind = ("matmul" if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise") else
-                        "attention" if "scaled_dot_product" in e.key or e.key == kernels.PROFILE_NAME else
+                        "attention" if "scaled_dot_product" in e.key or e.key in ours else
                         "other ops")
                 out[kind] += e.self_cpu_time_total / 1e3 / per
         out["outside ops"] = max(0.0, wall_s * 1e3 / per - sum(out.values()))

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import pc_rag
+from pc_rag.model import kernels
 from pc_rag.model.attention import SPLIT_MIN_TOKENS, Heads, Writes, _attend_after, _attend_one, _mask
 from pc_rag.model.weights import Packed, Plain, _packs, weights_of
 
@@ -25,8 +26,11 @@ def masked(q, keys, values, slots, groups):
                                           enable_gqa=groups > 1)
 
 
-def test_writes_pick_the_layout_from_the_slots():
+def test_writes_pick_the_layout_from_the_slots(monkeypatch):
     dt = torch.float32
+    if kernels.prefill_attention_kernel(dt) is not None:  # the kernel takes few rows after a prefix: no mask
+        assert Writes.of([5, 6, 7], dt, "cpu").mask is None
+    monkeypatch.setattr(kernels, "_kernel", None)  # what follows is without pc_rag's kernels
     cold = Writes.of([0, 1, 2, 3], dt, "cpu")
     assert (cold.layout, cold.kv, cold.start, cold.mask) == ("causal", 4, 0, None)
     step = Writes.of([9], dt, "cpu")

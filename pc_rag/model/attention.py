@@ -70,7 +70,7 @@ class Writes:
         if kv - first == n and slots == list(range(first, kv)):
             if first == 0:
                 return cls(n, kv, "causal", 0, None, None)
-            if n == 1 or (n >= SPLIT_MIN_TOKENS and _splits(device)):
+            if n == 1 or _prefill_kernel_runs(dtype, device) or (n >= SPLIT_MIN_TOKENS and _splits(device)):
                 return cls(n, kv, "after", first, None, None)
             return cls(n, kv, "after", first, None, _mask(torch.arange(first, kv, device=device), kv, dtype))
         index = torch.tensor(slots, device=device)
@@ -111,13 +111,33 @@ def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, w
     if heads.softcap is not None or (window is not None and w.kv > window):
         return _attend_rows(q, layer_keys, layer_values, w, heads, window)
     if w.layout == "causal":  # nothing before these tokens: the fresh tensors are all the keys there are
+        if _prefill_kernel_takes(q, k, v):
+            return kernels.prefill_attention(kernels.prefill_attention_kernel(q.dtype), q[0], k[0], v[0],
+                                             heads.scaling)[None]
         # Laid out [1, H, n, D] first: the kernel ran 8% faster in bf16 on them, copy included (fp32: even).
         return F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True,
                                               scale=heads.scaling, **_gqa(heads))
     if w.layout == "after" and w.mask is None:
+        keys, values = layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv]
+        if _prefill_kernel_takes(q, keys, values):  # one call over the cached keys and the fresh ones
+            return kernels.prefill_attention(kernels.prefill_attention_kernel(q.dtype), q[0], keys[0], values[0],
+                                             heads.scaling)[None]
         return _attend_after(q, layer_keys[:, :, : w.start], layer_values[:, :, : w.start], k, v, heads)
     return F.scaled_dot_product_attention(q, layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv],
                                           attn_mask=w.mask, scale=heads.scaling, **_gqa(heads))
+
+
+def _prefill_kernel_runs(dtype: torch.dtype, device) -> bool:
+    return torch.device(device).type == "cpu" and kernels.prefill_attention_kernel(dtype) is not None
+
+
+def _prefill_kernel_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether pc_rag's prefill kernel runs q [1, H_q, n, D] over keys [1, H_kv, T, D]: CPU, a dtype it runs here,
+    every row's D elements contiguous (heads and rows may be strided: the fused projection's views are)."""
+    d = q.shape[-1]
+    return (q.device.type == "cpu" and q.dtype == keys.dtype == values.dtype and q.shape[0] == 1
+            and d % 16 == 0 and d <= 256 and all(t.stride(-1) == 1 for t in (q, keys, values))
+            and kernels.prefill_attention_kernel(q.dtype) is not None)
 
 
 def _splits(device) -> bool:

@@ -1,19 +1,25 @@
-"""Native CPU kernels pc_rag compiles for itself, once per machine: decode attention (csrc/decode_attention.cpp).
+"""Native CPU kernels pc_rag compiles for itself, once per machine: attention (csrc/).
 
-Where it runs: Linux on x86-64 with AVX-512 (what servers have: Intel since Skylake-SP, AMD since Zen 4), keys in
-fp32 or bf16, head_dim a multiple of 16 up to 256. There `attention.attend_decode` (a decode step's attention)
-calls it instead of sdpa, whose CPU kernel read the KV at about half the machine's rate in fp32 and a third in
-bf16 (bench model, 4K keys, 8 layers: 4.9 against 2.9 ms in fp32, 5.7 against 1.4 ms in bf16).
+- decode_attention.cpp: a decode step's attention (one query token per request). sdpa's CPU kernel read the KV
+  at about half the machine's rate in fp32 and a third in bf16 (bench model, 4K keys, 8 layers: 4.9 against
+  2.9 ms in fp32, 5.7 against 1.4 ms in bf16).
+- prefill_attention.cpp: causal attention of many query rows (a cold prefill, the fresh tokens after a cached
+  prefix). sdpa's CPU kernel ran its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench
+  machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster.
 
-The source is plain C++ with OpenMP and no torch or Python headers, so `g++` (or $CXX) compiles it in about a
-second, the first time a runner is made on a machine, into $XDG_CACHE_HOME/pc_rag_kernels (default
-~/.cache/pc_rag_kernels), one file per source and compiler; later processes load that file (where that folder
-cannot be written, each process builds into a temporary one). It is called through ctypes (which lets go of the
-GIL), on the OpenMP runtime torch already loaded (the same `libgomp.so.1`), with as many threads as torch's ops.
-A build goes to a file of its own and is renamed into place, so processes that build at once never wait on each
-other; a file that does not match the digest written beside it is rebuilt, not loaded. Every other case keeps
-sdpa, with one log line saying why: another platform or CPU, no compiler, a kernel that disagrees with sdpa on a
-probe, or PC_RAG_NO_KERNELS=1 (A/B runs).
+Where they run: Linux on x86-64 with AVX-512 (what servers have: Intel since Skylake-SP, AMD since Zen 4), keys in
+fp32 or bf16 (bf16 prefill also needs AVX512-BF16: Intel since Cooper Lake, AMD since Zen 4), head_dim a multiple
+of 16 up to 256. There `attention.attend_decode` and `attention.attend` call them instead of sdpa.
+
+The sources are plain C++ with OpenMP and no torch or Python headers, so `g++` (or $CXX) compiles them in a few
+seconds, the first time a runner is made on a machine, into $XDG_CACHE_HOME/pc_rag_kernels (default
+~/.cache/pc_rag_kernels), one library per source and compiler; later processes load that file (where that
+folder cannot be written, each process builds into a temporary one). They are called through ctypes (which lets
+go of the GIL), on the OpenMP runtime torch already loaded (the same `libgomp.so.1`), with as many threads as
+torch's ops. A build goes to a file of its own and is renamed into place, so processes that build at once never
+wait on each other; a file that does not match the digest written beside it is rebuilt, not loaded. Every other
+case keeps sdpa, with one log line saying why: another platform or CPU, no compiler, a kernel that disagrees
+with sdpa on a probe, or PC_RAG_NO_KERNELS=1 (A/B runs).
 """
 
 from __future__ import annotations
@@ -28,20 +34,32 @@ import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger("pc_rag.kernels")
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
-DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads keys and values in
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "decode_attention.cpp", CSRC / "prefill_attention.cpp"]  # one library; both include simd.h
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read keys and values in
 PROFILE_NAME = "pc_rag::decode_attention"
+PREFILL_PROFILE_NAME = "pc_rag::prefill_attention"
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17"]
 
 _lock = threading.Lock()
 _MISSING = object()
-_kernel: object = _MISSING  # the loaded function once tried; None where it does not run
+_kernel: object = _MISSING  # the loaded `Kernels` once tried; None where they do not run
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The library's functions (ctypes), and the dtypes its prefill runs in on this CPU."""
+
+    decode: object
+    prefill: object
+    prefill_dtypes: tuple[torch.dtype, ...]
 
 
 def kernel_dir() -> Path:
@@ -49,8 +67,8 @@ def kernel_dir() -> Path:
     return Path(base).expanduser() / "pc_rag_kernels"
 
 
-def decode_attention_kernel():
-    """The compiled `pc_rag_decode_attention` (a ctypes function), or None where it does not run."""
+def loaded() -> Kernels | None:
+    """The compiled kernels, built or loaded on first use, or None where they do not run."""
     global _kernel
     if _kernel is _MISSING:
         with _lock:
@@ -59,16 +77,28 @@ def decode_attention_kernel():
     return _kernel
 
 
+def decode_attention_kernel():
+    """The compiled `pc_rag_decode_attention` (a ctypes function), or None where it does not run."""
+    k = loaded()
+    return None if k is None else k.decode
+
+
+def prefill_attention_kernel(dtype: torch.dtype):
+    """The compiled `pc_rag_prefill_attention` where it runs keys of `dtype` on this CPU, else None."""
+    k = loaded()
+    return k.prefill if k is not None and dtype in k.prefill_dtypes else None
+
+
 def _load():
     why = _unsupported()
     if why is None:
         try:
             fn = _bind(ctypes.CDLL(str(_library())))
-            why = None if _agrees(fn) else "the compiled kernel disagreed with sdpa on a probe"
+            why = None if _agrees(fn) else "a compiled kernel disagreed with sdpa on a probe"
         except Exception as e:  # whatever fails here, sdpa is always there
             why = f"the kernel did not build or load: {e}"
     if why is not None:
-        log.info("pc_rag: decode attention through sdpa (%s)", why)
+        log.info("pc_rag: attention through sdpa (%s)", why)
         return None
     return fn
 
@@ -97,13 +127,15 @@ def _library() -> Path:
     library can crash the process that loads it (SIGBUS), so any other file is rebuilt, never loaded."""
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + f"{version}|{FLAGS}".encode()).hexdigest()[:16]
-    path = _writable(kernel_dir()) / f"decode_attention-{key}.so"
+    text = b"".join(p.read_bytes() for p in (*SOURCES, CSRC / "simd.h"))
+    key = hashlib.sha256(text + f"{version}|{FLAGS}".encode()).hexdigest()[:16]
+    path = _writable(kernel_dir()) / f"attention-{key}.so"
     digest_file = path.with_suffix(".sha256")
     if path.exists() and digest_file.exists() and _digest(path) == digest_file.read_text().strip():
         return path
     part = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
-    done = subprocess.run([cxx, *FLAGS, "-o", str(part), str(SOURCE)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([cxx, *FLAGS, "-o", str(part), *map(str, SOURCES)], capture_output=True, text=True,
+                          timeout=300)
     if done.returncode != 0:
         part.unlink(missing_ok=True)
         raise OSError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
@@ -112,7 +144,7 @@ def _library() -> Path:
     digest_part = digest_file.with_name(part.name + ".sha256")
     digest_part.write_text(digest)
     os.replace(digest_part, digest_file)
-    log.info("pc_rag: compiled the decode-attention kernel into %s", path)
+    log.info("pc_rag: compiled the attention kernels into %s", path)
     return path
 
 
@@ -132,15 +164,19 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _bind(lib: ctypes.CDLL):
+def _bind(lib: ctypes.CDLL) -> Kernels:
     if not lib.pc_rag_supported():
-        raise OSError("this CPU lacks an AVX-512 subset the kernel uses")
-    fn = lib.pc_rag_decode_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_float, i64, ctypes.c_int,
-                   ptr]
-    fn.restype = ctypes.c_int
-    return fn
+        raise OSError("this CPU lacks an AVX-512 subset the kernels use")
+    i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    decode = lib.pc_rag_decode_attention
+    decode.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, f32, i64, i32, ptr]
+    decode.restype = i32
+    prefill = lib.pc_rag_prefill_attention
+    prefill.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i32, f32,
+                        i32]
+    prefill.restype = i32
+    bf16 = bool(lib.pc_rag_prefill_bf16_supported())
+    return Kernels(decode, prefill, DTYPES if bf16 else (torch.float32,))
 
 
 def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -170,15 +206,46 @@ def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list
     return out
 
 
-def _agrees(fn) -> bool:
-    """The kernel against sdpa on a probe per dtype: keys over several chunks, 2 query rows per KV head."""
+def prefill_attention(fn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the query rows q [H_q, n, D] over keys / values [H_kv, T, D], T >= n (CPU, fp32 or
+    bf16 alike, D contiguous, heads and rows at any strides): row i sits at slot T - n + i and sees the keys
+    [0, T - n + i]; query head h uses KV head h // (H_q // H_kv). Returns [H_q, n, D] in the keys' dtype, a view
+    of a [n, H_q, D] tensor (what the output projection reads)."""
+    h, n, d = q.shape
+    hk, t, _ = keys.shape
+    dtype = keys.dtype
+    if dtype not in DTYPES or q.dtype != dtype or values.dtype != dtype:
+        raise ValueError(f"prefill attention kernel: q, keys, values in {q.dtype}, {dtype}, {values.dtype} "
+                         "(fp32 or bf16 only, all alike)")
+    out = torch.empty(n, h, d, dtype=dtype)
+    with torch.profiler.record_function(PREFILL_PROFILE_NAME):
+        status = fn(q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), keys.stride(0), keys.stride(1),
+                    values.data_ptr(), values.stride(0), values.stride(1), out.data_ptr(), out.stride(1),
+                    out.stride(0), n, t, h, h // hk, d, int(dtype == torch.bfloat16), scale, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"prefill attention kernel refused q {tuple(q.shape)}, keys {tuple(keys.shape)} "
+                           f"in {dtype} on this CPU")
+    return out.transpose(0, 1)
+
+
+def _agrees(k: Kernels) -> bool:
+    """Each kernel against sdpa on a probe per dtype it runs: the decode kernel over keys in several chunks, 2
+    query rows per KV head; the prefill kernel over 100 rows after 200 earlier keys (partial tiles and blocks)."""
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         q = torch.randn(2, 2, 64, generator=g).to(dtype)
-        k = torch.randn(2, 300, 64, generator=g).to(dtype)
-        v = torch.randn(2, 300, 64, generator=g).to(dtype)
-        want = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], scale=0.125)[0]
-        if not torch.allclose(decode_attention(fn, q[None], [k], [v], 0.125)[0].float(), want.float(), rtol=tol,
-                              atol=tol):
+        keys = torch.randn(2, 300, 64, generator=g).to(dtype)
+        values = torch.randn(2, 300, 64, generator=g).to(dtype)
+        want = torch.nn.functional.scaled_dot_product_attention(q[None], keys[None], values[None], scale=0.125)[0]
+        if not torch.allclose(decode_attention(k.decode, q[None], [keys], [values], 0.125)[0].float(), want.float(),
+                              rtol=tol, atol=tol):
             return False
+        if dtype in k.prefill_dtypes:
+            q = torch.randn(4, 100, 64, generator=g).to(dtype)
+            visible = torch.ones(100, 300, dtype=torch.bool).tril(200)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q[None], keys[None], values[None], attn_mask=visible, scale=0.125, enable_gqa=True)[0]
+            if not torch.allclose(prefill_attention(k.prefill, q, keys, values, 0.125).float(), want.float(),
+                                  rtol=tol, atol=tol):
+                return False
     return True

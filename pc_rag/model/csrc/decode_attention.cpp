@@ -17,35 +17,9 @@
 #include <limits>
 #include <vector>
 
-#define PC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#include "simd.h"
 
 namespace {
-
-template <typename T> PC_AVX512 inline __m512 load16(const T* p);
-template <> PC_AVX512 inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <> PC_AVX512 inline __m512 load16<uint16_t>(const uint16_t* p) {
-  // bf16 is the top half of an fp32: widen to 32 bits and shift.
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// exp(x) for x <= 0: Cephes expf's range reduction and polynomial (~1 ulp); 2^n by scalef, which goes to 0 below
-// the smallest float instead of wrapping.
-PC_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // The G query rows q [G, D] (fp32, already scaled) over n key/value rows k, v [n, D] of one KV head: the chunk's
 // score max m [G], exp-sum l [G] and unnormalised output acc [G, D]. s: room for G * n scores.
@@ -122,24 +96,7 @@ void attend_all(int64_t B, const float* q, const void* const* keys, const void* 
 
 extern "C" {
 
-int pc_rag_supported() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Round to nearest even, as torch's conversion does (the outputs are finite: a softmax average of finite values).
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
+int pc_rag_supported() { return avx512_supported(); }
 
 // B requests of one decode step at once (one request: B = 1). q [B, H, G, D] contiguous, in the keys' dtype: query
 // head h * G + g uses KV head h (HF's repeat_kv); scores are scaled by `scale`. Request r's keys and values: H heads

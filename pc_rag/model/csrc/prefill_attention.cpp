@@ -1,0 +1,314 @@
+// Causal attention of many query rows (a prefill, or the fresh tokens after a cached prefix) on x86-64 CPUs with
+// AVX-512: flash attention (blocks of keys, an online softmax in fp32) over register-blocked products.
+// kernels.py compiles it with decode_attention.cpp into one library; attention.attend calls it.
+//
+// Why not sdpa: its CPU kernel hands every block product to MKL, whose fp32 products ran at 97-114 GFLOP/s on the
+// bench machine (AMD, AVX-512) against ~190 for oneDNN's, and it does bf16 at the same rate as fp32. Here the
+// products are small fixed tiles held in registers: fp32 with FMAs, bf16 with AVX512-BF16's dot products (two
+// products per lane per instruction; the softmax weights are rounded to bf16 for the second product, as sdpa's
+// bf16 kernel does).
+//
+// Query row i (of nq) sits after nk - nq earlier keys and sees keys [0, nk - nq + i]: the lower-right causal mask,
+// which is a cold prefill when nq == nk and a question after a cached prefix otherwise.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <type_traits>
+
+#include "simd.h"
+
+#define PC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+namespace {
+
+constexpr int64_t BM = 48;  // query rows per work item (a multiple of both tiles' rows)
+constexpr int64_t BN = 64;  // keys per block
+constexpr int QK_ROWS = 12;  // scores tile: 12 rows x 32 keys = 24 accumulators
+constexpr int PV_ROWS = 6;   // output tile: 6 rows x 64 dims = 24 accumulators
+
+// Where row t of head h of a [heads, tokens, D] tensor starts: elements apart, D contiguous.
+struct Rows {
+  int64_t head, token;
+  int64_t at(int64_t h, int64_t t) const { return h * head + t * token; }
+};
+
+// Scores S [QK_ROWS, 32] = Q [QK_ROWS, D] . K^T for two packed key panels (fp32: [D][16] each).
+PC_AVX512 inline void scores_f32(const float* q, const float* kp, int64_t D, float* s) {
+  __m512 acc[QK_ROWS][2];
+  for (auto& r : acc) r[0] = r[1] = _mm512_setzero_ps();
+  const float* kp1 = kp + D * 16;
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 b0 = _mm512_loadu_ps(kp + d * 16), b1 = _mm512_loadu_ps(kp1 + d * 16);
+    for (int r = 0; r < QK_ROWS; ++r) {
+      const __m512 a = _mm512_set1_ps(q[r * D + d]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < QK_ROWS; ++r) {
+    _mm512_storeu_ps(s + r * BN, acc[r][0]);
+    _mm512_storeu_ps(s + r * BN + 16, acc[r][1]);
+  }
+}
+
+// The same in bf16: Q rows as bf16 pairs, key panels [D/2][16][2] (dims d, d+1 of a key side by side).
+PC_AVX512_BF16 inline void scores_bf16(const uint16_t* q, const uint16_t* kp, int64_t D, float* s) {
+  __m512 acc[QK_ROWS][2];
+  for (auto& r : acc) r[0] = r[1] = _mm512_setzero_ps();
+  const uint16_t* kp1 = kp + D * 16;
+  for (int64_t d = 0; d < D; d += 2) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(kp + d * 16), b1 = (__m512bh)_mm512_loadu_si512(kp1 + d * 16);
+    for (int r = 0; r < QK_ROWS; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, q + r * D + d, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+    }
+  }
+  for (int r = 0; r < QK_ROWS; ++r) {
+    _mm512_storeu_ps(s + r * BN, acc[r][0]);
+    _mm512_storeu_ps(s + r * BN + 16, acc[r][1]);
+  }
+}
+
+// O [PV_ROWS, 16 VN] += P [PV_ROWS, n] . V [n, 16 VN] (fp32; V rows `vt` elements apart, O rows D apart).
+template <int VN>
+PC_AVX512 inline void values_f32(const float* p, const float* v, int64_t vt, int64_t n, float* o, int64_t D) {
+  __m512 acc[PV_ROWS][VN];
+  for (int r = 0; r < PV_ROWS; ++r)
+    for (int c = 0; c < VN; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 b[VN];
+    for (int c = 0; c < VN; ++c) b[c] = _mm512_loadu_ps(v + j * vt + 16 * c);
+    for (int r = 0; r < PV_ROWS; ++r) {
+      const __m512 a = _mm512_set1_ps(p[r * BN + j]);
+      for (int c = 0; c < VN; ++c) acc[r][c] = _mm512_fmadd_ps(a, b[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < PV_ROWS; ++r)
+    for (int c = 0; c < VN; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
+}
+
+// The same in bf16: P rows as bf16 pairs of keys, V packed [n / 2][D][2] (keys j, j + 1 side by side per dim).
+template <int VN>
+PC_AVX512_BF16 inline void values_bf16(const uint16_t* p, const uint16_t* vp, int64_t pairs, float* o, int64_t D) {
+  __m512 acc[PV_ROWS][VN];
+  for (int r = 0; r < PV_ROWS; ++r)
+    for (int c = 0; c < VN; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh b[VN];
+    for (int c = 0; c < VN; ++c) b[c] = (__m512bh)_mm512_loadu_si512(vp + j * 2 * D + 32 * c);
+    for (int r = 0; r < PV_ROWS; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, p + r * BN + 2 * j, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < VN; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
+    }
+  }
+  for (int r = 0; r < PV_ROWS; ++r)
+    for (int c = 0; c < VN; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
+}
+
+// One tile row of O over all of D, 64 dims at a time (D is a multiple of 16).
+template <bool BF16>
+inline void values_tile(const void* p, const void* v, int64_t vt, int64_t n, float* o, int64_t D) {
+  for (int64_t c = 0; c < D; c += 64) {
+    const int64_t left = std::min<int64_t>(64, D - c) / 16;
+    if constexpr (BF16) {
+      const uint16_t* pb = static_cast<const uint16_t*>(p);
+      const uint16_t* vb = static_cast<const uint16_t*>(v) + 2 * c;
+      const int64_t pairs = (n + 1) / 2;
+      switch (left) {
+        case 4: values_bf16<4>(pb, vb, pairs, o + c, D); break;
+        case 3: values_bf16<3>(pb, vb, pairs, o + c, D); break;
+        case 2: values_bf16<2>(pb, vb, pairs, o + c, D); break;
+        default: values_bf16<1>(pb, vb, pairs, o + c, D);
+      }
+    } else {
+      const float* pf = static_cast<const float*>(p);
+      const float* vf = static_cast<const float*>(v) + c;
+      switch (left) {
+        case 4: values_f32<4>(pf, vf, vt, n, o + c, D); break;
+        case 3: values_f32<3>(pf, vf, vt, n, o + c, D); break;
+        case 2: values_f32<2>(pf, vf, vt, n, o + c, D); break;
+        default: values_f32<1>(pf, vf, vt, n, o + c, D);
+      }
+    }
+  }
+}
+
+// Online softmax of one row's block of scores s [BN] (unscaled), `live` of them visible: updates the row's max m
+// and exp-sum l, rescales its output o [D], and leaves the weights in p (fp32, or bf16 in pb), 0 past `live`.
+template <bool BF16>
+PC_AVX512_BF16 inline void softmax_row(float* s, int64_t live, float scale, float& m, float& l, float* o, int64_t D,
+                                        uint16_t* pb) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < live; j += 16) {
+    const __mmask16 k = live - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (live - j)) - 1);
+    top = _mm512_mask_max_ps(top, k, top, _mm512_mul_ps(_mm512_loadu_ps(s + j), sc));
+  }
+  const float mx = std::max(m, _mm512_reduce_max_ps(top));
+  const float alpha = m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m - mx);
+  const __m512 M = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < BN; j += 16) {
+    const int64_t n = live - j;
+    const __mmask16 k = n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M)));
+    sum = _mm512_add_ps(sum, e);
+    if constexpr (BF16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), (__m256i)_mm512_cvtneps_pbh(e));
+    else
+      _mm512_storeu_ps(s + j, e);
+  }
+  l = l * alpha + _mm512_reduce_add_ps(sum);
+  m = mx;
+  if (alpha != 1.f) {
+    const __m512 a = _mm512_set1_ps(alpha);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
+  }
+}
+
+// Keys of one KV head packed for the score tiles, padded with zeros to `padded` keys: panels of 16 keys, each
+// [D][16] fp32 or [D/2][16] pairs of bf16 (32-bit words either way: `words` per key row).
+template <typename T>
+void pack_keys(const T* k, int64_t kt, int64_t nk, int64_t padded, int64_t D, T* out) {
+  const int64_t words = D * sizeof(T) / 4;
+  for (int64_t p = 0; p < padded / 16; ++p) {
+    uint32_t* panel = reinterpret_cast<uint32_t*>(out) + p * words * 16;
+    for (int64_t t = 0; t < 16; ++t) {
+      const int64_t key = p * 16 + t;
+      if (key < nk) {
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(k + key * kt);
+        for (int64_t w = 0; w < words; ++w) panel[w * 16 + t] = row[w];
+      } else {
+        for (int64_t w = 0; w < words; ++w) panel[w * 16 + t] = 0;
+      }
+    }
+  }
+}
+
+// bf16 values of one KV head as pairs of keys [padded / 2][D][2], zeros past nk.
+void pack_values(const uint16_t* v, int64_t vt, int64_t nk, int64_t padded, int64_t D, uint16_t* out) {
+  for (int64_t t = 0; t < padded; ++t) {
+    uint16_t* dst = out + (t / 2) * 2 * D + (t % 2);
+    if (t < nk) {
+      const uint16_t* row = v + t * vt;
+      for (int64_t d = 0; d < D; ++d) dst[2 * d] = row[d];
+    } else {
+      for (int64_t d = 0; d < D; ++d) dst[2 * d] = 0;
+    }
+  }
+}
+
+template <bool BF16>
+int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v, Rows vr, void* out, Rows orows,
+                  int64_t nq, int64_t nk, int64_t H, int64_t G, int64_t D, float scale, int threads) {
+  using T = std::conditional_t<BF16, uint16_t, float>;
+  const int64_t HK = H / G, padded = (nk + BN - 1) / BN * BN, before = nk - nq, blocks = (nq + BM - 1) / BM;
+  std::unique_ptr<T[]> kp(new T[HK * padded * D]), vp(BF16 ? new T[HK * padded * D] : nullptr);
+  const T* qt = static_cast<const T*>(q);
+  const T* ktens = static_cast<const T*>(k);
+  const T* vtens = static_cast<const T*>(v);
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < HK; ++h) {
+      pack_keys<T>(ktens + kr.at(h, 0), kr.token, nk, padded, D, kp.get() + h * padded * D);
+      if constexpr (BF16) pack_values(vtens + vr.at(h, 0), vr.token, nk, padded, D, vp.get() + h * padded * D);
+    }
+    std::unique_ptr<T[]> qbuf(new T[BM * D]);
+    std::unique_ptr<float[]> s(new float[BM * BN]), o(new float[BM * D]), m(new float[BM]), l(new float[BM]);
+    std::unique_ptr<uint16_t[]> pb(new uint16_t[BM * BN]);
+    // The longest rows first (the last query blocks see the most keys), so the threads finish together.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < H * blocks; ++item) {
+      const int64_t h = item % H, i0 = (blocks - 1 - item / H) * BM, rows = std::min(BM, nq - i0), hk = h / G;
+      for (int64_t r = 0; r < BM; ++r) {
+        if (r < rows)
+          std::memcpy(qbuf.get() + r * D, qt + qr.at(h, i0 + r), D * sizeof(T));
+        else
+          std::memset(qbuf.get() + r * D, 0, D * sizeof(T));
+      }
+      std::fill(o.get(), o.get() + BM * D, 0.f);
+      std::fill(m.get(), m.get() + BM, -std::numeric_limits<float>::infinity());
+      std::fill(l.get(), l.get() + BM, 0.f);
+      std::memset(pb.get(), 0, BM * BN * sizeof(uint16_t));
+      std::fill(s.get(), s.get() + BM * BN, 0.f);
+      const int64_t tiles = (rows + QK_ROWS - 1) / QK_ROWS * QK_ROWS;  // rows computed, padding included
+      const int64_t last = before + i0 + rows - 1;                     // the last key any row sees
+      for (int64_t j0 = 0; j0 <= last; j0 += BN) {
+        const T* kblock = kp.get() + hk * padded * D + j0 * D;
+        for (int64_t r = 0; r < tiles; r += QK_ROWS)
+          for (int64_t p = 0; p < BN; p += 32) {
+            if constexpr (BF16)
+              scores_bf16(qbuf.get() + r * D, kblock + p * D, D, s.get() + r * BN + p);
+            else
+              scores_f32(qbuf.get() + r * D, kblock + p * D, D, s.get() + r * BN + p);
+          }
+        int64_t widest = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t live = std::min({BN, nk - j0, before + i0 + r - j0 + 1});
+          if (live <= 0) {  // this row sees none of the block: weights 0, nothing else changes
+            if constexpr (BF16)
+              std::memset(pb.get() + r * BN, 0, BN * sizeof(uint16_t));
+            else
+              std::fill(s.get() + r * BN, s.get() + (r + 1) * BN, 0.f);
+            continue;
+          }
+          widest = std::max(widest, live);
+          softmax_row<BF16>(s.get() + r * BN, live, scale, m[r], l[r], o.get() + r * D, D, pb.get() + r * BN);
+        }
+        for (int64_t r = 0; r < rows; r += PV_ROWS) {
+          if constexpr (BF16)
+            values_tile<true>(pb.get() + r * BN, vp.get() + hk * padded * D + j0 * D, 0, widest, o.get() + r * D, D);
+          else
+            values_tile<false>(s.get() + r * BN, vtens + vr.at(hk, j0), vr.token, widest, o.get() + r * D, D);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / l[r];
+        T* dst = static_cast<T*>(out) + orows.at(h, i0 + r);
+        for (int64_t d = 0; d < D; ++d) {
+          if constexpr (BF16)
+            dst[d] = f32_to_bf16(o[r * D + d] * inv);
+          else
+            dst[d] = o[r * D + d] * inv;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Whether this CPU runs the bf16 path (AVX512-BF16); the fp32 path needs only pc_rag_supported().
+int pc_rag_prefill_bf16_supported() { return avx512_supported() && __builtin_cpu_supports("avx512bf16"); }
+
+// Causal attention of nq query rows over nk >= nq keys (row i sees keys [0, nk - nq + i]). q, out: H heads of nq
+// rows; k, v: H / G heads of nk rows (query head h uses KV head h / G, HF's repeat_kv); every row D contiguous
+// elements (fp32, or bf16 when bf16 != 0), heads and rows at the given element strides. Scores are scaled by
+// `scale`. Returns 0, or -1 for shapes or a CPU it does not take.
+int pc_rag_prefill_attention(const void* q, int64_t q_head, int64_t q_token, const void* k, int64_t k_head,
+                             int64_t k_token, const void* v, int64_t v_head, int64_t v_token, void* out,
+                             int64_t o_head, int64_t o_token, int64_t nq, int64_t nk, int64_t H, int64_t G, int64_t D,
+                             int bf16, float scale, int threads) {
+  if (!avx512_supported() || (bf16 && !pc_rag_prefill_bf16_supported())) return -1;
+  if (D % 16 != 0 || D > 256 || nq <= 0 || nk < nq || H <= 0 || G <= 0 || H % G != 0 || threads <= 0) return -1;
+  const Rows qr{q_head, q_token}, kr{k_head, k_token}, vr{v_head, v_token}, orows{o_head, o_token};
+  if (bf16) return attend_causal<true>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
+  return attend_causal<false>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
+}
+
+}  // extern "C"
