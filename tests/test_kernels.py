@@ -1,9 +1,9 @@
-"""pc_rag's decode-attention kernel (pc_rag/model/kernels.py, csrc/decode_attention.cpp).
+"""pc_rag's attention kernels (pc_rag/model/kernels.py, csrc/): decode attention and causal prefill attention.
 
-References: attention computed in float64 by sdpa over the same tensors (the kernel within 1e-5 in fp32, within
-bf16's rounding of the output in bf16); the decode path with the kernel against the same path through sdpa
-(1e-5, fp32); the engine's greedy tokens with and without it. Where the kernel cannot run here (not Linux
-x86-64 with AVX-512), only the fallback tests run."""
+References: attention computed in float64 by sdpa over the same tensors (the kernels within 1e-5 in fp32, within
+bf16's rounding in bf16); the attention paths with the kernels against the same paths through sdpa (1e-5, fp32);
+the engine's greedy tokens with and without them. Where the kernels cannot run here (not Linux x86-64 with
+AVX-512; bf16 prefill: no AVX512-BF16), only the fallback tests run."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ needs_kernel = pytest.mark.skipif(not runs_here, reason="the kernel is for Linux
 @needs_kernel
 def test_the_kernel_builds_and_loads_where_it_should():
     assert kernels.decode_attention_kernel() is not None, "AVX-512 and g++ are here, yet the kernel did not load"
+    for dtype in prefill_dtypes():
+        assert kernels.prefill_attention_kernel(dtype) is not None, f"the prefill kernel did not load for {dtype}"
 
 
 @needs_kernel
@@ -151,3 +153,105 @@ def test_the_kernel_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="refused"):
         kernels.decode_attention(fn, q[None], [k], [k], 0.25)
     assert not attention._kernel_takes(k[None], k[None])
+
+
+# ---- prefill attention ---------------------------------------------------------------------------------------------
+def prefill_dtypes():
+    """What the prefill kernel must run here, from the CPU's flags (not from what loaded: a kernel that failed its
+    probe must fail these tests, not skip them)."""
+    if not runs_here:
+        return ()
+    with open("/proc/cpuinfo") as f:
+        bf16 = " avx512_bf16" in f.read()
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+
+
+def causal_float64(q, keys, values, scale):
+    """q [H, n, D] over keys/values [H_kv, T, D], row i seeing keys [0, T - n + i], in float64: [H, n, D]."""
+    n, t, group = q.shape[1], keys.shape[1], q.shape[0] // keys.shape[0]
+    visible = torch.ones(n, t, dtype=torch.bool).tril(t - n)
+    return F.scaled_dot_product_attention(q[None].double(), keys[None].double().repeat_interleave(group, 1),
+                                          values[None].double().repeat_interleave(group, 1), attn_mask=visible,
+                                          scale=scale)[0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("heads,group,dim", [(4, 2, 64), (2, 7, 64), (2, 1, 128), (1, 2, 256), (3, 1, 16), (2, 2, 96)])
+def test_prefill_kernel_equals_float64_attention(dtype, tol, heads, group, dim):
+    """Rows and keys around the kernel's tiles (12 and 6 rows, 48-row items, 64-key blocks, 32-key score tiles),
+    alone (a cold prefill) and after earlier keys (a question after a cached prefix); q strided as the fused
+    projection's view is."""
+    if dtype not in prefill_dtypes():
+        pytest.skip(f"the prefill kernel does not run {dtype} on this CPU")
+    fn, g = kernels.prefill_attention_kernel(dtype), torch.Generator().manual_seed(heads * 100 + group * 10 + dim)
+    h = heads * group
+    for n, t in ((1, 1), (5, 5), (47, 47), (48, 48), (49, 49), (64, 64), (65, 65), (130, 130), (1, 300), (7, 70),
+                 (100, 333)):
+        fused = torch.randn(n, h + 2 * heads, dim, generator=g).to(dtype)
+        q = fused[:, :h].transpose(0, 1)
+        keys, values = (torch.randn(heads, t, dim, generator=g).to(dtype) for _ in range(2))
+        got = kernels.prefill_attention(fn, q, keys, values, dim ** -0.5)
+        assert got.dtype == dtype and got.shape == q.shape
+        assert (got.double() - causal_float64(q, keys, values, dim ** -0.5)).abs().max().item() < tol, (n, t)
+
+
+@needs_kernel
+def test_prefill_kernel_with_large_scores_and_buffer_slices():
+    """Keys as an "after" forward passes them (the first T slots of a [1, H, capacity, D] buffer) and scores far
+    above exp's range, which the online softmax must shift away block after block."""
+    fn, g = kernels.prefill_attention_kernel(torch.float32), torch.Generator().manual_seed(7)
+    buf_k, buf_v = (torch.randn(1, 2, 900, 32, generator=g) * 30 for _ in range(2))
+    q = torch.randn(4, 90, 32, generator=g) * 30
+    keys, values = buf_k[0, :, :613], buf_v[0, :, :613]
+    want = causal_float64(q, keys, values, 0.25)
+    got = kernels.prefill_attention(fn, q, keys, values, 0.25)
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max().item() < 1e-4 * want.abs().max().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_attend_with_the_prefill_kernel_equals_sdpa(dtype, tol, monkeypatch):
+    """`attend` for a cold prefill (causal) and for fresh tokens after cached ones (after: few and many) through
+    the kernel, against the same calls through sdpa."""
+    if dtype not in prefill_dtypes():
+        pytest.skip(f"the prefill kernel does not run {dtype} on this CPU")
+    g = torch.Generator().manual_seed(9)
+    heads = Heads(2, 0.125)
+    for start, n in ((0, 300), (200, 30), (100, 600)):
+        q = torch.randn(1, 8, n, 64, generator=g).to(dtype)
+        k, v = (torch.randn(1, 4, n, 64, generator=g).to(dtype) for _ in range(2))
+        buffers = [torch.randn(1, 4, start + n + 50, 64, generator=g).to(dtype) for _ in range(2)]
+        results = []
+        for off in (False, True):
+            if off:
+                monkeypatch.setattr(kernels, "_kernel", None)
+            w = attention.Writes.of(list(range(start, start + n)), dtype, "cpu")
+            results.append(attention.attend(*[b.clone() for b in buffers], heads, None, q, k, v, w))
+        assert (results[0].float() - results[1].float()).abs().max().item() < tol, (start, n)
+        monkeypatch.undo()
+
+
+@needs_kernel
+def test_engine_prefills_the_same_tokens_with_and_without_the_kernels(engine, monkeypatch):
+    """Whole prompts recomputed (mode "full"): the same greedy tokens with pc_rag's kernels as with sdpa."""
+    prompt = "Attention is computed block by block. " * 40
+    with_kernel = engine.generate(prompt, mode="full", max_new_tokens=16)
+    monkeypatch.setattr(kernels, "_kernel", None)
+    without = engine.generate(prompt, mode="full", max_new_tokens=16)
+    assert list(with_kernel.token_ids) == list(without.token_ids)
+
+
+@needs_kernel
+def test_the_prefill_kernel_refuses_what_it_cannot_read():
+    fn = kernels.prefill_attention_kernel(torch.float32)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        kernels.prefill_attention(fn, torch.randn(2, 4, 16).half(), torch.randn(1, 4, 16).half(),
+                                  torch.randn(1, 4, 16).half(), 0.25)
+    q, k = torch.randn(2, 4, 24), torch.randn(1, 4, 24)  # head_dim not a multiple of 16
+    with pytest.raises(RuntimeError, match="refused"):
+        kernels.prefill_attention(fn, q, k, k, 0.25)
+    with pytest.raises(RuntimeError, match="refused"):  # more query rows than keys
+        kernels.prefill_attention(fn, torch.randn(2, 5, 16), torch.randn(1, 4, 16), torch.randn(1, 4, 16), 0.25)
+    assert not attention._prefill_kernel_takes(q[None], k[None], k[None])
