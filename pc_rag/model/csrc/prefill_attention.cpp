@@ -177,34 +177,72 @@ PC_AVX512_BF16 inline void softmax_row(float* s, int64_t live, float scale, floa
   }
 }
 
+// 16 rows of 16 32-bit words (rows `stride` words apart) transposed into dst [16][16].
+PC_AVX512 inline void transpose16(const uint32_t* src, int64_t stride, uint32_t* dst) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * stride);
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved: words 2 apart
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // then pairs of pairs: 4 rows per 128-bit lane
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4b + j] holds word (4 lane + j) of rows 4b..4b+3 in lane `lane`; gather the lanes across the 4 groups.
+  for (int j = 0; j < 4; ++j) {
+    const __m512i a = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), b = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88), d = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+    t[j] = _mm512_shuffle_i32x4(a, c, 0x88);       // lane 0
+    t[8 + j] = _mm512_shuffle_i32x4(a, c, 0xDD);   // lane 2
+    t[4 + j] = _mm512_shuffle_i32x4(b, d, 0x88);   // lane 1
+    t[12 + j] = _mm512_shuffle_i32x4(b, d, 0xDD);  // lane 3
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * 16, t[i]);
+}
+
 // Keys of one KV head packed for the score tiles, padded with zeros to `padded` keys: panels of 16 keys, each
 // [D][16] fp32 or [D/2][16] pairs of bf16 (32-bit words either way: `words` per key row).
 template <typename T>
-void pack_keys(const T* k, int64_t kt, int64_t nk, int64_t padded, int64_t D, T* out) {
-  const int64_t words = D * sizeof(T) / 4;
+PC_AVX512 void pack_keys(const T* k, int64_t kt, int64_t nk, int64_t padded, int64_t D, T* out) {
+  const int64_t words = D * sizeof(T) / 4, stride = kt * sizeof(T) / 4;
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(k);
   for (int64_t p = 0; p < padded / 16; ++p) {
     uint32_t* panel = reinterpret_cast<uint32_t*>(out) + p * words * 16;
+    int64_t w = 0;
+    if (p * 16 + 16 <= nk)  // a full panel: 16x16 transposes
+      for (; w + 16 <= words; w += 16) transpose16(src + p * 16 * stride + w, stride, panel + w * 16);
     for (int64_t t = 0; t < 16; ++t) {
       const int64_t key = p * 16 + t;
-      if (key < nk) {
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(k + key * kt);
-        for (int64_t w = 0; w < words; ++w) panel[w * 16 + t] = row[w];
-      } else {
-        for (int64_t w = 0; w < words; ++w) panel[w * 16 + t] = 0;
-      }
+      for (int64_t x = w; x < words; ++x) panel[x * 16 + t] = key < nk ? src[key * stride + x] : 0;
     }
   }
 }
 
 // bf16 values of one KV head as pairs of keys [padded / 2][D][2], zeros past nk.
-void pack_values(const uint16_t* v, int64_t vt, int64_t nk, int64_t padded, int64_t D, uint16_t* out) {
-  for (int64_t t = 0; t < padded; ++t) {
-    uint16_t* dst = out + (t / 2) * 2 * D + (t % 2);
-    if (t < nk) {
-      const uint16_t* row = v + t * vt;
-      for (int64_t d = 0; d < D; ++d) dst[2 * d] = row[d];
-    } else {
-      for (int64_t d = 0; d < D; ++d) dst[2 * d] = 0;
+PC_AVX512 void pack_values(const uint16_t* v, int64_t vt, int64_t nk, int64_t padded, int64_t D, uint16_t* out) {
+  alignas(64) uint16_t lo_idx[32], hi_idx[32];
+  for (int i = 0; i < 16; ++i) {
+    lo_idx[2 * i] = i, lo_idx[2 * i + 1] = 32 + i;
+    hi_idx[2 * i] = 16 + i, hi_idx[2 * i + 1] = 48 + i;
+  }
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (int64_t t = 0; t < padded; t += 2) {
+    uint16_t* dst = out + t * D;
+    int64_t d = 0;
+    if (t + 2 <= nk) {  // both keys there: interleave 32 dims at a time
+      const uint16_t *a = v + t * vt, *b = a + vt;
+      for (; d + 32 <= D; d += 32) {
+        const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
+        _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(x, lo, y));
+        _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(x, hi, y));
+      }
+    }
+    for (; d < D; ++d) {
+      dst[2 * d] = t < nk ? v[t * vt + d] : 0;
+      dst[2 * d + 1] = t + 1 < nk ? v[(t + 1) * vt + d] : 0;
     }
   }
 }
@@ -306,6 +344,7 @@ int pc_rag_prefill_attention(const void* q, int64_t q_head, int64_t q_token, con
                              int bf16, float scale, int threads) {
   if (!avx512_supported() || (bf16 && !pc_rag_prefill_bf16_supported())) return -1;
   if (D % 16 != 0 || D > 256 || nq <= 0 || nk < nq || H <= 0 || G <= 0 || H % G != 0 || threads <= 0) return -1;
+  if (bf16 && (k_head % 2 || k_token % 2)) return -1;  // key rows are read as 32-bit words (pairs of dims)
   const Rows qr{q_head, q_token}, kr{k_head, k_token}, vr{v_head, v_token}, orows{o_head, o_token};
   if (bf16) return attend_causal<true>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
   return attend_causal<false>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
