@@ -179,7 +179,7 @@ def causal_float64(q, keys, values, scale):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize("heads,group,dim", [(4, 2, 64), (2, 7, 64), (2, 1, 128), (1, 2, 256), (3, 1, 16), (2, 2, 96)])
 def test_prefill_kernel_equals_float64_attention(dtype, tol, heads, group, dim):
-    """Rows and keys around the kernel's tiles (12 and 6 rows, 48-row items, 64-key blocks, 32-key score tiles),
+    """Rows and keys around the kernel's tiles (12 and 6 rows, 48-row items, 256-key blocks, 32-key score tiles),
     alone (a cold prefill) and after earlier keys (a question after a cached prefix); q strided as the fused
     projection's view is."""
     if dtype not in prefill_dtypes():
@@ -187,7 +187,7 @@ def test_prefill_kernel_equals_float64_attention(dtype, tol, heads, group, dim):
     fn, g = kernels.prefill_attention_kernel(dtype), torch.Generator().manual_seed(heads * 100 + group * 10 + dim)
     h = heads * group
     for n, t in ((1, 1), (5, 5), (47, 47), (48, 48), (49, 49), (64, 64), (65, 65), (130, 130), (1, 300), (7, 70),
-                 (100, 333)):
+                 (270, 600), (100, 333)):
         fused = torch.randn(n, h + 2 * heads, dim, generator=g).to(dtype)
         q = fused[:, :h].transpose(0, 1)
         keys, values = (torch.randn(heads, t, dim, generator=g).to(dtype) for _ in range(2))

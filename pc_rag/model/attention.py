@@ -48,12 +48,15 @@ class Writes:
     A token at slot s attends to every slot <= s, so no query sees past the last written slot: keys are read
     from [0, kv). Three layouts, cheapest first:
     - "causal": the tokens fill slots [0, n) (a cold prefill, a chunk encoded on its own): they attend only among
-      themselves, so sdpa runs on the fresh keys with `is_causal` (its fused kernel skips the masked half);
+      themselves, with no mask: pc_rag's prefill kernel where it runs (kernels.py), else sdpa with `is_causal`
+      (its fused kernel skips the masked half);
     - "after": contiguous slots [start, start + n) after everything before them (a question after a cached
-      prefix, a chat turn, a decode step). One token needs no mask. Many (SPLIT_MIN_TOKENS) on CPU: attention
-      in two parts merged by their log-sum-exp (`_attend_after`), the cached keys with no mask and the fresh ones
-      with the causal kernel; otherwise with the lower-right causal mask. A 4K-token prompt that shared only its
-      first token with an earlier one spent 2.2 s in masked attention against 1.2 s causal (bench model, fp32);
+      prefix, a chat turn, a decode step). One token needs no mask (the decode kernel, or sdpa). Many: where the
+      prefill kernel runs, one call over the cached keys and the fresh ones (its mask is the lower-right causal
+      one by construction); else on CPU from SPLIT_MIN_TOKENS tokens, attention in two parts merged by their
+      log-sum-exp (`_attend_after`), the cached keys with no mask and the fresh ones with sdpa's causal kernel;
+      otherwise sdpa with the lower-right causal mask. A 4K-token prompt that shared only its first token with
+      an earlier one spent 2.2 s in masked attention against 1.2 s causal (bench model, fp32, sdpa);
     - "slots": any other slots (text between relocated chunks, blend's rows): the mask key slot <= query slot.
     """
 

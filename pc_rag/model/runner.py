@@ -37,11 +37,19 @@ POOL_MAX_BYTES = 1 << 30
 
 # While other requests are decoding, a forward over more fresh tokens than this runs as several forwards of at
 # most this many (a chunked prefill), each taking its own turn on the runner lock, so the decoding requests wait
-# for one chunk, not for the whole prompt: 512 tokens of the 8-layer bench model take about 0.3 s on the 2-core
-# CPU. Only then: a chunk attends through an explicit mask rather than the causal kernel of one forward, which
-# made a 4K-token prefill ~20% slower (bench model, medians of 3: 2.97 s in chunks of 512, 3.21 s in chunks of
-# 256, 2.44 s whole), a cost a request alone should not pay.
+# for one chunk, not for the whole prompt: 512 tokens of the 8-layer bench model take about 0.1-0.2 s on the
+# 2-core CPU. With pc_rag's prefill kernel (CPU, kernels.py) a chunk costs what its share of one forward does
+# (4K tokens, bench model: fp32 1.35-1.43 s in chunks of 512 against 1.43-1.59 s whole, bf16 0.76-0.80 against
+# 0.76-0.84). Elsewhere a chunk attends through an explicit mask rather than the causal kernel of one forward,
+# which made a 4K-token prefill ~20% slower (sdpa: 2.97 s in chunks of 512 against 2.44 s whole), a cost a
+# request alone should not pay; so a request alone runs whole.
 PREFILL_CHUNK_TOKENS = 512
+
+# Alone, a longer forward still runs in chunks of this many tokens where pc_rag's prefill kernel runs: its
+# products and activations then fit in memory the allocator reuses, instead of fresh pages per layer (bench
+# model, 8K-token prefill, two runs each: fp32 3.7-4.2 s in chunks of 2048, 3.9-4.3 in 1024, 4.0-4.3 in 512,
+# 4.7-4.9 whole; bf16 2.08-2.13 / 2.13-2.23 / 2.21-2.61 / 2.28-2.43 s; 4K: chunks even with whole or ahead).
+SOLO_CHUNK_TOKENS = 2048
 
 log = logging.getLogger("pc_rag.model")
 
@@ -104,6 +112,8 @@ class LlamaRunner:
         # batch.TurnLock): a decode step waits for at most one prefill chunk.
         self._lock = TurnLock()
         self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS
+        runs = self.device.type == "cpu" and kernels.prefill_attention_kernel(self.dtype) is not None
+        self.solo_chunk_tokens = SOLO_CHUNK_TOKENS if runs else 0
         # Whether other requests are in flight (set by the engine): long forwards are chunked then, so their
         # decode steps wait for one chunk at a time.
         self.others_decoding: Callable[[], bool] = lambda: False
@@ -281,10 +291,10 @@ class LlamaRunner:
 
         Each token attends to every filled slot up to its own; returns the last token's logits [vocab] (fp32).
         While other requests decode, more than `prefill_chunk_tokens` tokens in increasing slot order run as a
-        chunked prefill (equal to one forward within 1e-5, fp32).
+        chunked prefill (equal to one forward within 1e-5, fp32); alone, more than `solo_chunk_tokens` do.
         """
-        n = self.prefill_chunk_tokens
-        if n and len(ids) > n and self.others_decoding() and all(a < b for a, b in zip(slots, slots[1:], strict=False)):
+        n = self.prefill_chunk_tokens if self.others_decoding() else self.solo_chunk_tokens
+        if n and len(ids) > n and all(a < b for a, b in zip(slots, slots[1:], strict=False)):
             return self._forward_chunked(cache, ids, positions, slots, n)
         return self.forward_layers(cache, ids, positions, slots)
 
