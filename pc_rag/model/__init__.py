@@ -8,7 +8,8 @@ keyword `past_key_values` to `cache`), this package is the one place to edit. Wh
   OLMo 2) reading its HF config into an Architecture;
 - weights.py: each layer's modules as the forwards call them (projections fused, oneDNN-packed on CPU);
 - attention.py: where one forward's tokens go (`Writes`), sliding windows and soft-capping, the kernels;
-- kernels.py: pc_rag's own decode-attention kernel (csrc/), compiled once per machine where it runs;
+- kernels.py: pc_rag's own attention kernels (csrc/: decode, causal prefill), compiled once per machine where
+  they run;
 - cache.py: a request's KV buffer (`SlotCache`) and the KV shape (`ModelShape`);
 - rope.py: RoPE tables per layer, relocation of cached keys, the relocation self-check;
 - fingerprint.py: the model fingerprint in every store key;
@@ -23,12 +24,12 @@ from .cache import ModelShape, SlotCache
 from .families import FAMILIES, SUPPORTED_MODEL_TYPES, describe
 from .fingerprint import hash_tensor
 from .rope import RELOCATABLE_ROPE_TYPES, RelocationCheck
-from .runner import DTYPES, POOL_MAX_BYTES, POOL_SIZE, PREFILL_CHUNK_TOKENS, LlamaRunner, parse_dtype
+from .runner import DTYPES, POOL_MAX_BYTES, POOL_SIZE, PREFILL_CHUNK_TOKENS, SOLO_CHUNK_TOKENS, LlamaRunner, parse_dtype
 from .threads import release_team, releasing_team
 
 __all__ = [
     "DTYPES", "FAMILIES", "POOL_MAX_BYTES", "POOL_SIZE", "PREFILL_CHUNK_TOKENS", "RELOCATABLE_ROPE_TYPES",
-    "SPLIT_MIN_TOKENS", "SUPPORTED_MODEL_TYPES", "Architecture", "Heads", "Layer", "LlamaRunner", "ModelShape",
-    "Norms", "RelocationCheck", "SlotCache", "Writes", "describe", "hash_tensor", "parse_dtype", "release_team",
-    "releasing_team",
+    "SOLO_CHUNK_TOKENS", "SPLIT_MIN_TOKENS", "SUPPORTED_MODEL_TYPES", "Architecture", "Heads", "Layer", "LlamaRunner",
+    "ModelShape", "Norms", "RelocationCheck", "SlotCache", "Writes", "describe", "hash_tensor", "parse_dtype",
+    "release_team", "releasing_team",
 ]
