@@ -131,16 +131,18 @@ def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, w
 
 
 def _prefill_kernel_runs(dtype: torch.dtype, device) -> bool:
-    return torch.device(device).type == "cpu" and kernels.prefill_attention_kernel(dtype) is not None
+    return (torch.device(device).type == "cpu" and dtype in kernels.DTYPES
+            and kernels.prefill_attention_kernel(dtype) is not None)
 
 
 def _prefill_kernel_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether pc_rag's prefill kernel runs q [1, H_q, n, D] over keys [1, H_kv, T, D]: CPU, a dtype it runs here,
     every row's D elements contiguous (heads and rows may be strided: the fused projection's views are)."""
     d = q.shape[-1]
-    return (q.device.type == "cpu" and q.dtype == keys.dtype == values.dtype and q.shape[0] == 1
-            and d % 16 == 0 and d <= 256 and all(t.stride(-1) == 1 for t in (q, keys, values))
-            and kernels.prefill_attention_kernel(q.dtype) is not None)
+    even = q.dtype != torch.bfloat16 or (keys.stride(1) % 2 == 0 and keys.stride(2) % 2 == 0)  # bf16 read in pairs
+    return (q.device.type == "cpu" and q.dtype == keys.dtype == values.dtype and q.dtype in kernels.DTYPES
+            and q.shape[0] == 1 and d % 16 == 0 and d <= 256 and all(t.stride(-1) == 1 for t in (q, keys, values))
+            and even and kernels.prefill_attention_kernel(q.dtype) is not None)
 
 
 def _splits(device) -> bool:

@@ -222,6 +222,9 @@ def prefill_attention(fn, q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         status = fn(q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), keys.stride(0), keys.stride(1),
                     values.data_ptr(), values.stride(0), values.stride(1), out.data_ptr(), out.stride(1),
                     out.stride(0), n, t, h, h // hk, d, int(dtype == torch.bfloat16), scale, torch.get_num_threads())
+    if status == -2:
+        raise MemoryError(f"prefill attention kernel: no memory for the packed keys of {tuple(keys.shape)} "
+                          f"({2 * keys.numel() * keys.element_size() / 2**20:.0f} MiB)")
     if status != 0:
         raise RuntimeError(f"prefill attention kernel refused q {tuple(q.shape)}, keys {tuple(keys.shape)} "
                            f"in {dtype} on this CPU")

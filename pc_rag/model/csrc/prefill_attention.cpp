@@ -19,6 +19,8 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <new>
+#include <omp.h>
 #include <type_traits>
 
 #include "simd.h"
@@ -31,6 +33,7 @@ namespace {
 // 256 62.5 / 37.5; 24-96 rows per item within 3% of each other at 128 keys.
 constexpr int64_t BM = 48;   // query rows per work item (a multiple of both tiles' rows)
 constexpr int64_t BN = 256;  // keys per block
+constexpr int64_t MAX_D = 256;  // head_dim at most
 constexpr int QK_ROWS = 12;  // scores tile: 12 rows x 32 keys = 24 accumulators
 constexpr int PV_ROWS = 6;   // output tile: 6 rows x 64 dims = 24 accumulators
 
@@ -40,43 +43,49 @@ struct Rows {
   int64_t at(int64_t h, int64_t t) const { return h * head + t * token; }
 };
 
-// Scores S [QK_ROWS, 32] = Q [QK_ROWS, D] . K^T for two packed key panels (fp32: [D][16] each).
-PC_AVX512 inline void scores_f32(const float* q, const float* kp, int64_t D, float* s) {
-  __m512 acc[QK_ROWS][2];
-  for (auto& r : acc) r[0] = r[1] = _mm512_setzero_ps();
-  const float* kp1 = kp + D * 16;
-  for (int64_t d = 0; d < D; ++d) {
-    const __m512 b0 = _mm512_loadu_ps(kp + d * 16), b1 = _mm512_loadu_ps(kp1 + d * 16);
-    for (int r = 0; r < QK_ROWS; ++r) {
-      const __m512 a = _mm512_set1_ps(q[r * D + d]);
-      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+// Scores S [QK_ROWS, span] = Q [QK_ROWS, D] . K^T over the packed key panels (fp32: [D][16] each), two panels
+// (32 keys) at a time; span is a multiple of 32 (the panels are padded with zeros to the block's end).
+PC_AVX512 inline void scores_f32(const float* q, const float* kp, int64_t D, float* s, int64_t span) {
+  for (int64_t p = 0; p < span; p += 32, kp += 2 * D * 16, s += 32) {
+    __m512 acc[QK_ROWS][2];
+    for (auto& r : acc) r[0] = r[1] = _mm512_setzero_ps();
+    const float* kp1 = kp + D * 16;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 b0 = _mm512_loadu_ps(kp + d * 16), b1 = _mm512_loadu_ps(kp1 + d * 16);
+      for (int r = 0; r < QK_ROWS; ++r) {
+        const __m512 a = _mm512_set1_ps(q[r * D + d]);
+        acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+      }
     }
-  }
-  for (int r = 0; r < QK_ROWS; ++r) {
-    _mm512_storeu_ps(s + r * BN, acc[r][0]);
-    _mm512_storeu_ps(s + r * BN + 16, acc[r][1]);
+    for (int r = 0; r < QK_ROWS; ++r) {
+      _mm512_storeu_ps(s + r * BN, acc[r][0]);
+      _mm512_storeu_ps(s + r * BN + 16, acc[r][1]);
+    }
   }
 }
 
 // The same in bf16: Q rows as bf16 pairs, key panels [D/2][16][2] (dims d, d+1 of a key side by side).
-PC_AVX512_BF16 inline void scores_bf16(const uint16_t* q, const uint16_t* kp, int64_t D, float* s) {
-  __m512 acc[QK_ROWS][2];
-  for (auto& r : acc) r[0] = r[1] = _mm512_setzero_ps();
-  const uint16_t* kp1 = kp + D * 16;
-  for (int64_t d = 0; d < D; d += 2) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(kp + d * 16), b1 = (__m512bh)_mm512_loadu_si512(kp1 + d * 16);
-    for (int r = 0; r < QK_ROWS; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, q + r * D + d, 4);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+PC_AVX512_BF16 inline void scores_bf16(const uint16_t* q, const uint16_t* kp, int64_t D, float* s, int64_t span) {
+  for (int64_t p = 0; p < span; p += 32, kp += 2 * D * 16, s += 32) {
+    __m512 acc[QK_ROWS][2];
+    for (auto& r : acc) r[0] = r[1] = _mm512_setzero_ps();
+    const uint16_t* kp1 = kp + D * 16;
+    for (int64_t d = 0; d < D; d += 2) {
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(kp + d * 16);
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(kp1 + d * 16);
+      for (int r = 0; r < QK_ROWS; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, q + r * D + d, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+      }
     }
-  }
-  for (int r = 0; r < QK_ROWS; ++r) {
-    _mm512_storeu_ps(s + r * BN, acc[r][0]);
-    _mm512_storeu_ps(s + r * BN + 16, acc[r][1]);
+    for (int r = 0; r < QK_ROWS; ++r) {
+      _mm512_storeu_ps(s + r * BN, acc[r][0]);
+      _mm512_storeu_ps(s + r * BN + 16, acc[r][1]);
+    }
   }
 }
 
@@ -254,7 +263,17 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
                   int64_t nq, int64_t nk, int64_t H, int64_t G, int64_t D, float scale, int threads) {
   using T = std::conditional_t<BF16, uint16_t, float>;
   const int64_t HK = H / G, padded = (nk + BN - 1) / BN * BN, before = nk - nq, blocks = (nq + BM - 1) / BM;
-  std::unique_ptr<T[]> kp(new T[HK * padded * D]), vp(BF16 ? new T[HK * padded * D] : nullptr);
+  // Every allocation up front and without exceptions (one thrown inside an OpenMP region ends the process): the
+  // packed keys (and bf16 values), then each thread's tiles. Out of memory returns -2.
+  struct Scratch {  // one thread's: its query rows, scores, output rows, row maxima and sums, bf16 weights
+    T q[BM * MAX_D];
+    float s[BM * BN], o[BM * MAX_D], m[BM], l[BM];
+    uint16_t pb[BM * BN];
+  };
+  std::unique_ptr<T[]> kp(new (std::nothrow) T[HK * padded * D]);
+  std::unique_ptr<T[]> vp(BF16 ? new (std::nothrow) T[HK * padded * D] : nullptr);
+  std::unique_ptr<Scratch[]> scratch(new (std::nothrow) Scratch[threads]);
+  if (!kp || (BF16 && !vp) || !scratch) return -2;
   const T* qt = static_cast<const T*>(q);
   const T* ktens = static_cast<const T*>(k);
   const T* vtens = static_cast<const T*>(v);
@@ -265,53 +284,54 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
       pack_keys<T>(ktens + kr.at(h, 0), kr.token, nk, padded, D, kp.get() + h * padded * D);
       if constexpr (BF16) pack_values(vtens + vr.at(h, 0), vr.token, nk, padded, D, vp.get() + h * padded * D);
     }
-    std::unique_ptr<T[]> qbuf(new T[BM * D]);
-    std::unique_ptr<float[]> s(new float[BM * BN]), o(new float[BM * D]), m(new float[BM]), l(new float[BM]);
-    std::unique_ptr<uint16_t[]> pb(new uint16_t[BM * BN]);
+    Scratch& mine = scratch[omp_get_thread_num()];
+    T* const qbuf = mine.q;
+    float *const s = mine.s, *const o = mine.o, *const m = mine.m, *const l = mine.l;
+    uint16_t* const pb = mine.pb;
     // The longest rows first (the last query blocks see the most keys), so the threads finish together.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < H * blocks; ++item) {
       const int64_t h = item % H, i0 = (blocks - 1 - item / H) * BM, rows = std::min(BM, nq - i0), hk = h / G;
       for (int64_t r = 0; r < BM; ++r) {
         if (r < rows)
-          std::memcpy(qbuf.get() + r * D, qt + qr.at(h, i0 + r), D * sizeof(T));
+          std::memcpy(qbuf + r * D, qt + qr.at(h, i0 + r), D * sizeof(T));
         else
-          std::memset(qbuf.get() + r * D, 0, D * sizeof(T));
+          std::memset(qbuf + r * D, 0, D * sizeof(T));
       }
-      std::fill(o.get(), o.get() + BM * D, 0.f);
-      std::fill(m.get(), m.get() + BM, -std::numeric_limits<float>::infinity());
-      std::fill(l.get(), l.get() + BM, 0.f);
-      std::memset(pb.get(), 0, BM * BN * sizeof(uint16_t));
-      std::fill(s.get(), s.get() + BM * BN, 0.f);
+      std::fill(o, o + BM * D, 0.f);
+      std::fill(m, m + BM, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + BM, 0.f);
+      std::memset(pb, 0, BM * BN * sizeof(uint16_t));
+      std::fill(s, s + BM * BN, 0.f);
       const int64_t tiles = (rows + QK_ROWS - 1) / QK_ROWS * QK_ROWS;  // rows computed, padding included
       const int64_t last = before + i0 + rows - 1;                     // the last key any row sees
       for (int64_t j0 = 0; j0 <= last; j0 += BN) {
         const T* kblock = kp.get() + hk * padded * D + j0 * D;
-        for (int64_t r = 0; r < tiles; r += QK_ROWS)
-          for (int64_t p = 0; p < BN; p += 32) {
-            if constexpr (BF16)
-              scores_bf16(qbuf.get() + r * D, kblock + p * D, D, s.get() + r * BN + p);
-            else
-              scores_f32(qbuf.get() + r * D, kblock + p * D, D, s.get() + r * BN + p);
-          }
+        const int64_t span = std::min(BN, (last - j0 + 32) / 32 * 32);  // the keys any row sees, in 32s
+        for (int64_t r = 0; r < tiles; r += QK_ROWS) {
+          if constexpr (BF16)
+            scores_bf16(qbuf + r * D, kblock, D, s + r * BN, span);
+          else
+            scores_f32(qbuf + r * D, kblock, D, s + r * BN, span);
+        }
         int64_t widest = 0;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t live = std::min({BN, nk - j0, before + i0 + r - j0 + 1});
           if (live <= 0) {  // this row sees none of the block: weights 0, nothing else changes
             if constexpr (BF16)
-              std::memset(pb.get() + r * BN, 0, BN * sizeof(uint16_t));
+              std::memset(pb + r * BN, 0, BN * sizeof(uint16_t));
             else
-              std::fill(s.get() + r * BN, s.get() + (r + 1) * BN, 0.f);
+              std::fill(s + r * BN, s + (r + 1) * BN, 0.f);
             continue;
           }
           widest = std::max(widest, live);
-          softmax_row<BF16>(s.get() + r * BN, live, scale, m[r], l[r], o.get() + r * D, D, pb.get() + r * BN);
+          softmax_row<BF16>(s + r * BN, live, scale, m[r], l[r], o + r * D, D, pb + r * BN);
         }
         for (int64_t r = 0; r < rows; r += PV_ROWS) {
           if constexpr (BF16)
-            values_tile<true>(pb.get() + r * BN, vp.get() + hk * padded * D + j0 * D, 0, widest, o.get() + r * D, D);
+            values_tile<true>(pb + r * BN, vp.get() + hk * padded * D + j0 * D, 0, widest, o + r * D, D);
           else
-            values_tile<false>(s.get() + r * BN, vtens + vr.at(hk, j0), vr.token, widest, o.get() + r * D, D);
+            values_tile<false>(s + r * BN, vtens + vr.at(hk, j0), vr.token, widest, o + r * D, D);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -339,13 +359,13 @@ int pc_rag_prefill_bf16_supported() { return avx512_supported() && __builtin_cpu
 // Causal attention of nq query rows over nk >= nq keys (row i sees keys [0, nk - nq + i]). q, out: H heads of nq
 // rows; k, v: H / G heads of nk rows (query head h uses KV head h / G, HF's repeat_kv); every row D contiguous
 // elements (fp32, or bf16 when bf16 != 0), heads and rows at the given element strides. Scores are scaled by
-// `scale`. Returns 0, or -1 for shapes or a CPU it does not take.
+// `scale`. Returns 0, -1 for shapes or a CPU it does not take, -2 when its scratch memory cannot be allocated.
 int pc_rag_prefill_attention(const void* q, int64_t q_head, int64_t q_token, const void* k, int64_t k_head,
                              int64_t k_token, const void* v, int64_t v_head, int64_t v_token, void* out,
                              int64_t o_head, int64_t o_token, int64_t nq, int64_t nk, int64_t H, int64_t G, int64_t D,
                              int bf16, float scale, int threads) {
   if (!avx512_supported() || (bf16 && !pc_rag_prefill_bf16_supported())) return -1;
-  if (D % 16 != 0 || D > 256 || nq <= 0 || nk < nq || H <= 0 || G <= 0 || H % G != 0 || threads <= 0) return -1;
+  if (D % 16 != 0 || D > MAX_D || nq <= 0 || nk < nq || H <= 0 || G <= 0 || H % G != 0 || threads <= 0) return -1;
   if (bf16 && (k_head % 2 || k_token % 2)) return -1;  // key rows are read as 32-bit words (pairs of dims)
   const Rows qr{q_head, q_token}, kr{k_head, k_token}, vr{v_head, v_token}, orows{o_head, o_token};
   if (bf16) return attend_causal<true>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
