@@ -255,3 +255,15 @@ def test_the_prefill_kernel_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="refused"):  # more query rows than keys
         kernels.prefill_attention(fn, torch.randn(2, 5, 16), torch.randn(1, 4, 16), torch.randn(1, 4, 16), 0.25)
     assert not attention._prefill_kernel_takes(q[None], k[None], k[None])
+
+
+@needs_kernel
+def test_the_prefill_kernel_out_of_memory_is_an_error_not_a_crash():
+    """Keys too long to pack (a broadcast row standing for 2^32 keys: 1 TiB to pack) raise MemoryError."""
+    with open("/proc/sys/vm/overcommit_memory") as f:
+        if f.read().strip() == "1":  # every allocation succeeds there; packing would then touch 1 TiB
+            pytest.skip("this kernel never refuses memory (vm.overcommit_memory = 1)")
+    fn = kernels.prefill_attention_kernel(torch.float32)
+    keys = torch.randn(1, 1, 64).expand(1, 2**32, 64)
+    with pytest.raises(MemoryError, match="packed keys"):
+        kernels.prefill_attention(fn, torch.randn(1, 1, 64), keys, keys, 0.125)
