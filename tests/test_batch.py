@@ -242,6 +242,27 @@ def test_chunked_prefill_matches_one_forward(engine, docs):
     assert (chunked.keys[:, :, :, : len(ids)] - whole.keys[:, :, :, : len(ids)]).abs().max().item() <= 1e-5
 
 
+def test_a_long_prefill_alone_runs_in_solo_chunks(engine, docs):
+    """Alone, more than `solo_chunk_tokens` fresh tokens run as chunks of that many (CPU with the prefill
+    kernel: SOLO_CHUNK_TOKENS), equal to one forward within 1e-5 (fp32)."""
+    runner = engine.runner
+    ids = prompt_ids(engine, [Chunk(d) for d in docs])[:300]
+    whole, chunked = runner.new_cache(320), runner.new_cache(320)
+    ref = runner.forward_layers(whole, ids, list(range(len(ids))), list(range(len(ids))))
+    calls = []
+    forward_layers, saved = runner.forward_layers, runner.solo_chunk_tokens
+    runner.forward_layers = lambda *a: (calls.append(len(a[1])), forward_layers(*a))[1]
+    runner.solo_chunk_tokens = 128
+    try:
+        got = runner.forward(chunked, ids, list(range(len(ids))), list(range(len(ids))))
+    finally:
+        runner.solo_chunk_tokens = saved
+        del runner.forward_layers
+    assert calls == [128, 128, len(ids) - 256]
+    assert (got - ref).abs().max().item() <= 1e-5
+    assert (chunked.keys[:, :, :, : len(ids)] - whole.keys[:, :, :, : len(ids)]).abs().max().item() <= 1e-5
+
+
 def test_a_long_prefill_takes_turns_with_decode_steps_only_while_others_decode(loaded):
     """Reference: the order of forward calls. Alone, a 500-token prompt is one forward; while another request
     decodes, it runs in chunks of `prefill_chunk_tokens` with decode steps between them."""

@@ -115,16 +115,14 @@ def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, w
         return _attend_rows(q, layer_keys, layer_values, w, heads, window)
     if w.layout == "causal":  # nothing before these tokens: the fresh tensors are all the keys there are
         if _prefill_kernel_takes(q, k, v):
-            return kernels.prefill_attention(kernels.prefill_attention_kernel(q.dtype), q[0], k[0], v[0],
-                                             heads.scaling)[None]
+            return _attend_prefill(q, k, v, heads)
         # Laid out [1, H, n, D] first: the kernel ran 8% faster in bf16 on them, copy included (fp32: even).
         return F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True,
                                               scale=heads.scaling, **_gqa(heads))
     if w.layout == "after" and w.mask is None:
         keys, values = layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv]
         if _prefill_kernel_takes(q, keys, values):  # one call over the cached keys and the fresh ones
-            return kernels.prefill_attention(kernels.prefill_attention_kernel(q.dtype), q[0], keys[0], values[0],
-                                             heads.scaling)[None]
+            return _attend_prefill(q, keys, values, heads)
         return _attend_after(q, layer_keys[:, :, : w.start], layer_values[:, :, : w.start], k, v, heads)
     return F.scaled_dot_product_attention(q, layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv],
                                           attn_mask=w.mask, scale=heads.scaling, **_gqa(heads))
@@ -143,6 +141,13 @@ def _prefill_kernel_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     return (q.device.type == "cpu" and q.dtype == keys.dtype == values.dtype and q.dtype in kernels.DTYPES
             and q.shape[0] == 1 and d % 16 == 0 and d <= 256 and all(t.stride(-1) == 1 for t in (q, keys, values))
             and even and kernels.prefill_attention_kernel(q.dtype) is not None)
+
+
+def _attend_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: Heads) -> torch.Tensor:
+    """q [1, H_q, n, D] over keys [1, H_kv, T, D] through pc_rag's prefill kernel, lower-right causal (query row
+    i sees keys [0, T - n + i]): [1, H_q, n, D]."""
+    fn = kernels.prefill_attention_kernel(q.dtype)
+    return kernels.prefill_attention(fn, q[0], keys[0], values[0], heads.scaling)[None]
 
 
 def _splits(device) -> bool:

@@ -13,13 +13,13 @@ of 16 up to 256. There `attention.attend_decode` and `attention.attend` call the
 
 The sources are plain C++ with OpenMP and no torch or Python headers, so `g++` (or $CXX) compiles them in a few
 seconds, the first time a runner is made on a machine, into $XDG_CACHE_HOME/pc_rag_kernels (default
-~/.cache/pc_rag_kernels), one library per source and compiler; later processes load that file (where that
-folder cannot be written, each process builds into a temporary one). They are called through ctypes (which lets
-go of the GIL), on the OpenMP runtime torch already loaded (the same `libgomp.so.1`), with as many threads as
-torch's ops. A build goes to a file of its own and is renamed into place, so processes that build at once never
-wait on each other; a file that does not match the digest written beside it is rebuilt, not loaded. Every other
-case keeps sdpa, with one log line saying why: another platform or CPU, no compiler, a kernel that disagrees
-with sdpa on a probe, or PC_RAG_NO_KERNELS=1 (A/B runs).
+~/.cache/pc_rag_kernels), one library per version of the sources and compiler; later processes load that file
+(where that folder cannot be written, each process builds into a temporary one). They are called through ctypes
+(which lets go of the GIL), on the OpenMP runtime torch already loaded (the same `libgomp.so.1`), with as many
+threads as torch's ops. A build goes to a file of its own and is renamed into place, so processes that build at
+once never wait on each other; a file that does not match the digest written beside it is rebuilt, not loaded.
+Every other case keeps sdpa, with one log line saying why: another platform or CPU, no compiler, a kernel that
+disagrees with sdpa on a probe, or PC_RAG_NO_KERNELS=1 (A/B runs).
 """
 
 from __future__ import annotations
@@ -93,14 +93,14 @@ def _load():
     why = _unsupported()
     if why is None:
         try:
-            fn = _bind(ctypes.CDLL(str(_library())))
-            why = None if _agrees(fn) else "a compiled kernel disagreed with sdpa on a probe"
+            found = _bind(ctypes.CDLL(str(_library())))
+            why = None if _agrees(found) else "a compiled kernel disagreed with sdpa on a probe"
         except Exception as e:  # whatever fails here, sdpa is always there
             why = f"the kernel did not build or load: {e}"
     if why is not None:
         log.info("pc_rag: attention through sdpa (%s)", why)
         return None
-    return fn
+    return found
 
 
 def _unsupported() -> str | None:

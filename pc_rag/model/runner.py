@@ -42,7 +42,7 @@ POOL_MAX_BYTES = 1 << 30
 # (4K tokens, bench model: fp32 1.35-1.43 s in chunks of 512 against 1.43-1.59 s whole, bf16 0.76-0.80 against
 # 0.76-0.84). Elsewhere a chunk attends through an explicit mask rather than the causal kernel of one forward,
 # which made a 4K-token prefill ~20% slower (sdpa: 2.97 s in chunks of 512 against 2.44 s whole), a cost a
-# request alone should not pay; so a request alone runs whole.
+# request alone should not pay: there a request alone runs whole (SOLO_CHUNK_TOKENS below).
 PREFILL_CHUNK_TOKENS = 512
 
 # Alone, a longer forward still runs in chunks of this many tokens where pc_rag's prefill kernel runs: its
