@@ -157,13 +157,10 @@ def test_the_kernel_refuses_what_it_cannot_read():
 
 # ---- prefill attention ---------------------------------------------------------------------------------------------
 def prefill_dtypes():
-    """What the prefill kernel must run here, from the CPU's flags (not from what loaded: a kernel that failed its
-    probe must fail these tests, not skip them)."""
-    if not runs_here:
-        return ()
-    with open("/proc/cpuinfo") as f:
-        bf16 = " avx512_bf16" in f.read()
-    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+    """What the prefill kernel must run here: both dtypes wherever the kernels run (bf16 as dot products with
+    AVX512-BF16, widened to fp32 without). Not from what loaded: a kernel that failed its probe must fail these
+    tests, not skip them."""
+    return (torch.float32, torch.bfloat16) if runs_here else ()
 
 
 def causal_float64(q, keys, values, scale):
@@ -176,14 +173,13 @@ def causal_float64(q, keys, values, scale):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("dtype,tol,widen", [(torch.float32, 1e-5, False), (torch.bfloat16, 1.6e-2, False),
+                                             (torch.bfloat16, 1.6e-2, True)])
 @pytest.mark.parametrize("heads,group,dim", [(4, 2, 64), (2, 7, 64), (2, 1, 128), (1, 2, 256), (3, 1, 16), (2, 2, 96)])
-def test_prefill_kernel_equals_float64_attention(dtype, tol, heads, group, dim):
+def test_prefill_kernel_equals_float64_attention(dtype, tol, widen, heads, group, dim):
     """Rows and keys around the kernel's tiles (12 and 6 rows, 48-row items, 256-key blocks, 32-key score tiles),
     alone (a cold prefill) and after earlier keys (a question after a cached prefix); q strided as the fused
-    projection's view is."""
-    if dtype not in prefill_dtypes():
-        pytest.skip(f"the prefill kernel does not run {dtype} on this CPU")
+    projection's view is. bf16 both ways: as this CPU runs it, and widened to fp32 (CPUs without AVX512-BF16)."""
     fn, g = kernels.prefill_attention_kernel(dtype), torch.Generator().manual_seed(heads * 100 + group * 10 + dim)
     h = heads * group
     for n, t in ((1, 1), (5, 5), (47, 47), (48, 48), (49, 49), (64, 64), (65, 65), (130, 130), (1, 300), (7, 70),
@@ -191,7 +187,7 @@ def test_prefill_kernel_equals_float64_attention(dtype, tol, heads, group, dim):
         fused = torch.randn(n, h + 2 * heads, dim, generator=g).to(dtype)
         q = fused[:, :h].transpose(0, 1)
         keys, values = (torch.randn(heads, t, dim, generator=g).to(dtype) for _ in range(2))
-        got = kernels.prefill_attention(fn, q, keys, values, dim ** -0.5)
+        got = kernels.prefill_attention(fn, q, keys, values, dim ** -0.5, widen=widen)
         assert got.dtype == dtype and got.shape == q.shape
         assert (got.double() - causal_float64(q, keys, values, dim ** -0.5)).abs().max().item() < tol, (n, t)
 
@@ -215,8 +211,6 @@ def test_prefill_kernel_with_large_scores_and_buffer_slices():
 def test_attend_with_the_prefill_kernel_equals_sdpa(dtype, tol, monkeypatch):
     """`attend` for a cold prefill (causal) and for fresh tokens after cached ones (after: few and many) through
     the kernel, against the same calls through sdpa."""
-    if dtype not in prefill_dtypes():
-        pytest.skip(f"the prefill kernel does not run {dtype} on this CPU")
     g = torch.Generator().manual_seed(9)
     heads = Heads(2, 0.125)
     for start, n in ((0, 300), (200, 30), (100, 600)):

@@ -8,8 +8,9 @@
   machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster.
 
 Where they run: Linux on x86-64 with AVX-512 (what servers have: Intel since Skylake-SP, AMD since Zen 4), keys in
-fp32 or bf16 (bf16 prefill also needs AVX512-BF16: Intel since Cooper Lake, AMD since Zen 4), head_dim a multiple
-of 16 up to 256. There `attention.attend_decode` and `attention.attend` call them instead of sdpa.
+fp32 or bf16, head_dim a multiple of 16 up to 256. The bf16 prefill multiplies in bf16 (dot products) where the
+CPU has AVX512-BF16 (Intel since Cooper Lake, AMD since Zen 4), else widens to fp32 as it packs. There
+`attention.attend_decode` and `attention.attend` call them instead of sdpa.
 
 The sources are plain C++ with OpenMP and no torch or Python headers, so `g++` (or $CXX) compiles them in a few
 seconds, the first time a runner is made on a machine, into $XDG_CACHE_HOME/pc_rag_kernels (default
@@ -55,11 +56,12 @@ _kernel: object = _MISSING  # the loaded `Kernels` once tried; None where they d
 
 @dataclass(frozen=True)
 class Kernels:
-    """The library's functions (ctypes), and the dtypes its prefill runs in on this CPU."""
+    """The library's functions (ctypes); whether this CPU has AVX512-BF16 (bf16 prefill products as bf16 dot
+    products; without, bf16 keys and values are widened to fp32 as the kernel packs them)."""
 
     decode: object
     prefill: object
-    prefill_dtypes: tuple[torch.dtype, ...]
+    bf16_dot: bool
 
 
 def kernel_dir() -> Path:
@@ -86,7 +88,7 @@ def decode_attention_kernel():
 def prefill_attention_kernel(dtype: torch.dtype):
     """The compiled `pc_rag_prefill_attention` where it runs keys of `dtype` on this CPU, else None."""
     k = loaded()
-    return k.prefill if k is not None and dtype in k.prefill_dtypes else None
+    return k.prefill if k is not None and dtype in DTYPES else None
 
 
 def _load():
@@ -175,8 +177,7 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     prefill.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i32, f32,
                         i32]
     prefill.restype = i32
-    bf16 = bool(lib.pc_rag_prefill_bf16_supported())
-    return Kernels(decode, prefill, DTYPES if bf16 else (torch.float32,))
+    return Kernels(decode, prefill, bool(lib.pc_rag_prefill_bf16_supported()))
 
 
 def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -206,11 +207,13 @@ def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list
     return out
 
 
-def prefill_attention(fn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def prefill_attention(fn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                      widen: bool = False) -> torch.Tensor:
     """Causal attention of the query rows q [H_q, n, D] over keys / values [H_kv, T, D], T >= n (CPU, fp32 or
     bf16 alike, D contiguous, heads and rows at any strides): row i sits at slot T - n + i and sees the keys
     [0, T - n + i]; query head h uses KV head h // (H_q // H_kv). Returns [H_q, n, D] in the keys' dtype, a view
-    of a [n, H_q, D] tensor (what the output projection reads)."""
+    of a [n, H_q, D] tensor (what the output projection reads). `widen`: bf16 through the path of CPUs without
+    AVX512-BF16 even where it has them (tests)."""
     h, n, d = q.shape
     hk, t, _ = keys.shape
     dtype = keys.dtype
@@ -221,7 +224,8 @@ def prefill_attention(fn, q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     with torch.profiler.record_function(PREFILL_PROFILE_NAME):
         status = fn(q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), keys.stride(0), keys.stride(1),
                     values.data_ptr(), values.stride(0), values.stride(1), out.data_ptr(), out.stride(1),
-                    out.stride(0), n, t, h, h // hk, d, int(dtype == torch.bfloat16), scale, torch.get_num_threads())
+                    out.stride(0), n, t, h, h // hk, d, (2 if widen else 1) if dtype == torch.bfloat16 else 0, scale,
+                    torch.get_num_threads())
     if status == -2:
         raise MemoryError(f"prefill attention kernel: no memory for the packed keys of {tuple(keys.shape)} "
                           f"({2 * keys.numel() * keys.element_size() / 2**20:.0f} MiB)")
@@ -243,12 +247,11 @@ def _agrees(k: Kernels) -> bool:
         if not torch.allclose(decode_attention(k.decode, q[None], [keys], [values], 0.125)[0].float(), want.float(),
                               rtol=tol, atol=tol):
             return False
-        if dtype in k.prefill_dtypes:
-            q = torch.randn(4, 100, 64, generator=g).to(dtype)
-            visible = torch.ones(100, 300, dtype=torch.bool).tril(200)
-            want = torch.nn.functional.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=visible, scale=0.125, enable_gqa=True)[0]
-            if not torch.allclose(prefill_attention(k.prefill, q, keys, values, 0.125).float(), want.float(),
-                                  rtol=tol, atol=tol):
-                return False
+        q = torch.randn(4, 100, 64, generator=g).to(dtype)
+        visible = torch.ones(100, 300, dtype=torch.bool).tril(200)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=visible, scale=0.125, enable_gqa=True)[0]
+        if not torch.allclose(prefill_attention(k.prefill, q, keys, values, 0.125).float(), want.float(), rtol=tol,
+                              atol=tol):
+            return False
     return True

@@ -6,7 +6,7 @@
 // bench machine (AMD, AVX-512) against ~190 for oneDNN's, and it does bf16 at the same rate as fp32. Here the
 // products are small fixed tiles held in registers: fp32 with FMAs, bf16 with AVX512-BF16's dot products (two
 // products per lane per instruction; the softmax weights are rounded to bf16 for the second product, as sdpa's
-// bf16 kernel does).
+// bf16 kernel does). On AVX-512 CPUs without AVX512-BF16, bf16 tensors are widened to fp32 as they are packed.
 //
 // Query row i (of nq) sits after nk - nq earlier keys and sees keys [0, nk - nq + i]: the lower-right causal mask,
 // which is a cold prefill when nq == nk and a question after a cached prefix otherwise.
@@ -157,8 +157,17 @@ inline void values_tile(const void* p, const void* v, int64_t vt, int64_t n, flo
 
 // Online softmax of one row's block of scores s [BN] (unscaled), `live` of them visible: updates the row's max m
 // and exp-sum l, rescales its output o [D], and leaves the weights in p (fp32, or bf16 in pb), 0 past `live`.
+// 16 fp32 to bf16, rounded to nearest even (as torch rounds; the weights are finite), with AVX-512F only, so the
+// softmax runs on CPUs without AVX512-BF16 too.
+PC_AVX512 inline __m256i to_bf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
 template <bool BF16>
-PC_AVX512_BF16 inline void softmax_row(float* s, int64_t live, float scale, float& m, float& l, float* o, int64_t D,
+PC_AVX512 inline void softmax_row(float* s, int64_t live, float scale, float& m, float& l, float* o, int64_t D,
                                         uint16_t* pb) {
   const __m512 sc = _mm512_set1_ps(scale);
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -176,7 +185,7 @@ PC_AVX512_BF16 inline void softmax_row(float* s, int64_t live, float scale, floa
     const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M)));
     sum = _mm512_add_ps(sum, e);
     if constexpr (BF16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), (__m256i)_mm512_cvtneps_pbh(e));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), to_bf16(e));
     else
       _mm512_storeu_ps(s + j, e);
   }
@@ -258,22 +267,51 @@ PC_AVX512 void pack_values(const uint16_t* v, int64_t vt, int64_t nk, int64_t pa
   }
 }
 
-template <bool BF16>
+// What a call computes in: fp32 throughout; bf16 tensors with AVX512-BF16 dot products; or bf16 tensors widened
+// to fp32 as they are packed (AVX-512 CPUs without AVX512-BF16: Skylake-SP to Ice Lake).
+enum Mode { FP32 = 0, BF16_DOT = 1, BF16_WIDENED = 2 };
+
+// bf16 rows widened into fp32: keys as [D][16] panels (through a 16-row scratch, then 16x16 transposes), padded
+// with zeros to `padded` keys.
+PC_AVX512 void pack_keys_widened(const uint16_t* k, int64_t kt, int64_t nk, int64_t padded, int64_t D, float* out) {
+  alignas(64) float rows[16 * MAX_D];
+  for (int64_t p = 0; p < padded / 16; ++p) {
+    for (int64_t t = 0; t < 16; ++t) {
+      const int64_t key = p * 16 + t;
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_store_ps(rows + t * D + d, key < nk ? load16<uint16_t>(k + key * kt + d) : _mm512_setzero_ps());
+    }
+    for (int64_t w = 0; w < D; w += 16)
+      transpose16(reinterpret_cast<const uint32_t*>(rows) + w, D, reinterpret_cast<uint32_t*>(out) + (p * D + w) * 16);
+  }
+}
+
+// bf16 value rows widened into fp32 rows [padded][D], zeros past nk.
+PC_AVX512 void widen_values(const uint16_t* v, int64_t vt, int64_t nk, int64_t padded, int64_t D, float* out) {
+  for (int64_t t = 0; t < padded; ++t)
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(out + t * D + d, t < nk ? load16<uint16_t>(v + t * vt + d) : _mm512_setzero_ps());
+}
+
+template <int MODE>
 int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v, Rows vr, void* out, Rows orows,
                   int64_t nq, int64_t nk, int64_t H, int64_t G, int64_t D, float scale, int threads) {
-  using T = std::conditional_t<BF16, uint16_t, float>;
+  using T = std::conditional_t<MODE == FP32, float, uint16_t>;      // the tensors' elements
+  using C = std::conditional_t<MODE == BF16_DOT, uint16_t, float>;  // the packed keys' and query rows'
+  constexpr bool DOT = MODE == BF16_DOT;
   const int64_t HK = H / G, padded = (nk + BN - 1) / BN * BN, before = nk - nq, blocks = (nq + BM - 1) / BM;
   // Every allocation up front and without exceptions (one thrown inside an OpenMP region ends the process): the
   // packed keys (and bf16 values), then each thread's tiles. Out of memory returns -2.
   struct Scratch {  // one thread's: its query rows, scores, output rows, row maxima and sums, bf16 weights
-    T q[BM * MAX_D];
+    C q[BM * MAX_D];
     float s[BM * BN], o[BM * MAX_D], m[BM], l[BM];
     uint16_t pb[BM * BN];
   };
-  std::unique_ptr<T[]> kp(new (std::nothrow) T[HK * padded * D]);
-  std::unique_ptr<T[]> vp(BF16 ? new (std::nothrow) T[HK * padded * D] : nullptr);
+  using VP = std::conditional_t<DOT, uint16_t, float>;  // packed values: bf16 pairs, or widened rows
+  std::unique_ptr<C[]> kp(new (std::nothrow) C[HK * padded * D]);
+  std::unique_ptr<VP[]> vp(MODE != FP32 ? new (std::nothrow) VP[HK * padded * D] : nullptr);
   std::unique_ptr<Scratch[]> scratch(new (std::nothrow) Scratch[threads]);
-  if (!kp || (BF16 && !vp) || !scratch) return -2;
+  if (!kp || (MODE != FP32 && !vp) || !scratch) return -2;
   const T* qt = static_cast<const T*>(q);
   const T* ktens = static_cast<const T*>(k);
   const T* vtens = static_cast<const T*>(v);
@@ -281,11 +319,17 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
   {
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < HK; ++h) {
-      pack_keys<T>(ktens + kr.at(h, 0), kr.token, nk, padded, D, kp.get() + h * padded * D);
-      if constexpr (BF16) pack_values(vtens + vr.at(h, 0), vr.token, nk, padded, D, vp.get() + h * padded * D);
+      C* keys = kp.get() + h * padded * D;
+      if constexpr (MODE == BF16_WIDENED) {
+        pack_keys_widened(ktens + kr.at(h, 0), kr.token, nk, padded, D, keys);
+        widen_values(vtens + vr.at(h, 0), vr.token, nk, padded, D, vp.get() + h * padded * D);
+      } else {
+        pack_keys<T>(ktens + kr.at(h, 0), kr.token, nk, padded, D, keys);
+        if constexpr (DOT) pack_values(vtens + vr.at(h, 0), vr.token, nk, padded, D, vp.get() + h * padded * D);
+      }
     }
     Scratch& mine = scratch[omp_get_thread_num()];
-    T* const qbuf = mine.q;
+    C* const qbuf = mine.q;
     float *const s = mine.s, *const o = mine.o, *const m = mine.m, *const l = mine.l;
     uint16_t* const pb = mine.pb;
     // The longest rows first (the last query blocks see the most keys), so the threads finish together.
@@ -293,10 +337,12 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
     for (int64_t item = 0; item < H * blocks; ++item) {
       const int64_t h = item % H, i0 = (blocks - 1 - item / H) * BM, rows = std::min(BM, nq - i0), hk = h / G;
       for (int64_t r = 0; r < BM; ++r) {
-        if (r < rows)
-          std::memcpy(qbuf + r * D, qt + qr.at(h, i0 + r), D * sizeof(T));
+        if (r >= rows)
+          std::memset(qbuf + r * D, 0, D * sizeof(C));
+        else if constexpr (MODE == BF16_WIDENED)
+          for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = bf16_to_f32(qt[qr.at(h, i0 + r) + d]);
         else
-          std::memset(qbuf + r * D, 0, D * sizeof(T));
+          std::memcpy(qbuf + r * D, qt + qr.at(h, i0 + r), D * sizeof(C));
       }
       std::fill(o, o + BM * D, 0.f);
       std::fill(m, m + BM, -std::numeric_limits<float>::infinity());
@@ -306,10 +352,10 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
       const int64_t tiles = (rows + QK_ROWS - 1) / QK_ROWS * QK_ROWS;  // rows computed, padding included
       const int64_t last = before + i0 + rows - 1;                     // the last key any row sees
       for (int64_t j0 = 0; j0 <= last; j0 += BN) {
-        const T* kblock = kp.get() + hk * padded * D + j0 * D;
+        const C* kblock = kp.get() + hk * padded * D + j0 * D;
         const int64_t span = std::min(BN, (last - j0 + 32) / 32 * 32);  // the keys any row sees, in 32s
         for (int64_t r = 0; r < tiles; r += QK_ROWS) {
-          if constexpr (BF16)
+          if constexpr (DOT)
             scores_bf16(qbuf + r * D, kblock, D, s + r * BN, span);
           else
             scores_f32(qbuf + r * D, kblock, D, s + r * BN, span);
@@ -318,18 +364,20 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t live = std::min({BN, nk - j0, before + i0 + r - j0 + 1});
           if (live <= 0) {  // this row sees none of the block: weights 0, nothing else changes
-            if constexpr (BF16)
+            if constexpr (DOT)
               std::memset(pb + r * BN, 0, BN * sizeof(uint16_t));
             else
               std::fill(s + r * BN, s + (r + 1) * BN, 0.f);
             continue;
           }
           widest = std::max(widest, live);
-          softmax_row<BF16>(s + r * BN, live, scale, m[r], l[r], o + r * D, D, pb + r * BN);
+          softmax_row<DOT>(s + r * BN, live, scale, m[r], l[r], o + r * D, D, pb + r * BN);
         }
         for (int64_t r = 0; r < rows; r += PV_ROWS) {
-          if constexpr (BF16)
+          if constexpr (DOT)
             values_tile<true>(pb + r * BN, vp.get() + hk * padded * D + j0 * D, 0, widest, o + r * D, D);
+          else if constexpr (MODE == BF16_WIDENED)
+            values_tile<false>(s + r * BN, vp.get() + hk * padded * D + j0 * D, D, widest, o + r * D, D);
           else
             values_tile<false>(s + r * BN, vtens + vr.at(hk, j0), vr.token, widest, o + r * D, D);
         }
@@ -338,10 +386,10 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
         const float inv = 1.f / l[r];
         T* dst = static_cast<T*>(out) + orows.at(h, i0 + r);
         for (int64_t d = 0; d < D; ++d) {
-          if constexpr (BF16)
-            dst[d] = f32_to_bf16(o[r * D + d] * inv);
-          else
+          if constexpr (MODE == FP32)
             dst[d] = o[r * D + d] * inv;
+          else
+            dst[d] = f32_to_bf16(o[r * D + d] * inv);
         }
       }
     }
@@ -353,23 +401,27 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
 
 extern "C" {
 
-// Whether this CPU runs the bf16 path (AVX512-BF16); the fp32 path needs only pc_rag_supported().
+// Whether this CPU has AVX512-BF16's dot products (the bf16 path's fast mode; without them bf16 is widened).
 int pc_rag_prefill_bf16_supported() { return avx512_supported() && __builtin_cpu_supports("avx512bf16"); }
 
 // Causal attention of nq query rows over nk >= nq keys (row i sees keys [0, nk - nq + i]). q, out: H heads of nq
 // rows; k, v: H / G heads of nk rows (query head h uses KV head h / G, HF's repeat_kv); every row D contiguous
-// elements (fp32, or bf16 when bf16 != 0), heads and rows at the given element strides. Scores are scaled by
-// `scale`. Returns 0, -1 for shapes or a CPU it does not take, -2 when its scratch memory cannot be allocated.
+// elements, heads and rows at the given element strides. Scores are scaled by `scale`. bf16: 0 for fp32 tensors;
+// 1 for bf16 (AVX512-BF16 dot products where the CPU has them, else widened to fp32); 2 for bf16 always widened
+// (tests). Returns 0, -1 for shapes or a CPU it does not take, -2 when its scratch memory cannot be allocated.
 int pc_rag_prefill_attention(const void* q, int64_t q_head, int64_t q_token, const void* k, int64_t k_head,
                              int64_t k_token, const void* v, int64_t v_head, int64_t v_token, void* out,
                              int64_t o_head, int64_t o_token, int64_t nq, int64_t nk, int64_t H, int64_t G, int64_t D,
                              int bf16, float scale, int threads) {
-  if (!avx512_supported() || (bf16 && !pc_rag_prefill_bf16_supported())) return -1;
+  if (!avx512_supported() || bf16 < 0 || bf16 > 2) return -1;
   if (D % 16 != 0 || D > MAX_D || nq <= 0 || nk < nq || H <= 0 || G <= 0 || H % G != 0 || threads <= 0) return -1;
   if (bf16 && (k_head % 2 || k_token % 2)) return -1;  // key rows are read as 32-bit words (pairs of dims)
   const Rows qr{q_head, q_token}, kr{k_head, k_token}, vr{v_head, v_token}, orows{o_head, o_token};
-  if (bf16) return attend_causal<true>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
-  return attend_causal<false>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
+  if (bf16 == 1 && pc_rag_prefill_bf16_supported())
+    return attend_causal<BF16_DOT>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
+  if (bf16)
+    return attend_causal<BF16_WIDENED>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
+  return attend_causal<FP32>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
 }
 
 }  // extern "C"
