@@ -56,12 +56,10 @@ _kernel: object = _MISSING  # the loaded `Kernels` once tried; None where they d
 
 @dataclass(frozen=True)
 class Kernels:
-    """The library's functions (ctypes); whether this CPU has AVX512-BF16 (bf16 prefill products as bf16 dot
-    products; without, bf16 keys and values are widened to fp32 as the kernel packs them)."""
+    """The library's functions (ctypes)."""
 
     decode: object
     prefill: object
-    bf16_dot: bool
 
 
 def kernel_dir() -> Path:
@@ -177,7 +175,7 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     prefill.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i32, f32,
                         i32]
     prefill.restype = i32
-    return Kernels(decode, prefill, bool(lib.pc_rag_prefill_bf16_supported()))
+    return Kernels(decode, prefill)
 
 
 def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
