@@ -155,8 +155,6 @@ inline void values_tile(const void* p, const void* v, int64_t vt, int64_t n, flo
   }
 }
 
-// Online softmax of one row's block of scores s [BN] (unscaled), `live` of them visible: updates the row's max m
-// and exp-sum l, rescales its output o [D], and leaves the weights in p (fp32, or bf16 in pb), 0 past `live`.
 // 16 fp32 to bf16, rounded to nearest even (as torch rounds; the weights are finite), with AVX-512F only, so the
 // softmax runs on CPUs without AVX512-BF16 too.
 PC_AVX512 inline __m256i to_bf16(__m512 x) {
@@ -166,9 +164,11 @@ PC_AVX512 inline __m256i to_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
+// Online softmax of one row's block of scores s [BN] (unscaled), `live` of them visible: updates the row's max m
+// and exp-sum l, rescales its output o [D], and leaves the weights in s (fp32, or bf16 in pb), 0 past `live`.
 template <bool BF16>
 PC_AVX512 inline void softmax_row(float* s, int64_t live, float scale, float& m, float& l, float* o, int64_t D,
-                                        uint16_t* pb) {
+                                  uint16_t* pb) {
   const __m512 sc = _mm512_set1_ps(scale);
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < live; j += 16) {
@@ -214,7 +214,8 @@ PC_AVX512 inline void transpose16(const uint32_t* src, int64_t stride, uint32_t*
   // r[4b + j] holds word (4 lane + j) of rows 4b..4b+3 in lane `lane`; gather the lanes across the 4 groups.
   for (int j = 0; j < 4; ++j) {
     const __m512i a = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), b = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
-    const __m512i c = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88), d = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    const __m512i d = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
     t[j] = _mm512_shuffle_i32x4(a, c, 0x88);       // lane 0
     t[8 + j] = _mm512_shuffle_i32x4(a, c, 0xDD);   // lane 2
     t[4 + j] = _mm512_shuffle_i32x4(b, d, 0x88);   // lane 1
