@@ -21,7 +21,7 @@ from ..batch import TurnLock
 from ..errors import Cancelled, PCRagError, UnsupportedModelError
 from . import kernels
 from . import rope as rope_check
-from .attention import Heads, Writes, _mask, attend, attend_decode
+from .attention import Heads, Writes, _mask, _prefill_kernel_runs, attend, attend_decode
 from .cache import ModelShape, SlotCache, _to_device
 from .families import SUPPORTED_MODEL_TYPES, describe
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
@@ -112,8 +112,7 @@ class LlamaRunner:
         # batch.TurnLock): a decode step waits for at most one prefill chunk.
         self._lock = TurnLock()
         self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS
-        runs = self.device.type == "cpu" and kernels.prefill_attention_kernel(self.dtype) is not None
-        self.solo_chunk_tokens = SOLO_CHUNK_TOKENS if runs else 0
+        self.solo_chunk_tokens = SOLO_CHUNK_TOKENS if _prefill_kernel_runs(self.dtype, self.device) else 0
         # Whether other requests are in flight (set by the engine): long forwards are chunked then, so their
         # decode steps wait for one chunk at a time.
         self.others_decoding: Callable[[], bool] = lambda: False
