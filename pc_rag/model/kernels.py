@@ -1,8 +1,10 @@
-"""Native CPU kernels pc_rag compiles for itself, once per machine: attention (csrc/).
+"""Native CPU kernels pc_rag compiles for itself, once per machine: attention and a decode step's small ops (csrc/).
 
 - decode_attention.cpp: a decode step's attention (one query token per request). sdpa's CPU kernel read the KV
   at about half the machine's rate in fp32 and a third in bf16 (bench model, 4K keys, 8 layers: 4.9 against
-  2.9 ms in fp32, 5.7 against 1.4 ms in bf16).
+  2.9 ms in fp32, 5.7 against 1.4 ms in bf16). `pc_rag_decode_step` runs it straight from the fused q|k|v
+  projection, with RoPE and the KV writes (fused.py).
+- elementwise.cpp: the residual add with the RMSNorm after it, SiLU(gate) * up (fused.py).
 - prefill_attention.cpp: causal attention of many query rows (a cold prefill, the fresh tokens after a cached
   prefix). sdpa's CPU kernel ran its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench
   machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster.
@@ -43,11 +45,12 @@ import torch
 log = logging.getLogger("pc_rag.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "decode_attention.cpp", CSRC / "prefill_attention.cpp"]  # one library; both include simd.h
+SOURCES = [CSRC / "decode_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "elementwise.cpp"]  # one library
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read keys and values in
 PROFILE_NAME = "pc_rag::decode_attention"
 PREFILL_PROFILE_NAME = "pc_rag::prefill_attention"
-FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17"]
+# No FMA contraction: the elementwise ops round as torch's separate ops do.
+FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 
 _lock = threading.Lock()
 _MISSING = object()
@@ -60,6 +63,9 @@ class Kernels:
 
     decode: object
     prefill: object
+    decode_step: object  # one layer's RoPE, KV write and attention in a decode step
+    add_rms_norm: object
+    silu_mul: object
 
 
 def kernel_dir() -> Path:
@@ -175,7 +181,17 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     prefill.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i32, f32,
                         i32]
     prefill.restype = i32
-    return Kernels(decode, prefill)
+    step = lib.pc_rag_decode_step
+    step.argtypes = [i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, f32,
+                     i32, ptr]
+    step.restype = i32
+    norm = lib.pc_rag_add_rms_norm
+    norm.argtypes = [i64, i64, ptr, ptr, ptr, f32, i32, ptr]
+    norm.restype = i32
+    silu = lib.pc_rag_silu_mul
+    silu.argtypes = [i64, i64, ptr, i32, ptr]
+    silu.restype = i32
+    return Kernels(decode, prefill, step, norm, silu)
 
 
 def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

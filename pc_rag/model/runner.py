@@ -25,6 +25,7 @@ from .attention import Heads, Writes, _mask, _prefill_kernel_runs, attend, atten
 from .cache import ModelShape, SlotCache, _to_device
 from .families import SUPPORTED_MODEL_TYPES, describe
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
+from .fused import FusedDecode
 from .rope import RelocationCheck, relocate, rope_of
 from .weights import weights_of
 
@@ -124,6 +125,9 @@ class LlamaRunner:
         self.pool_max_bytes = min(POOL_MAX_BYTES, POOL_SIZE * context_bytes)
         self._fingerprint: str | None = None
         self._fingerprint_lock = threading.Lock()
+        # Decode steps as a few native calls per layer where the model's layer is the standard one (fused.py).
+        self._fused: FusedDecode | None = None
+        self._fused = FusedDecode.of(self)
 
     @property
     def fingerprint(self) -> str:
@@ -292,6 +296,9 @@ class LlamaRunner:
         While other requests decode, more than `prefill_chunk_tokens` tokens in increasing slot order run as a
         chunked prefill (equal to one forward within 1e-5, fp32); alone, more than `solo_chunk_tokens` do.
         """
+        if len(ids) == 1 and self._fused is not None:  # a decode step: the fused one (fused.py)
+            self._check_cancelled()
+            return self.decode_batch([cache], ids, positions, slots)[0]
         n = self.prefill_chunk_tokens if self.others_decoding() else self.solo_chunk_tokens
         if n and len(ids) > n and all(a < b for a, b in zip(slots, slots[1:], strict=False)):
             return self._forward_chunked(cache, ids, positions, slots, n)
@@ -406,7 +413,7 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def decode_batch(self, caches: list[SlotCache], ids: list[int], positions: list[int],
-                     slots: list[int]) -> torch.Tensor:
+                     slots: list[int], fused: bool = True) -> torch.Tensor:
         """One decode step for B requests at once: token `ids[b]` at `positions[b]`, its KV written to
         `slots[b]` of `caches[b]`, attending to slots [0, slots[b]] of that cache only (its last `window` slots
         in a sliding-window layer). Returns [B, vocab] fp32.
@@ -416,7 +423,13 @@ class LlamaRunner:
         its own buffer, so nothing is padded or copied to line the requests up. With B = 1 the logits equal
         `forward`'s bit for bit (tests/test_batch.py); with B > 1 the matrix products over B rows may round
         differently in the last bits (measured: logits within 1e-5, fp32).
+
+        Where the model's layer is the standard one, the step runs fused (fused.py; `fused=False`: module by
+        module, what its probe compares with).
         """
+        if fused and self._fused is not None:
+            with self._lock:
+                return self._fused.step(caches, ids, positions, slots)
         n = len(ids)
         dev = self.device
         layers = self.arch.layers

@@ -15,30 +15,99 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
 
 namespace {
 
+constexpr int64_t KB = 16;  // keys per block of scores
+constexpr int PV_ROWS = 6;  // output tile: up to 6 query rows x 4 vectors (64 dims) = 24 accumulators
+
+// 16 vectors' lane sums as one vector, lane t = sum of a[t]: pairs, quads and 128-bit blocks added in a tree
+// (45 shuffles and adds for 16 sums, where 16 separate reductions cost ~8 each).
+PC_AVX512 inline __m512 reduce16(const __m512* a) {
+  __m512 quads[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512* x = a + 4 * i;
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    const __m512d d01 = _mm512_castps_pd(s01), d23 = _mm512_castps_pd(s23);
+    // each 128-bit block b: the sums of keys 4i..4i+3 over that block's 4 lanes
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// out rows [GB, 16 * VB] += the scores' rows s (ld apart) times the values' dims [d0, d0 + 16 * VB) over n keys:
+// each value vector loaded (and widened) once for GB query rows.
+template <typename T, int GB, int VB>
+PC_AVX512 void weigh_values(const float* s, int64_t ld, const T* v, int64_t n, int64_t D, int64_t d0, float* acc) {
+  __m512 a[GB][VB];
+  for (auto& r : a)
+    for (auto& x : r) x = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 vt[VB];
+    for (int j = 0; j < VB; ++j) vt[j] = load16<T>(v + t * D + d0 + 16 * j);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 p = _mm512_set1_ps(s[g * ld + t]);
+      for (int j = 0; j < VB; ++j) a[g][j] = _mm512_fmadd_ps(p, vt[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < VB; ++j) _mm512_storeu_ps(acc + g * D + d0 + 16 * j, a[g][j]);
+}
+
+template <typename T, int GB>
+PC_AVX512 void weigh_values_rows(const float* s, int64_t ld, const T* v, int64_t n, int64_t D, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) weigh_values<T, GB, 4>(s, ld, v, n, D, d0, acc);
+  switch ((D - d0) / 16) {
+    case 3: weigh_values<T, GB, 3>(s, ld, v, n, D, d0, acc); break;
+    case 2: weigh_values<T, GB, 2>(s, ld, v, n, D, d0, acc); break;
+    case 1: weigh_values<T, GB, 1>(s, ld, v, n, D, d0, acc); break;
+    default: break;
+  }
+}
+
 // The G query rows q [G, D] (fp32, already scaled) over n key/value rows k, v [n, D] of one KV head: the chunk's
-// score max m [G], exp-sum l [G] and unnormalised output acc [G, D]. s: room for G * n scores.
+// score max m [G], exp-sum l [G] and unnormalised output acc [G, D]. s: room for G * ld scores, ld = n rounded up
+// to 16; kb: room for 16 * D floats.
 template <typename T>
 PC_AVX512 void attend_chunk(const float* q, const T* k, const T* v, int64_t n, int64_t G, int64_t D, float* s,
-                            float* m, float* l, float* acc) {
-  const int64_t V = D / 16;
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 kt[16];
-    for (int64_t j = 0; j < V; ++j) kt[j] = load16<T>(k + t * D + 16 * j);
+                            float* kb, float* m, float* l, float* acc) {
+  const int64_t V = D / 16, ld = (n + KB - 1) / KB * KB;
+  for (int64_t t0 = 0; t0 < n; t0 += KB) {
+    // The block's keys in fp32 (zeros past the chunk's end), read from L1 by every query row of the group.
+    const int64_t nb = std::min(KB, n - t0);
+    const float* keys = kb;
+    if (std::is_same<T, float>::value && nb == KB) {
+      keys = reinterpret_cast<const float*>(k + t0 * D);
+    } else {
+      for (int64_t t = 0; t < KB; ++t)
+        for (int64_t j = 0; j < V; ++j)
+          _mm512_storeu_ps(kb + t * D + 16 * j, t < nb ? load16<T>(k + (t0 + t) * D + 16 * j) : _mm512_setzero_ps());
+    }
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kt[0]);
-      for (int64_t j = 1; j < V; ++j) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), kt[j], a);
-      s[g * n + t] = _mm512_reduce_add_ps(a);
+      __m512 a[KB];
+      for (int64_t t = 0; t < KB; ++t) a[t] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < V; ++j) {
+        const __m512 qj = _mm512_loadu_ps(qg + 16 * j);
+        for (int64_t t = 0; t < KB; ++t) a[t] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(keys + t * D + 16 * j), a[t]);
+      }
+      _mm512_storeu_ps(s + g * ld + t0, reduce16(a));
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * n;
+    float* sg = s + g * ld;
     __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t t = 0;
     for (; t + 16 <= n; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(sg + t));
@@ -55,15 +124,22 @@ PC_AVX512 void attend_chunk(const float* q, const T* k, const T* v, int64_t n, i
     m[g] = M;
     l[g] = _mm512_reduce_add_ps(sum);
   }
-  for (int64_t g = 0; g < G; ++g) {  // values chunk stays in L2 across the group's rows
-    const float* sg = s + g * n;
-    __m512 a[16];
-    for (int64_t j = 0; j < V; ++j) a[j] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; ++t) {
-      const __m512 p = _mm512_set1_ps(sg[t]);
-      for (int64_t j = 0; j < V; ++j) a[j] = _mm512_fmadd_ps(p, load16<T>(v + t * D + 16 * j), a[j]);
+  // The rows in blocks of at most PV_ROWS, as even as they split (7 rows: 4 + 3), so each value row is read
+  // ceil(G / PV_ROWS) times.
+  const int64_t blocks = (G + PV_ROWS - 1) / PV_ROWS;
+  for (int64_t b = 0, g0 = 0; b < blocks; ++b) {
+    const int64_t rows = (G - g0) / (blocks - b);
+    const float* sb = s + g0 * ld;
+    float* ab = acc + g0 * D;
+    switch (rows) {
+      case 1: weigh_values_rows<T, 1>(sb, ld, v, n, D, ab); break;
+      case 2: weigh_values_rows<T, 2>(sb, ld, v, n, D, ab); break;
+      case 3: weigh_values_rows<T, 3>(sb, ld, v, n, D, ab); break;
+      case 4: weigh_values_rows<T, 4>(sb, ld, v, n, D, ab); break;
+      case 5: weigh_values_rows<T, 5>(sb, ld, v, n, D, ab); break;
+      default: weigh_values_rows<T, 6>(sb, ld, v, n, D, ab); break;
     }
-    for (int64_t j = 0; j < V; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[j]);
+    g0 += rows;
   }
 }
 
@@ -75,15 +151,15 @@ void attend_all(int64_t B, const float* q, const void* const* keys, const void* 
                 int threads, const int64_t* first, float* ml, float* acc) {
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> s(G * rows), m(G), l(G);
+    std::vector<float> s(G * ((rows + KB - 1) / KB * KB)), kb(KB * D), m(G), l(G);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < first[B]; ++i) {
       const int64_t r = std::upper_bound(first, first + B + 1, i) - first - 1;
       const int64_t C = (n[r] + rows - 1) / rows, j = i - first[r];
       const int64_t h = j / C, t0 = (j % C) * rows, len = std::min(rows, n[r] - t0);
       attend_chunk<T>(q + (r * H + h) * G * D, static_cast<const T*>(keys[r]) + h * k_head[r] + t0 * D,
-                      static_cast<const T*>(values[r]) + h * v_head[r] + t0 * D, len, G, D, s.data(), m.data(),
-                      l.data(), acc + i * G * D);
+                      static_cast<const T*>(values[r]) + h * v_head[r] + t0 * D, len, G, D, s.data(), kb.data(),
+                      m.data(), l.data(), acc + i * G * D);
       for (int64_t g = 0; g < G; ++g) {
         ml[(i * G + g) * 2] = m[g];
         ml[(i * G + g) * 2 + 1] = l[g];
@@ -92,35 +168,19 @@ void attend_all(int64_t B, const float* q, const void* const* keys, const void* 
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-int pc_rag_supported() { return avx512_supported(); }
-
-// B requests of one decode step at once (one request: B = 1). q [B, H, G, D] contiguous, in the keys' dtype: query
-// head h * G + g uses KV head h (HF's repeat_kv); scores are scaled by `scale`. Request r's keys and values: H heads
-// of n[r] rows of D elements (fp32, or bf16 when bf16 != 0) at keys[r], values[r], rows contiguous, heads k_head[r]
-// / v_head[r] elements apart. rows: keys per work item. out [B, H, G, D] in the keys' dtype. Returns 0, or -1 for
-// shapes it does not take.
-int pc_rag_decode_attention(int64_t B, const void* q, const void* const* keys, const void* const* values,
-                            const int64_t* n, const int64_t* k_head, const int64_t* v_head, int64_t H, int64_t G,
-                            int64_t D, int bf16, float scale, int64_t rows, int threads, void* out) {
-  if (!pc_rag_supported() || D % 16 != 0 || D > 256 || rows <= 0 || B <= 0 || H <= 0 || G <= 0) return -1;
+// Attention for B requests from their scaled fp32 queries qs [B, H, G, D]: request r's keys[r] / values[r] (H heads
+// of n[r] rows, heads k_head[r] / v_head[r] elements apart) into out [B, H, G, D] in the keys' dtype.
+void attend(int64_t B, const float* qs, const void* const* keys, const void* const* values, const int64_t* n,
+            const int64_t* k_head, const int64_t* v_head, int64_t H, int64_t G, int64_t D, int bf16, int64_t rows,
+            int threads, void* out) {
   std::vector<int64_t> first(B + 1, 0);
-  for (int64_t r = 0; r < B; ++r) {
-    if (n[r] <= 0) return -1;
-    first[r + 1] = first[r] + H * ((n[r] + rows - 1) / rows);
-  }
-  const int64_t Q = B * H * G * D;
-  std::vector<float> qs(Q), ml(first[B] * G * 2), acc(first[B] * G * D), o(D);
-  for (int64_t i = 0; i < Q; ++i)
-    qs[i] = scale * (bf16 ? bf16_to_f32(static_cast<const uint16_t*>(q)[i]) : static_cast<const float*>(q)[i]);
+  for (int64_t r = 0; r < B; ++r) first[r + 1] = first[r] + H * ((n[r] + rows - 1) / rows);
+  std::vector<float> ml(first[B] * G * 2), acc(first[B] * G * D), o(D);
   if (bf16)
-    attend_all<uint16_t>(B, qs.data(), keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(),
-                         ml.data(), acc.data());
+    attend_all<uint16_t>(B, qs, keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(), ml.data(),
+                         acc.data());
   else
-    attend_all<float>(B, qs.data(), keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(), ml.data(),
+    attend_all<float>(B, qs, keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(), ml.data(),
                       acc.data());
   // Merge each query row's chunks: weights exp(m_c - max m), normalised by the weighted exp-sums.
   for (int64_t r = 0; r < B; ++r) {
@@ -147,7 +207,106 @@ int pc_rag_decode_attention(int64_t B, const void* q, const void* const* keys, c
       }
     }
   }
+}
+
+// Keys per work item: small enough that every thread gets about four items, 64-512 rows.
+int64_t rows_per_item(int64_t B, const int64_t* n, int64_t H, int threads) {
+  int64_t total = 0;
+  for (int64_t r = 0; r < B; ++r) total += n[r];
+  return std::min<int64_t>(512, std::max<int64_t>(64, (total * H + 4 * threads - 1) / (4 * threads)));
+}
+
+// x [D] rotated as HF's apply_rotary_pos_emb does, x * cos + rotate_half(x) * sin (rotate_half(x) = [-x2, x1]),
+// each product and the sum rounded to T as its three tensor ops are; into y [D] (in T) and, if ys, ys [D] (fp32,
+// times scale).
+template <typename T>
+void rotate(const T* x, const T* cos, const T* sin, int64_t D, T* y, float* ys, float scale) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float xd = to_f32(x[d]), rd = d < half ? -to_f32(x[d + half]) : to_f32(x[d - half]);
+    const T a = from_f32<T>(xd * to_f32(cos[d])), b = from_f32<T>(rd * to_f32(sin[d]));
+    y[d] = from_f32<T>(to_f32(a) + to_f32(b));
+    if (ys) ys[d] = scale * to_f32(y[d]);
+  }
+}
+
+// One layer of a decode step, for B requests, from the fused projection qkv [B, (H * G + 2 * H) * D] (rows qkv_row
+// elements apart): RoPE on the queries and the new keys (cos, sin [B, D], rows cs_row apart), the new key and value
+// written to slot[r] of request r's cache (H heads of rows at k_cache[r] + layer * k_layer[r] for the keys, heads
+// k_head[r] elements apart; the values alike), then attention over the slots [lo, slot[r]] (lo: 0, or the last `window` slots
+// when window > 0).
+template <typename T>
+int decode_step(int64_t B, const T* qkv, int64_t qkv_row, const T* cos, const T* sin, int64_t cs_row,
+                void* const* k_cache, void* const* v_cache, const int64_t* k_layer, const int64_t* v_layer,
+                int64_t layer, const int64_t* k_head, const int64_t* v_head, const int64_t* slot, int64_t window,
+                int64_t H, int64_t G, int64_t D, float scale, int threads, void* out) {
+  const int64_t HQ = H * G;
+  std::vector<float> qs(B * HQ * D);
+  std::vector<T> qr(D);
+  std::vector<const void*> keys(B), values(B);
+  std::vector<int64_t> n(B);
+  for (int64_t r = 0; r < B; ++r) {
+    const T* row = qkv + r * qkv_row;
+    const T *c = cos + r * cs_row, *s = sin + r * cs_row;
+    for (int64_t h = 0; h < HQ; ++h) rotate(row + h * D, c, s, D, qr.data(), qs.data() + (r * HQ + h) * D, scale);
+    T* kc = static_cast<T*>(k_cache[r]) + layer * k_layer[r];
+    T* vc = static_cast<T*>(v_cache[r]) + layer * v_layer[r];
+    for (int64_t h = 0; h < H; ++h) {
+      rotate<T>(row + (HQ + h) * D, c, s, D, kc + h * k_head[r] + slot[r] * D, nullptr, 0.f);
+      std::memcpy(vc + h * v_head[r] + slot[r] * D, row + (HQ + H + h) * D, D * sizeof(T));
+    }
+    const int64_t lo = window > 0 && slot[r] + 1 > window ? slot[r] + 1 - window : 0;
+    keys[r] = kc + lo * D;
+    values[r] = vc + lo * D;
+    n[r] = slot[r] + 1 - lo;
+  }
+  attend(B, qs.data(), keys.data(), values.data(), n.data(), k_head, v_head, H, G, D, std::is_same<T, uint16_t>::value,
+         rows_per_item(B, n.data(), H, threads), threads, out);
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int pc_rag_supported() { return avx512_supported(); }
+
+// B requests of one decode step at once (one request: B = 1). q [B, H, G, D] contiguous, in the keys' dtype: query
+// head h * G + g uses KV head h (HF's repeat_kv); scores are scaled by `scale`. Request r's keys and values: H heads
+// of n[r] rows of D elements (fp32, or bf16 when bf16 != 0) at keys[r], values[r], rows contiguous, heads k_head[r]
+// / v_head[r] elements apart. rows: keys per work item. out [B, H, G, D] in the keys' dtype. Returns 0, or -1 for
+// shapes it does not take.
+int pc_rag_decode_attention(int64_t B, const void* q, const void* const* keys, const void* const* values,
+                            const int64_t* n, const int64_t* k_head, const int64_t* v_head, int64_t H, int64_t G,
+                            int64_t D, int bf16, float scale, int64_t rows, int threads, void* out) {
+  if (!pc_rag_supported() || D % 16 != 0 || D > 256 || rows <= 0 || B <= 0 || H <= 0 || G <= 0) return -1;
+  for (int64_t r = 0; r < B; ++r)
+    if (n[r] <= 0) return -1;
+  const int64_t Q = B * H * G * D;
+  std::vector<float> qs(Q);
+  for (int64_t i = 0; i < Q; ++i)
+    qs[i] = scale * (bf16 ? bf16_to_f32(static_cast<const uint16_t*>(q)[i]) : static_cast<const float*>(q)[i]);
+  attend(B, qs.data(), keys, values, n, k_head, v_head, H, G, D, bf16, rows, threads, out);
+  return 0;
+}
+
+// One layer's attention in a decode step for B requests, straight from the fused q|k|v projection: see
+// decode_step above (strides in elements). Returns 0, or -1 for shapes it does not take.
+int pc_rag_decode_step(int64_t B, const void* qkv, int64_t qkv_row, const void* cos, const void* sin, int64_t cs_row,
+                       void* const* k_cache, void* const* v_cache, const int64_t* k_layer, const int64_t* v_layer,
+                       int64_t layer, const int64_t* k_head, const int64_t* v_head, const int64_t* slot,
+                       int64_t window, int64_t H, int64_t G, int64_t D, int bf16, float scale, int threads,
+                       void* out) {
+  if (!pc_rag_supported() || D % 16 != 0 || D > 256 || B <= 0 || H <= 0 || G <= 0) return -1;
+  for (int64_t r = 0; r < B; ++r)
+    if (slot[r] < 0) return -1;
+  if (bf16)
+    return decode_step(B, static_cast<const uint16_t*>(qkv), qkv_row, static_cast<const uint16_t*>(cos),
+                       static_cast<const uint16_t*>(sin), cs_row, k_cache, v_cache, k_layer, v_layer, layer, k_head,
+                       v_head, slot, window, H, G, D, scale, threads, out);
+  return decode_step(B, static_cast<const float*>(qkv), qkv_row, static_cast<const float*>(cos),
+                     static_cast<const float*>(sin), cs_row, k_cache, v_cache, k_layer, v_layer, layer, k_head, v_head,
+                     slot, window, H, G, D, scale, threads, out);
 }
 
 }  // extern "C"

@@ -49,6 +49,13 @@ inline uint16_t f32_to_bf16(float f) {
   return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
+// Scalars of either dtype through fp32 (bf16 rounded to nearest even).
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t x) { return bf16_to_f32(x); }
+template <typename T> inline T from_f32(float x);
+template <> inline float from_f32<float>(float x) { return x; }
+template <> inline uint16_t from_f32<uint16_t>(float x) { return f32_to_bf16(x); }
+
 inline bool avx512_supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");

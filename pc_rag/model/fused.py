@@ -1,0 +1,162 @@
+"""A decode step of the standard decoder layer in a few native calls between the matrix products.
+
+A decode step is memory and per-op overhead (docs/speed.md): between its four products a layer ran ~35 small
+torch ops (two RMSNorms of 6-8 ops each in bf16, RoPE on queries and keys, the per-request KV writes and views,
+SiLU, the residual adds), each a dispatch of 3-10 us, plus the Python between them; at the large benchmark shape
+(24 layers) that was 13 of a 44 ms step. vLLM's CPU engine runs the same layer as fused C++ ops. Here, per layer:
+
+    x = RMSNorm(h)                      pc_rag_add_rms_norm (fused with the previous residual add)
+    qkv = x Wqkv                        oneDNN, packed (weights.py)
+    o = attention(RoPE(q), cache + k, v)  pc_rag_decode_step: RoPE, the KV written to each request's slot, attention
+    h += o Wo; x = RMSNorm(h)           oneDNN; pc_rag_add_rms_norm
+    a = SiLU(x Wg) * (x Wu)             oneDNN; pc_rag_silu_mul
+    h += a Wd                           oneDNN; fused into the next layer's norm
+
+Which models: the layer of Llama, Mistral, Qwen2 and the families that share it (a pre-attention and a pre-MLP
+RMSNorm, no q/k norms, SiLU, rotate-half RoPE over the whole head, no multipliers or soft-caps), in fp32 or bf16 on
+a CPU where the kernels run (kernels.py) and the products are packed. Each op rounds where the model's own ops do,
+and `FusedDecode.of` checks a probe step against the module-by-module step before it is used: any family, version or
+norm that differs gets the module-by-module step (runner.decode_batch), as does everything else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from . import kernels
+from .architecture import DEFAULT_ROPE, Norms
+
+log = logging.getLogger("pc_rag.fused")
+
+
+def _linear(packed, x: torch.Tensor) -> torch.Tensor:
+    """x [B, in] times a weights.Packed product, unsplit: [B, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+
+
+def _eps(norm: torch.nn.Module) -> float | None:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def _is_silu(act) -> bool:
+    # transformers' ACT2FN["silu"] is its own SiLUActivation class, nn.SiLU elsewhere; the probe checks the rest.
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+class FusedDecode:
+    """The fused decode step of one runner (see the module docstring); `of(runner)` returns None where it does not
+    apply."""
+
+    def __init__(self, runner, k: kernels.Kernels):
+        self.runner = runner
+        self.k = k
+        w, arch = runner.weights, runner.arch
+        self.input_norms = [lw.input_norm.weight.detach().contiguous() for lw in w.layers]
+        self.mlp_norms = [lw.mlp_norm.weight.detach().contiguous() for lw in w.layers]
+        self.eps = _eps(w.layers[0].input_norm)
+        self.windows = [layer.window or 0 for layer in arch.layers]
+        self.bf16 = int(runner.dtype == torch.bfloat16)
+        self.kv_heads, self.head_dim = arch.kv_heads, arch.head_dim
+        self.group = arch.heads // arch.kv_heads
+
+    @classmethod
+    def of(cls, runner) -> FusedDecode | None:
+        why = cls._unfit(runner)
+        if why is None:
+            fused = cls(runner, kernels.loaded())
+            why = None if fused._agrees() else "a probe step disagreed with the module-by-module step"
+        if why is not None:
+            log.info("pc_rag: decode steps module by module (%s)", why)
+            return None
+        return fused
+
+    @staticmethod
+    def _unfit(runner) -> str | None:
+        arch, w = runner.arch, runner.weights
+        if runner.device.type != "cpu" or runner.dtype not in kernels.DTYPES or not w.packed:
+            return "fused decoding needs fp32/bf16 on CPU with packed products"
+        if kernels.loaded() is None:
+            return "the kernels do not run here"
+        if (arch.norms != Norms() or arch.qk_norm is not None or arch.residual_multiplier is not None
+                or runner.heads.softcap is not None or arch.head_dim % 16 or arch.head_dim > 256):
+            return f"{arch.model_type}'s layer is not the standard one"
+        if any(layer.rope != DEFAULT_ROPE for layer in arch.layers) or len(arch.rope_types) != 1:
+            return f"{arch.model_type}'s layers do not all use one RoPE table"
+        for lw in w.layers:
+            if (lw.input_norm is None or lw.mlp_norm is None or not _is_silu(lw.act)
+                    or _eps(lw.input_norm) is None or _eps(lw.input_norm) != _eps(lw.mlp_norm)
+                    or _eps(lw.input_norm) != _eps(w.layers[0].input_norm)):
+                return f"{arch.model_type}'s norms or activation are not the standard ones"
+        return None
+
+    def _agrees(self) -> bool:
+        """A probe: 6 tokens prefilled module by module into two caches, then one step each way; the logits must
+        agree as closely as fp32 (1e-4) or bf16 (one rounding of the logits) allow."""
+        r = self.runner
+        ids = [min(i + 3, r.config.vocab_size - 1) for i in range(7)]
+        caches = [r.new_cache(8), r.new_cache(8)]
+        for c in caches:
+            r.forward_layers(c, ids[:6], list(range(6)), list(range(6)))
+        want = r.decode_batch(caches[:1], ids[6:], [6], [6], fused=False)
+        try:
+            got = self.step(caches[1:], ids[6:], [6], [6])
+        except RuntimeError as e:  # e.g. RoPE over part of each head (Phi-3)
+            log.info("pc_rag: the fused decode step does not take this model: %s", e)
+            return False
+        tol = 1e-4 if r.dtype == torch.float32 else 5e-2
+        scale = float(want.abs().max()) + 1e-6
+        return bool(((got - want).abs().max() / scale) <= tol) and torch.equal(got.argmax(-1), want.argmax(-1))
+
+    @torch.inference_mode()
+    def step(self, caches, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """runner.decode_batch's step (same arguments, same result within float rounding), fused. The caller holds
+        the runner's lock."""
+        r, k = self.runner, self.k
+        b, dev = len(ids), r.device
+        hidden = r._embed(torch.tensor(ids, device=dev)[:, None])[:, 0].contiguous()  # [B, hidden]; updated in place
+        cos, sin = r._rope_at(hidden[:, None], torch.tensor(positions, device=dev)[:, None])[DEFAULT_ROPE]
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # [B, D]
+        if cos.shape[-1] != self.head_dim or cos.dtype != r.dtype:
+            raise RuntimeError(f"fused decode: RoPE tables of {tuple(cos.shape)} {cos.dtype}, heads of {self.head_dim}")
+        i64s, ptrs = ctypes.c_int64 * b, ctypes.c_void_p * b
+        kbase = ptrs(*[c.keys.data_ptr() for c in caches])
+        vbase = ptrs(*[c.values.data_ptr() for c in caches])
+        k_layer, v_layer = i64s(*[c.keys.stride(0) for c in caches]), i64s(*[c.values.stride(0) for c in caches])
+        k_head, v_head = i64s(*[c.keys.stride(2) for c in caches]), i64s(*[c.values.stride(2) for c in caches])
+        slot = i64s(*slots)
+        threads, eps, bf16 = torch.get_num_threads(), self.eps, self.bf16
+        hk, g, d = self.kv_heads, self.group, self.head_dim
+        n_hidden = hidden.shape[-1]
+        x = torch.empty_like(hidden)
+        o = torch.empty(b, hk * g * d, dtype=r.dtype)
+        k.add_rms_norm(b, n_hidden, hidden.data_ptr(), None, self.input_norms[0].data_ptr(), eps, bf16, x.data_ptr())
+        layers = r.weights.layers
+        for i, lw in enumerate(layers):
+            qkv = _linear(lw.qkv, x)
+            with torch.profiler.record_function(kernels.PROFILE_NAME):
+                status = k.decode_step(b, qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), d, kbase,
+                                       vbase, k_layer, v_layer, i, k_head, v_head, slot, self.windows[i], hk, g, d,
+                                       bf16, r.heads.scaling, threads, o.data_ptr())
+            if status != 0:
+                raise RuntimeError(f"fused decode step refused layer {i} (slots {slots})")
+            out = _linear(lw.o, o)
+            gate_up = _linear(lw.gate_up, self._norm(hidden, out, self.mlp_norms[i], x))
+            a = torch.empty(b, gate_up.shape[-1] // 2, dtype=r.dtype)
+            k.silu_mul(b, a.shape[-1], gate_up.data_ptr(), bf16, a.data_ptr())
+            out = _linear(lw.down, a)
+            self._norm(hidden, out, self.input_norms[i + 1] if i + 1 < len(layers) else None, x)
+        logits = r._logits(hidden[:, None])[:, 0]  # [B, vocab]
+        for cache, s in zip(caches, slots, strict=True):
+            cache.length = max(cache.length, s + 1)
+        return logits.float()
+
+    def _norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None,
+              out: torch.Tensor) -> torch.Tensor:
+        """hidden += delta, then out = RMSNorm(hidden) * weight (just the add where weight is None)."""
+        self.k.add_rms_norm(hidden.shape[0], hidden.shape[1], hidden.data_ptr(), delta.data_ptr(),
+                            None if weight is None else weight.data_ptr(), self.eps, self.bf16, out.data_ptr())
+        return out

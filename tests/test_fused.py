@@ -1,0 +1,131 @@
+"""The fused decode step (pc_rag/model/fused.py, csrc/elementwise.cpp, pc_rag_decode_step).
+
+References: the module-by-module step (`decode_batch(..., fused=False)`, the model's own modules and sdpa-checked
+attention) for the logits (fp32 <= 1e-5 relative to the largest logit; bf16 <= 3e-2 and the same argmax) and for the
+KV written into each request's cache (fp32 <= 1e-6, bf16 bit-equal: RoPE rounds as HF's three ops do); torch's own
+ops for the elementwise kernels; HF's `generate` for the tokens (test_families.py already runs every family, the
+fused ones through this step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pc_rag
+from pc_rag import Chunk, Text
+from pc_rag.model import kernels
+from pc_rag.store import MemoryStore
+from pc_rag.testing import build_tiny
+
+from .test_batch import _clone, _prefilled
+from .test_kernels import needs_kernel
+from .test_models import _save_variant
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)]
+
+
+def _engine(path, dtype):
+    return pc_rag.Engine.from_pretrained(path, store=MemoryStore(), dtype=dtype)
+
+
+def _step_both_ways(engine, docs, rows: int):
+    """`rows` requests of different lengths prefilled, then one step fused and one module by module, each on its
+    own copy of the caches: (fused logits, their caches, reference logits, their caches, slots)."""
+    runner = engine.runner
+    prompts = [[Text(f"Q{i}. "), Chunk(docs[i % len(docs)][: 100 + 90 * i])] for i in range(rows)]
+    asms = _prefilled(engine, prompts)
+    ids = [int(a.logits.argmax()) for a in asms]
+    positions = [a.last_position + 1 for a in asms]
+    slots = [a.prompt_tokens for a in asms]
+    got_caches = [_clone(runner, a.cache) for a in asms]
+    want_caches = [_clone(runner, a.cache) for a in asms]
+    got = runner.decode_batch(got_caches, ids, positions, slots)
+    want = runner.decode_batch(want_caches, ids, positions, slots, fused=False)
+    for a in asms:
+        runner.release_cache(a.cache)
+    return got, got_caches, want, want_caches, slots
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_the_fused_step_equals_the_module_by_module_step(tmp_path, tiny_path, docs, arch, dtype, tol):
+    """Llama's layer, Mistral's sliding window (the variant's window is shorter than the prompts) and Qwen2's
+    q/k/v biases; one request and four at once."""
+    path = tiny_path if arch == "llama" else _save_variant(tmp_path, tiny_path, arch)
+    engine = _engine(path, dtype)
+    assert engine.runner._fused is not None, "the standard layer should run fused where the kernels run"
+    for rows in (1, 4):
+        got, got_caches, want, want_caches, slots = _step_both_ways(engine, docs, rows)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        scale = want.abs().max().item()
+        assert (got - want).abs().max().item() <= tol * scale, (rows, dtype)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        for g, w, s in zip(got_caches, want_caches, slots, strict=True):
+            assert g.length == w.length == s + 1
+            for a, b in ((g.keys, w.keys), (g.values, w.values)):
+                new_a, new_b = a[:, :, :, s].float(), b[:, :, :, s].float()  # the step's own KV, every layer
+                if dtype == torch.bfloat16:
+                    assert torch.equal(new_a, new_b)
+                else:
+                    assert (new_a - new_b).abs().max().item() <= 1e-6 * new_b.abs().max().item()
+
+
+@needs_kernel
+def test_one_token_forwards_go_through_the_fused_step_and_equal_it(engine, docs):
+    """`forward` with one token (a lone request's decode) is the fused step: bit-equal to decode_batch of one."""
+    runner = engine.runner
+    asm = _prefilled(engine, [[Text("Q. "), Chunk(docs[0][:200])]])[0]
+    token, pos, slot = int(asm.logits.argmax()), asm.last_position + 1, asm.prompt_tokens
+    one = runner.forward(_clone(runner, asm.cache), [token], [pos], [slot])
+    batched = runner.decode_batch([_clone(runner, asm.cache)], [token], [pos], [slot])[0]
+    unfused = runner.decode_batch([_clone(runner, asm.cache)], [token], [pos], [slot], fused=False)[0]
+    runner.release_cache(asm.cache)
+    assert torch.equal(one, batched)
+    assert (one - unfused).abs().max().item() <= 1e-5 * unfused.abs().max().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen3", "olmo2", "granite", "smollm3"])
+def test_other_layers_keep_the_module_by_module_step(tmp_path, family):
+    """Post-norms, q/k norms, partial RoPE, multipliers, NoPE layers: not the fused layer, refused before use."""
+    engine = pc_rag.Engine.from_pretrained(build_tiny(tmp_path / family, family), store=MemoryStore())
+    assert engine.runner._fused is None
+
+
+@needs_kernel
+def test_the_engine_generates_the_same_tokens_fused_and_not(engine, docs):
+    prompt = [Text("Question: what is a frame? "), Chunk(docs[1][:400])]
+    fused = engine.generate(prompt, mode="full", max_new_tokens=12).token_ids
+    keep, engine.runner._fused = engine.runner._fused, None
+    try:
+        plain = engine.generate(prompt, mode="full", max_new_tokens=12).token_ids
+    finally:
+        engine.runner._fused = keep
+    assert list(fused) == list(plain)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_and_silu_mul_equal_torch(dtype):
+    k, g = kernels.loaded(), torch.Generator().manual_seed(5)
+    bf16 = int(dtype == torch.bfloat16)
+    for rows, n in ((1, 48), (3, 896), (8, 17)):
+        x, delta = (torch.randn(rows, n, generator=g).mul(3).to(dtype) for _ in range(2))
+        w = torch.randn(n, generator=g).to(dtype)
+        want_x = x + delta
+        h = want_x.float()
+        normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)  # LlamaRMSNorm's ops
+        want = w * normed
+        out = torch.empty_like(x)
+        assert k.add_rms_norm(rows, n, x.data_ptr(), delta.data_ptr(), w.data_ptr(), 1e-6, bf16, out.data_ptr()) == 0
+        assert torch.equal(x, want_x)  # the residual add, in place
+        tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the sum of squares' order may move one rounding
+        assert (out.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+        gate_up = torch.randn(rows, 2 * n, generator=g).mul(4).to(dtype)
+        want = F.silu(gate_up[:, :n]) * gate_up[:, n:]
+        out = torch.empty(rows, n, dtype=dtype)
+        assert k.silu_mul(rows, n, gate_up.data_ptr(), bf16, out.data_ptr()) == 0
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        assert (out.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
