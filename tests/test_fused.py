@@ -73,6 +73,21 @@ def test_the_fused_step_equals_the_module_by_module_step(tmp_path, tiny_path, do
 
 
 @needs_kernel
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_qwen3s_per_head_norms_run_fused(tmp_path, docs, dtype, tol):
+    engine = _engine(build_tiny(tmp_path / "qwen3", "qwen3"), dtype)
+    assert engine.runner._fused is not None
+    for rows in (1, 3):
+        got, got_caches, want, want_caches, slots = _step_both_ways(engine, docs, rows)
+        assert (got - want).abs().max().item() <= tol * want.abs().max().item()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        for g, w, s in zip(got_caches, want_caches, slots, strict=True):
+            assert (g.keys[:, :, :, s].float() - w.keys[:, :, :, s].float()).abs().max().item() <= (
+                1e-6 if dtype == torch.float32 else 0) * w.keys[:, :, :, s].float().abs().max().item()
+
+
+@needs_kernel
 def test_one_token_forwards_go_through_the_fused_step_and_equal_it(engine, docs):
     """`forward` with one token (a lone request's decode) is the fused step: bit-equal to decode_batch of one."""
     runner = engine.runner
@@ -87,7 +102,7 @@ def test_one_token_forwards_go_through_the_fused_step_and_equal_it(engine, docs)
 
 
 @needs_kernel
-@pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen3", "olmo2", "granite", "smollm3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "olmo2", "granite", "smollm3"])
 def test_other_layers_keep_the_module_by_module_step(tmp_path, family):
     """Post-norms, q/k norms, partial RoPE, multipliers, NoPE layers: not the fused layer, refused before use."""
     engine = pc_rag.Engine.from_pretrained(build_tiny(tmp_path / family, family), store=MemoryStore())

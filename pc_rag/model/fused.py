@@ -12,8 +12,9 @@ SiLU, the residual adds), each a dispatch of 3-10 us, plus the Python between th
     a = SiLU(x Wg) * (x Wu)             oneDNN; pc_rag_silu_mul
     h += a Wd                           oneDNN; fused into the next layer's norm
 
-Which models: the layer of Llama, Mistral, Qwen2 and the families that share it (a pre-attention and a pre-MLP
-RMSNorm, no q/k norms, SiLU, rotate-half RoPE over the whole head, no multipliers or soft-caps), in fp32 or bf16 on
+Which models: the layer of Llama, Mistral, Qwen2, Qwen3 and the families that share it (a pre-attention and a
+pre-MLP RMSNorm, per-head q/k RMSNorms or none, SiLU, rotate-half RoPE over the whole head, no multipliers or
+soft-caps), in fp32 or bf16 on
 a CPU where the kernels run (kernels.py) and the products are packed. Each op rounds where the model's own ops do,
 and `FusedDecode.of` checks a probe step against the module-by-module step before it is used: any family, version or
 norm that differs gets the module-by-module step (runner.decode_batch), as does everything else.
@@ -42,6 +43,10 @@ def _eps(norm: torch.nn.Module) -> float | None:
     return float(eps) if isinstance(eps, (int, float)) else None
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _is_silu(act) -> bool:
     # transformers' ACT2FN["silu"] is its own SiLUActivation class, nn.SiLU elsewhere; the probe checks the rest.
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
@@ -58,6 +63,10 @@ class FusedDecode:
         self.input_norms = [lw.input_norm.weight.detach().contiguous() for lw in w.layers]
         self.mlp_norms = [lw.mlp_norm.weight.detach().contiguous() for lw in w.layers]
         self.eps = _eps(w.layers[0].input_norm)
+        # Qwen3's per-head q/k RMSNorms (None elsewhere), applied by the step before RoPE.
+        self.q_norms = [lw.q_norm.weight.detach().contiguous() if lw.q_norm is not None else None for lw in w.layers]
+        self.k_norms = [lw.k_norm.weight.detach().contiguous() if lw.k_norm is not None else None for lw in w.layers]
+        self.qk_eps = _eps(w.layers[0].q_norm) if w.layers[0].q_norm is not None else 0.0
         self.windows = [layer.window or 0 for layer in arch.layers]
         self.bf16 = int(runner.dtype == torch.bfloat16)
         self.kv_heads, self.head_dim = arch.kv_heads, arch.head_dim
@@ -81,7 +90,7 @@ class FusedDecode:
             return "fused decoding needs fp32/bf16 on CPU with packed products"
         if kernels.loaded() is None:
             return "the kernels do not run here"
-        if (arch.norms != Norms() or arch.qk_norm is not None or arch.residual_multiplier is not None
+        if (arch.norms != Norms() or arch.qk_norm not in (None, "head") or arch.residual_multiplier is not None
                 or runner.heads.softcap is not None or arch.head_dim % 16 or arch.head_dim > 256):
             return f"{arch.model_type}'s layer is not the standard one"
         if any(layer.rope != DEFAULT_ROPE for layer in arch.layers) or len(arch.rope_types) != 1:
@@ -91,6 +100,9 @@ class FusedDecode:
                     or _eps(lw.input_norm) is None or _eps(lw.input_norm) != _eps(lw.mlp_norm)
                     or _eps(lw.input_norm) != _eps(w.layers[0].input_norm)):
                 return f"{arch.model_type}'s norms or activation are not the standard ones"
+            if arch.qk_norm == "head" and (_eps(lw.q_norm) is None or _eps(lw.q_norm) != _eps(lw.k_norm)
+                                           or _eps(lw.q_norm) != _eps(w.layers[0].q_norm)):
+                return f"{arch.model_type}'s q/k norms are not the standard ones"
         return None
 
     def _agrees(self) -> bool:
@@ -138,9 +150,10 @@ class FusedDecode:
         for i, lw in enumerate(layers):
             qkv = _linear(lw.qkv, x)
             with torch.profiler.record_function(kernels.PROFILE_NAME):
-                status = k.decode_step(b, qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), d, kbase,
-                                       vbase, k_layer, v_layer, i, k_head, v_head, slot, self.windows[i], hk, g, d,
-                                       bf16, r.heads.scaling, threads, o.data_ptr())
+                status = k.decode_step(b, qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), d,
+                                       _ptr(self.q_norms[i]), _ptr(self.k_norms[i]), self.qk_eps, kbase, vbase,
+                                       k_layer, v_layer, i, k_head, v_head, slot, self.windows[i], hk, g, d, bf16,
+                                       r.heads.scaling, threads, o.data_ptr())
             if status != 0:
                 raise RuntimeError(f"fused decode step refused layer {i} (slots {slots})")
             out = _linear(lw.o, o)

@@ -216,6 +216,16 @@ int64_t rows_per_item(int64_t B, const int64_t* n, int64_t H, int threads) {
   return std::min<int64_t>(512, std::max<int64_t>(64, (total * H + 4 * threads - 1) / (4 * threads)));
 }
 
+// HF's RMSNorm of one head's vector x [D] (Qwen3's q/k norms): w * T(x * rsqrt(mean(x^2) + eps)), into out.
+template <typename T>
+const T* rms_norm_row(const T* x, const T* w, int64_t D, float eps, T* out) {
+  float ss = 0.f;
+  for (int64_t d = 0; d < D; ++d) ss += to_f32(x[d]) * to_f32(x[d]);
+  const float inv = 1.f / std::sqrt(ss / float(D) + eps);
+  for (int64_t d = 0; d < D; ++d) out[d] = from_f32<T>(to_f32(w[d]) * to_f32(from_f32<T>(to_f32(x[d]) * inv)));
+  return out;
+}
+
 // x [D] rotated as HF's apply_rotary_pos_emb does, x * cos + rotate_half(x) * sin (rotate_half(x) = [-x2, x1]),
 // each product and the sum rounded to T as its three tensor ops are; into y [D] (in T) and, if ys, ys [D] (fp32,
 // times scale).
@@ -231,28 +241,36 @@ void rotate(const T* x, const T* cos, const T* sin, int64_t D, T* y, float* ys, 
 }
 
 // One layer of a decode step, for B requests, from the fused projection qkv [B, (H * G + 2 * H) * D] (rows qkv_row
-// elements apart): RoPE on the queries and the new keys (cos, sin [B, D], rows cs_row apart), the new key and value
+// elements apart): each head's RMSNorm where q_norm / k_norm [D] are given (Qwen3), RoPE on the queries and the new
+// keys (cos, sin [B, D], rows cs_row apart), the new key and value
 // written to slot[r] of request r's cache (H heads of rows at k_cache[r] + layer * k_layer[r] for the keys, heads
 // k_head[r] elements apart; the values alike), then attention over the slots [lo, slot[r]] (lo: 0, or the last `window` slots
 // when window > 0).
 template <typename T>
 int decode_step(int64_t B, const T* qkv, int64_t qkv_row, const T* cos, const T* sin, int64_t cs_row,
-                void* const* k_cache, void* const* v_cache, const int64_t* k_layer, const int64_t* v_layer,
-                int64_t layer, const int64_t* k_head, const int64_t* v_head, const int64_t* slot, int64_t window,
-                int64_t H, int64_t G, int64_t D, float scale, int threads, void* out) {
+                const T* q_norm, const T* k_norm, float eps, void* const* k_cache, void* const* v_cache,
+                const int64_t* k_layer, const int64_t* v_layer, int64_t layer, const int64_t* k_head,
+                const int64_t* v_head, const int64_t* slot, int64_t window, int64_t H, int64_t G, int64_t D,
+                float scale, int threads, void* out) {
   const int64_t HQ = H * G;
   std::vector<float> qs(B * HQ * D);
-  std::vector<T> qr(D);
+  std::vector<T> qr(D), normed(D);
   std::vector<const void*> keys(B), values(B);
   std::vector<int64_t> n(B);
   for (int64_t r = 0; r < B; ++r) {
     const T* row = qkv + r * qkv_row;
     const T *c = cos + r * cs_row, *s = sin + r * cs_row;
-    for (int64_t h = 0; h < HQ; ++h) rotate(row + h * D, c, s, D, qr.data(), qs.data() + (r * HQ + h) * D, scale);
+    for (int64_t h = 0; h < HQ; ++h) {
+      const T* x = row + h * D;
+      if (q_norm) x = rms_norm_row(x, q_norm, D, eps, normed.data());
+      rotate(x, c, s, D, qr.data(), qs.data() + (r * HQ + h) * D, scale);
+    }
     T* kc = static_cast<T*>(k_cache[r]) + layer * k_layer[r];
     T* vc = static_cast<T*>(v_cache[r]) + layer * v_layer[r];
     for (int64_t h = 0; h < H; ++h) {
-      rotate<T>(row + (HQ + h) * D, c, s, D, kc + h * k_head[r] + slot[r] * D, nullptr, 0.f);
+      const T* x = row + (HQ + h) * D;
+      if (k_norm) x = rms_norm_row(x, k_norm, D, eps, normed.data());
+      rotate<T>(x, c, s, D, kc + h * k_head[r] + slot[r] * D, nullptr, 0.f);
       std::memcpy(vc + h * v_head[r] + slot[r] * D, row + (HQ + H + h) * D, D * sizeof(T));
     }
     const int64_t lo = window > 0 && slot[r] + 1 > window ? slot[r] + 1 - window : 0;
@@ -293,7 +311,7 @@ int pc_rag_decode_attention(int64_t B, const void* q, const void* const* keys, c
 // One layer's attention in a decode step for B requests, straight from the fused q|k|v projection: see
 // decode_step above (strides in elements). Returns 0, or -1 for shapes it does not take.
 int pc_rag_decode_step(int64_t B, const void* qkv, int64_t qkv_row, const void* cos, const void* sin, int64_t cs_row,
-                       void* const* k_cache, void* const* v_cache, const int64_t* k_layer, const int64_t* v_layer,
+                       const void* q_norm, const void* k_norm, float eps, void* const* k_cache, void* const* v_cache, const int64_t* k_layer, const int64_t* v_layer,
                        int64_t layer, const int64_t* k_head, const int64_t* v_head, const int64_t* slot,
                        int64_t window, int64_t H, int64_t G, int64_t D, int bf16, float scale, int threads,
                        void* out) {
@@ -302,10 +320,12 @@ int pc_rag_decode_step(int64_t B, const void* qkv, int64_t qkv_row, const void* 
     if (slot[r] < 0) return -1;
   if (bf16)
     return decode_step(B, static_cast<const uint16_t*>(qkv), qkv_row, static_cast<const uint16_t*>(cos),
-                       static_cast<const uint16_t*>(sin), cs_row, k_cache, v_cache, k_layer, v_layer, layer, k_head,
+                       static_cast<const uint16_t*>(sin), cs_row, static_cast<const uint16_t*>(q_norm),
+                       static_cast<const uint16_t*>(k_norm), eps, k_cache, v_cache, k_layer, v_layer, layer, k_head,
                        v_head, slot, window, H, G, D, scale, threads, out);
   return decode_step(B, static_cast<const float*>(qkv), qkv_row, static_cast<const float*>(cos),
-                     static_cast<const float*>(sin), cs_row, k_cache, v_cache, k_layer, v_layer, layer, k_head, v_head,
+                     static_cast<const float*>(sin), cs_row, static_cast<const float*>(q_norm),
+                     static_cast<const float*>(k_norm), eps, k_cache, v_cache, k_layer, v_layer, layer, k_head, v_head,
                      slot, window, H, G, D, scale, threads, out);
 }
 
