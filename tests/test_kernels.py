@@ -23,8 +23,10 @@ needs_kernel = pytest.mark.skipif(not runs_here, reason="the kernel is for Linux
 @needs_kernel
 def test_the_kernel_builds_and_loads_where_it_should():
     assert kernels.decode_attention_kernel() is not None, "AVX-512 and g++ are here, yet the kernel did not load"
-    for dtype in prefill_dtypes():
-        assert kernels.prefill_attention_kernel(dtype) is not None, f"the prefill kernel did not load for {dtype}"
+    assert kernels.loaded().prefill is not None
+    assert kernels.prefill_attention_kernel(torch.float32) is not None, "the prefill kernel did not load"
+    # bf16: the kernel's dot products where the CPU has no AMX; sdpa's AMX tiles where it has (kernels.py)
+    assert (kernels.prefill_attention_kernel(torch.bfloat16) is None) == kernels.has_amx()
 
 
 @needs_kernel
@@ -156,13 +158,6 @@ def test_the_kernel_refuses_what_it_cannot_read():
 
 
 # ---- prefill attention ---------------------------------------------------------------------------------------------
-def prefill_dtypes():
-    """What the prefill kernel must run here: both dtypes wherever the kernels run (bf16 as dot products with
-    AVX512-BF16, widened to fp32 without). Not from what loaded: a kernel that failed its probe must fail these
-    tests, not skip them."""
-    return (torch.float32, torch.bfloat16) if runs_here else ()
-
-
 def causal_float64(q, keys, values, scale):
     """q [H, n, D] over keys/values [H_kv, T, D], row i seeing keys [0, T - n + i], in float64: [H, n, D]."""
     n, t, group = q.shape[1], keys.shape[1], q.shape[0] // keys.shape[0]
@@ -180,7 +175,7 @@ def test_prefill_kernel_equals_float64_attention(dtype, tol, widen, heads, group
     """Rows and keys around the kernel's tiles (12 and 6 rows, 48-row items, 256-key blocks, 32-key score tiles),
     alone (a cold prefill) and after earlier keys (a question after a cached prefix); q strided as the fused
     projection's view is. bf16 both ways: as this CPU runs it, and widened to fp32 (CPUs without AVX512-BF16)."""
-    fn, g = kernels.prefill_attention_kernel(dtype), torch.Generator().manual_seed(heads * 100 + group * 10 + dim)
+    fn, g = kernels.loaded().prefill, torch.Generator().manual_seed(heads * 100 + group * 10 + dim)
     h = heads * group
     for n, t in ((1, 1), (5, 5), (47, 47), (48, 48), (49, 49), (64, 64), (65, 65), (130, 130), (1, 300), (7, 70),
                  (270, 600), (100, 333)):

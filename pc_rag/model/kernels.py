@@ -90,9 +90,21 @@ def decode_attention_kernel():
 
 
 def prefill_attention_kernel(dtype: torch.dtype):
-    """The compiled `pc_rag_prefill_attention` where it runs keys of `dtype` on this CPU, else None."""
+    """The compiled `pc_rag_prefill_attention` where it is what runs keys of `dtype` on this CPU, else None.
+
+    Not bf16 on CPUs with AMX (Intel since Sapphire Rapids): there sdpa's CPU kernel runs its bf16 block products
+    on AMX tiles, 55 against the kernel's 152 ms for a bench-model layer of 4K tokens (2026-12-02, Xeon with
+    AMX; fp32 126 against 119, so fp32 keeps the kernel)."""
     k = loaded()
-    return k.prefill if k is not None and dtype in DTYPES else None
+    if k is None or dtype not in DTYPES or (dtype == torch.bfloat16 and has_amx()):
+        return None
+    return k.prefill
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (torch's own check, as vLLM's CPU backend uses it)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check()) if check is not None else False
 
 
 def _load():
