@@ -23,7 +23,13 @@
 namespace {
 
 constexpr int64_t KB = 16;  // keys per block of scores
-constexpr int PV_ROWS = 6;  // output tile: up to 6 query rows x 4 vectors (64 dims) = 24 accumulators
+constexpr int PV_ROWS = 6;
+constexpr int64_t PF_BYTES = 8192;  // how far ahead to prefetch the KV rows (from memory in a real step, not cache)
+
+// Ask for the cache lines of `bytes` bytes at p (no fault past the buffer's end: prefetches never fault).
+inline void prefetch_rows(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
+}  // output tile: up to 6 query rows x 4 vectors (64 dims) = 24 accumulators
 
 // 16 vectors' lane sums as one vector, lane t = sum of a[t]: pairs, quads and 128-bit blocks added in a tree
 // (45 shuffles and adds for 16 sums, where 16 separate reductions cost ~8 each).
@@ -54,6 +60,7 @@ PC_AVX512 void weigh_values(const float* s, int64_t ld, const T* v, int64_t n, i
   for (auto& r : a)
     for (auto& x : r) x = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
+    if (d0 == 0) prefetch_rows(reinterpret_cast<const char*>(v + (t + 1) * D) + PF_BYTES, D * int64_t(sizeof(T)));
     __m512 vt[VB];
     for (int j = 0; j < VB; ++j) vt[j] = load16<T>(v + t * D + d0 + 16 * j);
     for (int g = 0; g < GB; ++g) {
@@ -95,6 +102,7 @@ PC_AVX512 void attend_chunk(const float* q, const T* k, const T* v, int64_t n, i
         for (int64_t j = 0; j < V; ++j)
           _mm512_storeu_ps(kb + t * D + 16 * j, t < nb ? load16<T>(k + (t0 + t) * D + 16 * j) : _mm512_setzero_ps());
     }
+    prefetch_rows(reinterpret_cast<const char*>(k + (t0 + KB) * D) + PF_BYTES, KB * D * int64_t(sizeof(T)));
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       __m512 a[KB];
