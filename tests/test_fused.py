@@ -88,6 +88,23 @@ def test_qwen3s_per_head_norms_run_fused(tmp_path, docs, dtype, tol):
 
 
 @needs_kernel
+@pytest.mark.parametrize("plain_rows", [False, True])
+def test_one_row_products_packed_or_through_mkl_equal_the_module_step(engine, docs, plain_rows):
+    """Which of the two a one-row step uses is timed at load (FusedDecode._plain_is_faster); both must agree with
+    the module-by-module step, whichever this machine picked."""
+    fused = engine.runner._fused
+    keep, fused.plain_rows = fused.plain_rows, plain_rows
+    try:
+        got, got_caches, want, want_caches, slots = _step_both_ways(engine, docs, 1)
+    finally:
+        fused.plain_rows = keep
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    s = slots[0]
+    for a, b in ((got_caches[0].keys, want_caches[0].keys), (got_caches[0].values, want_caches[0].values)):
+        assert (a[:, :, :, s] - b[:, :, :, s]).abs().max().item() <= 1e-6 * b[:, :, :, s].abs().max().item()
+
+
+@needs_kernel
 def test_one_token_forwards_go_through_the_fused_step_and_equal_it(engine, docs):
     """`forward` with one token (a lone request's decode) is the fused step: bit-equal to decode_batch of one."""
     runner = engine.runner
@@ -141,6 +158,7 @@ def test_add_rms_norm_and_silu_mul_equal_torch(dtype):
         gate_up = torch.randn(rows, 2 * n, generator=g).mul(4).to(dtype)
         want = F.silu(gate_up[:, :n]) * gate_up[:, n:]
         out = torch.empty(rows, n, dtype=dtype)
-        assert k.silu_mul(rows, n, gate_up.data_ptr(), bf16, out.data_ptr()) == 0
+        gate, up = gate_up[:, :n], gate_up[:, n:]  # the halves of one fused product, rows 2n apart
+        assert k.silu_mul(rows, n, gate.data_ptr(), up.data_ptr(), 2 * n, bf16, out.data_ptr()) == 0
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         assert (out.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()

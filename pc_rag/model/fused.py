@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 
 import torch
 
@@ -36,6 +37,11 @@ log = logging.getLogger("pc_rag.fused")
 def _linear(packed, x: torch.Tensor) -> torch.Tensor:
     """x [B, in] times a weights.Packed product, unsplit: [B, out]."""
     return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+
+
+def _plain(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x [B, in] times one module's own weight, through torch's F.linear (MKL on CPU)."""
+    return torch.nn.functional.linear(x, module.weight, module.bias)
 
 
 def _eps(norm: torch.nn.Module) -> float | None:
@@ -71,6 +77,7 @@ class FusedDecode:
         self.bf16 = int(runner.dtype == torch.bfloat16)
         self.kv_heads, self.head_dim = arch.kv_heads, arch.head_dim
         self.group = arch.heads // arch.kv_heads
+        self.plain_rows = False  # one-row steps through MKL on the modules' own weights (set by `of`)
 
     @classmethod
     def of(cls, runner) -> FusedDecode | None:
@@ -78,6 +85,9 @@ class FusedDecode:
         if why is None:
             fused = cls(runner, kernels.loaded())
             why = None if fused._agrees() else "a probe step disagreed with the module-by-module step"
+            if why is None and runner.dtype == torch.float32:
+                fused.plain_rows = fused._plain_is_faster()
+                fused.plain_rows = fused.plain_rows and fused._agrees()
         if why is not None:
             log.info("pc_rag: decode steps module by module (%s)", why)
             return None
@@ -124,6 +134,41 @@ class FusedDecode:
         return bool(((got - want).abs().max() / scale) <= tol) and torch.equal(got.argmax(-1), want.argmax(-1))
 
     @torch.inference_mode()
+    def _plain_is_faster(self) -> bool:
+        """Whether a one-row step's products run faster through MKL (F.linear on the modules' own weights, two or
+        three products where the packed one is fused) than through oneDNN's packed weights, timed here on the
+        model's MLP products: by CPU, the answer differs. On the AMD EPYC we measured, MKL read fp32 weights at
+        10 GB/s against oneDNN's 17-19; on an Intel Xeon, 25 against 13-20 (weights.py). fp32 only: in bf16 the
+        packed products were ahead on both."""
+        layers = self.runner.weights.layers
+        if any(len(lw.qkv.modules) != 3 or len(lw.gate_up.modules) != 2 for lw in layers):
+            return False  # one module for q|k|v or gate|up (Phi-3): its own product is already one
+        x = torch.randn(1, layers[0].gate_up.modules[0].weight.shape[1], dtype=self.runner.dtype)
+
+        def packed():
+            for lw in layers:
+                _linear(lw.gate_up, x)
+
+        def plain():
+            for lw in layers:
+                for m in lw.gate_up.modules:
+                    _plain(m, x)
+
+        times = {packed: [], plain: []}
+        for _ in range(3):  # warm both (MKL's first calls set up its threads)
+            packed(), plain()
+        for _ in range(5):  # alternating, medians: a busy moment hits both alike
+            for f in times:
+                t = time.perf_counter()
+                f()
+                times[f].append(time.perf_counter() - t)
+        a, b = (sorted(times[f])[2] for f in (packed, plain))
+        faster = b < 0.95 * a
+        log.info("pc_rag: one-row products %s (MLP weights, packed %.2f ms, MKL %.2f ms)",
+                 "through MKL" if faster else "packed", a * 1e3, b * 1e3)
+        return faster
+
+    @torch.inference_mode()
     def step(self, caches, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """runner.decode_batch's step (same arguments, same result within float rounding), fused. The caller holds
         the runner's lock."""
@@ -147,20 +192,31 @@ class FusedDecode:
         o = torch.empty(b, hk * g * d, dtype=r.dtype)
         k.add_rms_norm(b, n_hidden, hidden.data_ptr(), None, self.input_norms[0].data_ptr(), eps, bf16, x.data_ptr())
         layers = r.weights.layers
+        plain = b == 1 and self.plain_rows  # MKL's products on the modules' weights (see _plain_is_faster)
         for i, lw in enumerate(layers):
-            qkv = _linear(lw.qkv, x)
+            if plain:
+                q, kk, v = (_plain(m, x) for m in lw.qkv.modules)
+            else:
+                q = kk = v = _linear(lw.qkv, x)  # one fused product: three column ranges of its rows
+                kk, v = kk[:, hk * g * d:], v[:, (hk * g + hk) * d:]
             with torch.profiler.record_function(kernels.PROFILE_NAME):
-                status = k.decode_step(b, qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), d,
-                                       _ptr(self.q_norms[i]), _ptr(self.k_norms[i]), self.qk_eps, kbase, vbase,
-                                       k_layer, v_layer, i, k_head, v_head, slot, self.windows[i], hk, g, d, bf16,
-                                       r.heads.scaling, threads, o.data_ptr())
+                status = k.decode_step(b, q.data_ptr(), q.stride(0), kk.data_ptr(), kk.stride(0), v.data_ptr(),
+                                       v.stride(0), cos.data_ptr(), sin.data_ptr(), d, _ptr(self.q_norms[i]),
+                                       _ptr(self.k_norms[i]), self.qk_eps, kbase, vbase, k_layer, v_layer, i, k_head,
+                                       v_head, slot, self.windows[i], hk, g, d, bf16, r.heads.scaling, threads,
+                                       o.data_ptr())
             if status != 0:
                 raise RuntimeError(f"fused decode step refused layer {i} (slots {slots})")
-            out = _linear(lw.o, o)
-            gate_up = _linear(lw.gate_up, self._norm(hidden, out, self.mlp_norms[i], x))
-            a = torch.empty(b, gate_up.shape[-1] // 2, dtype=r.dtype)
-            k.silu_mul(b, a.shape[-1], gate_up.data_ptr(), bf16, a.data_ptr())
-            out = _linear(lw.down, a)
+            out = _plain(lw.o.modules[0], o) if plain else _linear(lw.o, o)
+            self._norm(hidden, out, self.mlp_norms[i], x)
+            if plain:
+                gate, up = (_plain(m, x) for m in lw.gate_up.modules)
+            else:
+                gate = up = _linear(lw.gate_up, x)
+                up = up[:, up.shape[-1] // 2:]
+            a = torch.empty(b, up.shape[-1], dtype=r.dtype)
+            k.silu_mul(b, a.shape[-1], gate.data_ptr(), up.data_ptr(), gate.stride(0), bf16, a.data_ptr())
+            out = _plain(lw.down.modules[0], a) if plain else _linear(lw.down, a)
             self._norm(hidden, out, self.input_norms[i + 1] if i + 1 < len(layers) else None, x)
         logits = r._logits(hidden[:, None])[:, 0]  # [B, vocab]
         for cache, s in zip(caches, slots, strict=True):

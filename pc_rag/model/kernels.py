@@ -194,14 +194,14 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
                         i32]
     prefill.restype = i32
     step = lib.pc_rag_decode_step
-    step.argtypes = [i64, ptr, i64, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64,
-                     i64, i64, i32, f32, i32, ptr]
+    step.argtypes = [i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, i64, ptr, ptr,
+                     ptr, i64, i64, i64, i64, i32, f32, i32, ptr]
     step.restype = i32
     norm = lib.pc_rag_add_rms_norm
     norm.argtypes = [i64, i64, ptr, ptr, ptr, f32, i32, ptr]
     norm.restype = i32
     silu = lib.pc_rag_silu_mul
-    silu.argtypes = [i64, i64, ptr, i32, ptr]
+    silu.argtypes = [i64, i64, ptr, ptr, i64, i32, ptr]
     silu.restype = i32
     return Kernels(decode, prefill, step, norm, silu)
 

@@ -71,6 +71,7 @@ class Packed:
             self.bias = None
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.splits = splits if splits is not None else [m.weight.shape[0] for m in modules]
+        self.modules = modules  # their own weights too: fused.py's one-row products where MKL is faster
 
     def __call__(self, x: torch.Tensor):
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")

@@ -248,46 +248,45 @@ void rotate(const T* x, const T* cos, const T* sin, int64_t D, T* y, float* ys, 
   }
 }
 
-// One layer of a decode step, for B requests, from the fused projection qkv [B, (H * G + 2 * H) * D] (rows qkv_row
-// elements apart): each head's RMSNorm where q_norm / k_norm [D] are given (Qwen3), RoPE on the queries and the new
-// keys (cos, sin [B, D], rows cs_row apart), the new key and value
-// written to slot[r] of request r's cache (H heads of rows at k_cache[r] + layer * k_layer[r] for the keys, heads
-// k_head[r] elements apart; the values alike), then attention over the slots [lo, slot[r]] (lo: 0, or the last `window` slots
-// when window > 0).
+// One layer of a decode step, for B requests, from the projections: q [B, H * G * D], k and v [B, H * D] (rows
+// q_row, k_row, v_row elements apart; the three column ranges of one fused product, or three products). Each
+// head's RMSNorm where q_norm / k_norm [D] are given (Qwen3), RoPE on the queries and the new keys (cos, sin [B, D],
+// rows cs_row apart), the new key and value written to slot[r] of request r's cache (H heads of rows at k_cache[r]
+// + layer * k_layer[r] for the keys, heads k_head[r] elements apart; the values alike), then attention over the
+// slots [lo, slot[r]] (lo: 0, or the last `window` slots when window > 0).
 template <typename T>
-int decode_step(int64_t B, const T* qkv, int64_t qkv_row, const T* cos, const T* sin, int64_t cs_row,
-                const T* q_norm, const T* k_norm, float eps, void* const* k_cache, void* const* v_cache,
-                const int64_t* k_layer, const int64_t* v_layer, int64_t layer, const int64_t* k_head,
-                const int64_t* v_head, const int64_t* slot, int64_t window, int64_t H, int64_t G, int64_t D,
-                float scale, int threads, void* out) {
+int decode_step(int64_t B, const T* q, int64_t q_row, const T* k, int64_t k_row, const T* v, int64_t v_row,
+                const T* cos, const T* sin, int64_t cs_row, const T* q_norm, const T* k_norm, float eps,
+                void* const* k_cache, void* const* v_cache, const int64_t* k_layer, const int64_t* v_layer,
+                int64_t layer, const int64_t* k_head, const int64_t* v_head, const int64_t* slot, int64_t window,
+                int64_t H, int64_t G, int64_t D, float scale, int threads, void* out) {
   const int64_t HQ = H * G;
   std::vector<float> qs(B * HQ * D);
   std::vector<T> qr(D), normed(D);
   std::vector<const void*> keys(B), values(B);
   std::vector<int64_t> n(B);
   for (int64_t r = 0; r < B; ++r) {
-    const T* row = qkv + r * qkv_row;
     const T *c = cos + r * cs_row, *s = sin + r * cs_row;
     for (int64_t h = 0; h < HQ; ++h) {
-      const T* x = row + h * D;
+      const T* x = q + r * q_row + h * D;
       if (q_norm) x = rms_norm_row(x, q_norm, D, eps, normed.data());
       rotate(x, c, s, D, qr.data(), qs.data() + (r * HQ + h) * D, scale);
     }
     T* kc = static_cast<T*>(k_cache[r]) + layer * k_layer[r];
     T* vc = static_cast<T*>(v_cache[r]) + layer * v_layer[r];
     for (int64_t h = 0; h < H; ++h) {
-      const T* x = row + (HQ + h) * D;
+      const T* x = k + r * k_row + h * D;
       if (k_norm) x = rms_norm_row(x, k_norm, D, eps, normed.data());
       rotate<T>(x, c, s, D, kc + h * k_head[r] + slot[r] * D, nullptr, 0.f);
-      std::memcpy(vc + h * v_head[r] + slot[r] * D, row + (HQ + H + h) * D, D * sizeof(T));
+      std::memcpy(vc + h * v_head[r] + slot[r] * D, v + r * v_row + h * D, D * sizeof(T));
     }
     const int64_t lo = window > 0 && slot[r] + 1 > window ? slot[r] + 1 - window : 0;
     keys[r] = kc + lo * D;
     values[r] = vc + lo * D;
     n[r] = slot[r] + 1 - lo;
   }
-  attend(B, qs.data(), keys.data(), values.data(), n.data(), k_head, v_head, H, G, D, std::is_same<T, uint16_t>::value,
-         rows_per_item(B, n.data(), H, threads), threads, out);
+  attend(B, qs.data(), keys.data(), values.data(), n.data(), k_head, v_head, H, G, D,
+         std::is_same<T, uint16_t>::value, rows_per_item(B, n.data(), H, threads), threads, out);
   return 0;
 }
 
@@ -316,22 +315,25 @@ int pc_rag_decode_attention(int64_t B, const void* q, const void* const* keys, c
   return 0;
 }
 
-// One layer's attention in a decode step for B requests, straight from the fused q|k|v projection: see
-// decode_step above (strides in elements). Returns 0, or -1 for shapes it does not take.
-int pc_rag_decode_step(int64_t B, const void* qkv, int64_t qkv_row, const void* cos, const void* sin, int64_t cs_row,
-                       const void* q_norm, const void* k_norm, float eps, void* const* k_cache, void* const* v_cache, const int64_t* k_layer, const int64_t* v_layer,
-                       int64_t layer, const int64_t* k_head, const int64_t* v_head, const int64_t* slot,
-                       int64_t window, int64_t H, int64_t G, int64_t D, int bf16, float scale, int threads,
-                       void* out) {
+// One layer's attention in a decode step for B requests, straight from the q, k, v projections: see decode_step
+// above (strides in elements). Returns 0, or -1 for shapes it does not take.
+int pc_rag_decode_step(int64_t B, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
+                       int64_t v_row, const void* cos, const void* sin, int64_t cs_row, const void* q_norm,
+                       const void* k_norm, float eps, void* const* k_cache, void* const* v_cache,
+                       const int64_t* k_layer, const int64_t* v_layer, int64_t layer, const int64_t* k_head,
+                       const int64_t* v_head, const int64_t* slot, int64_t window, int64_t H, int64_t G, int64_t D,
+                       int bf16, float scale, int threads, void* out) {
   if (!pc_rag_supported() || D % 16 != 0 || D > 256 || B <= 0 || H <= 0 || G <= 0) return -1;
   for (int64_t r = 0; r < B; ++r)
     if (slot[r] < 0) return -1;
   if (bf16)
-    return decode_step(B, static_cast<const uint16_t*>(qkv), qkv_row, static_cast<const uint16_t*>(cos),
+    return decode_step(B, static_cast<const uint16_t*>(q), q_row, static_cast<const uint16_t*>(k), k_row,
+                       static_cast<const uint16_t*>(v), v_row, static_cast<const uint16_t*>(cos),
                        static_cast<const uint16_t*>(sin), cs_row, static_cast<const uint16_t*>(q_norm),
                        static_cast<const uint16_t*>(k_norm), eps, k_cache, v_cache, k_layer, v_layer, layer, k_head,
                        v_head, slot, window, H, G, D, scale, threads, out);
-  return decode_step(B, static_cast<const float*>(qkv), qkv_row, static_cast<const float*>(cos),
+  return decode_step(B, static_cast<const float*>(q), q_row, static_cast<const float*>(k), k_row,
+                     static_cast<const float*>(v), v_row, static_cast<const float*>(cos),
                      static_cast<const float*>(sin), cs_row, static_cast<const float*>(q_norm),
                      static_cast<const float*>(k_norm), eps, k_cache, v_cache, k_layer, v_layer, layer, k_head, v_head,
                      slot, window, H, G, D, scale, threads, out);

@@ -57,16 +57,16 @@ int pc_rag_add_rms_norm(int64_t B, int64_t N, void* x, const void* delta, const 
   return 0;
 }
 
-// B rows of gate_up [B, 2 * N] (gate, then up): out [B, N] = SiLU(gate) * up. Returns 0.
-int pc_rag_silu_mul(int64_t B, int64_t N, const void* gate_up, int bf16, void* out) {
+// B rows of gate and up [B, N] (rows `row` elements apart: the halves of one fused product, or two products):
+// out [B, N] = SiLU(gate) * up. Returns 0.
+int pc_rag_silu_mul(int64_t B, int64_t N, const void* gate, const void* up, int64_t row, int bf16, void* out) {
   for (int64_t r = 0; r < B; ++r) {
-    if (bf16) {
-      const uint16_t* g = static_cast<const uint16_t*>(gate_up) + r * 2 * N;
-      silu_mul_row(g, g + N, N, static_cast<uint16_t*>(out) + r * N);
-    } else {
-      const float* g = static_cast<const float*>(gate_up) + r * 2 * N;
-      silu_mul_row(g, g + N, N, static_cast<float*>(out) + r * N);
-    }
+    if (bf16)
+      silu_mul_row(static_cast<const uint16_t*>(gate) + r * row, static_cast<const uint16_t*>(up) + r * row, N,
+                   static_cast<uint16_t*>(out) + r * N);
+    else
+      silu_mul_row(static_cast<const float*>(gate) + r * row, static_cast<const float*>(up) + r * row, N,
+                   static_cast<float*>(out) + r * N);
   }
   return 0;
 }
