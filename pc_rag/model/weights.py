@@ -10,6 +10,10 @@ torch's `F.linear` on CPU goes to MKL, which on the AMD EPYC we measure on ran f
 | fp32, 8 rows (batched decode) | 6 GB/s | 17 GB/s |
 | bf16, 1 / 8 rows | 9 / 8 GB/s | 13-15 / 14-15 GB/s |
 
+On an Intel Xeon with AMX (2026-12-02, 1 row, 24 weights in turn so they come from memory): fp32 F.linear 17-25
+GB/s against packed 13-20, bf16 8.5-12 against 10-16. So fused.py times both for one-row fp32 decode steps at load
+and takes the faster; everything else uses the packed products.
+
 So on CPU each layer's q/k/v projections (and gate/up) are concatenated into one weight and reordered once into
 oneDNN's blocked layout ("packed", without a batch-size hint: measured best across 1 to 2048 rows), and the
 forward calls oneDNN's linear op on them. The cost is memory: the packed weights are a second copy of the
