@@ -23,13 +23,13 @@
 namespace {
 
 constexpr int64_t KB = 16;  // keys per block of scores
-constexpr int PV_ROWS = 6;
+constexpr int PV_ROWS = 6;  // output tile: up to 6 query rows x 4 vectors (64 dims) = 24 accumulators
 constexpr int64_t PF_BYTES = 8192;  // how far ahead to prefetch the KV rows (from memory in a real step, not cache)
 
 // Ask for the cache lines of `bytes` bytes at p (no fault past the buffer's end: prefetches never fault).
 inline void prefetch_rows(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
-}  // output tile: up to 6 query rows x 4 vectors (64 dims) = 24 accumulators
+}
 
 // 16 vectors' lane sums as one vector, lane t = sum of a[t]: pairs, quads and 128-bit blocks added in a tree
 // (45 shuffles and adds for 16 sums, where 16 separate reductions cost ~8 each).
@@ -222,16 +222,6 @@ int64_t rows_per_item(int64_t B, const int64_t* n, int64_t H, int threads) {
   int64_t total = 0;
   for (int64_t r = 0; r < B; ++r) total += n[r];
   return std::min<int64_t>(512, std::max<int64_t>(64, (total * H + 4 * threads - 1) / (4 * threads)));
-}
-
-// HF's RMSNorm of one head's vector x [D] (Qwen3's q/k norms): w * T(x * rsqrt(mean(x^2) + eps)), into out.
-template <typename T>
-const T* rms_norm_row(const T* x, const T* w, int64_t D, float eps, T* out) {
-  float ss = 0.f;
-  for (int64_t d = 0; d < D; ++d) ss += to_f32(x[d]) * to_f32(x[d]);
-  const float inv = 1.f / std::sqrt(ss / float(D) + eps);
-  for (int64_t d = 0; d < D; ++d) out[d] = from_f32<T>(to_f32(w[d]) * to_f32(from_f32<T>(to_f32(x[d]) * inv)));
-  return out;
 }
 
 // x [D] rotated as HF's apply_rotary_pos_emb does, x * cos + rotate_half(x) * sin (rotate_half(x) = [-x2, x1]),

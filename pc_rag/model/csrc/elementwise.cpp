@@ -1,5 +1,5 @@
-// The small ops between a decode step's matrix products, one call each instead of 5-9 torch ops (decode.py's
-// FastDecode): the residual add with the RMSNorm after it, and the MLP's SiLU(gate) * up. Each rounds to the
+// The small ops between a decode step's matrix products, one call each instead of 5-9 torch ops (fused.py's
+// FusedDecode): the residual add with the RMSNorm after it, and the MLP's SiLU(gate) * up. Each rounds to the
 // tensors' dtype where the model's own ops do, so fp32 results match them to float rounding and bf16 ones to the
 // last bit but for the sum of squares' order.
 #include <immintrin.h>
@@ -10,15 +10,6 @@
 #include "simd.h"
 
 namespace {
-
-// HF's LlamaRMSNorm on one row x [N]: w * T(x * rsqrt(mean(x^2) + eps)), statistics in fp32.
-template <typename T>
-void rms_norm_row(const T* x, const T* w, int64_t N, float eps, T* out) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < N; ++i) ss += to_f32(x[i]) * to_f32(x[i]);
-  const float inv = 1.f / std::sqrt(ss / float(N) + eps);
-  for (int64_t i = 0; i < N; ++i) out[i] = from_f32<T>(to_f32(w[i]) * to_f32(from_f32<T>(to_f32(x[i]) * inv)));
-}
 
 // SiLU as torch computes it in fp32, x / (1 + exp(-x)), then rounded to T; times up, rounded again.
 template <typename T>

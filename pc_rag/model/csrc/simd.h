@@ -1,9 +1,10 @@
-// What both attention kernels share: the AVX-512 target attribute, 16-lane loads of fp32 or bf16, a vectorised
-// exp, and scalar bf16 conversions. Header-only, functions inline, so each kernel file compiles on its own.
+// What the kernel files share: the AVX-512 target attributes, 16-lane loads of fp32 or bf16, a vectorised exp,
+// scalar bf16 conversions and HF's RMSNorm of one row. Header-only, functions inline, so each kernel file compiles on its own.
 #pragma once
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -55,6 +56,17 @@ inline float to_f32(uint16_t x) { return bf16_to_f32(x); }
 template <typename T> inline T from_f32(float x);
 template <> inline float from_f32<float>(float x) { return x; }
 template <> inline uint16_t from_f32<uint16_t>(float x) { return f32_to_bf16(x); }
+
+// HF's LlamaRMSNorm (and Qwen3's per-head q/k norms) on one row x [N]: w * T(x * rsqrt(mean(x^2) + eps)),
+// statistics in fp32; into out, which it returns.
+template <typename T>
+inline const T* rms_norm_row(const T* x, const T* w, int64_t N, float eps, T* out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < N; ++i) ss += to_f32(x[i]) * to_f32(x[i]);
+  const float inv = 1.f / std::sqrt(ss / float(N) + eps);
+  for (int64_t i = 0; i < N; ++i) out[i] = from_f32<T>(to_f32(w[i]) * to_f32(from_f32<T>(to_f32(x[i]) * inv)));
+  return out;
+}
 
 inline bool avx512_supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
