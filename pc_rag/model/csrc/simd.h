@@ -1,5 +1,6 @@
 // What the kernel files share: the AVX-512 target attributes, 16-lane loads of fp32 or bf16, a vectorised exp,
-// scalar bf16 conversions and HF's RMSNorm of one row. Header-only, functions inline, so each kernel file compiles on its own.
+// scalar bf16 conversions and HF's RMSNorm of one row. Header-only, functions inline, so each kernel file
+// compiles on its own.
 #pragma once
 
 #include <immintrin.h>
