@@ -6,7 +6,7 @@ SiLU, the residual adds), each a dispatch of 3-10 us, plus the Python between th
 (24 layers) that was 13 of a 44 ms step. vLLM's CPU engine runs the same layer as fused C++ ops. Here, per layer:
 
     x = RMSNorm(h)                      pc_rag_add_rms_norm (fused with the previous residual add)
-    qkv = x Wqkv                        oneDNN, packed (weights.py)
+    qkv = x Wqkv                        oneDNN, packed (weights.py); one-row fp32 steps MKL where faster
     o = attention(RoPE(q), cache + k, v)  pc_rag_decode_step: RoPE, the KV written to each request's slot, attention
     h += o Wo; x = RMSNorm(h)           oneDNN; pc_rag_add_rms_norm
     a = SiLU(x Wg) * (x Wu)             oneDNN; pc_rag_silu_mul
@@ -14,10 +14,10 @@ SiLU, the residual adds), each a dispatch of 3-10 us, plus the Python between th
 
 Which models: the layer of Llama, Mistral, Qwen2, Qwen3 and the families that share it (a pre-attention and a
 pre-MLP RMSNorm, per-head q/k RMSNorms or none, SiLU, rotate-half RoPE over the whole head, no multipliers or
-soft-caps), in fp32 or bf16 on
-a CPU where the kernels run (kernels.py) and the products are packed. Each op rounds where the model's own ops do,
-and `FusedDecode.of` checks a probe step against the module-by-module step before it is used: any family, version or
-norm that differs gets the module-by-module step (runner.decode_batch), as does everything else.
+soft-caps), in fp32 or bf16 on a CPU where the kernels run (kernels.py) and the products are packed. Each op rounds
+where the model's own ops do, and `FusedDecode.of` checks a probe step against the module-by-module step before it
+is used: any family, version or norm that differs gets the module-by-module step (runner.decode_batch), as does
+everything else.
 """
 
 from __future__ import annotations
