@@ -87,7 +87,7 @@ class FusedDecode:
             why = None if fused._agrees() else "a probe step disagreed with the module-by-module step"
             if why is None and runner.dtype == torch.float32:
                 fused.plain_rows = fused._plain_is_faster()
-                fused.plain_rows = fused.plain_rows and fused._agrees()
+                fused.plain_rows = fused.plain_rows and fused._agrees()  # the probe again, through MKL's products
         if why is not None:
             log.info("pc_rag: decode steps module by module (%s)", why)
             return None

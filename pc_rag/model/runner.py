@@ -126,8 +126,7 @@ class LlamaRunner:
         self._fingerprint: str | None = None
         self._fingerprint_lock = threading.Lock()
         # Decode steps as a few native calls per layer where the model's layer is the standard one (fused.py).
-        self._fused: FusedDecode | None = None
-        self._fused = FusedDecode.of(self)
+        self._fused: FusedDecode | None = FusedDecode.of(self)
 
     @property
     def fingerprint(self) -> str:
