@@ -90,7 +90,7 @@ def test_qwen3s_per_head_norms_run_fused(tmp_path, docs, dtype, tol):
 @needs_kernel
 @pytest.mark.parametrize("plain_rows", [False, True])
 def test_one_row_products_packed_or_through_mkl_equal_the_module_step(engine, docs, plain_rows):
-    """Which of the two a one-row step uses is timed at load (FusedDecode._plain_is_faster); both must agree with
+    """Which of the two a one-row step uses is timed at load (FusedLayers._plain_is_faster); both must agree with
     the module-by-module step, whichever this machine picked."""
     fused = engine.runner._fused
     keep, fused.plain_rows = fused.plain_rows, plain_rows
@@ -143,7 +143,7 @@ def test_the_engine_generates_the_same_tokens_fused_and_not(engine, docs):
 def test_add_rms_norm_and_silu_mul_equal_torch(dtype):
     k, g = kernels.loaded(), torch.Generator().manual_seed(5)
     bf16 = int(dtype == torch.bfloat16)
-    for rows, n in ((1, 48), (3, 896), (8, 17)):
+    for rows, n in ((1, 48), (3, 896), (8, 17), (70, 1000)):  # the last two: tails, and rows over 2 threads
         x, delta = (torch.randn(rows, n, generator=g).mul(3).to(dtype) for _ in range(2))
         w = torch.randn(n, generator=g).to(dtype)
         want_x = x + delta
@@ -151,14 +151,17 @@ def test_add_rms_norm_and_silu_mul_equal_torch(dtype):
         normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)  # LlamaRMSNorm's ops
         want = w * normed
         out = torch.empty_like(x)
-        assert k.add_rms_norm(rows, n, x.data_ptr(), delta.data_ptr(), w.data_ptr(), 1e-6, bf16, out.data_ptr()) == 0
+        assert k.add_rms_norm(rows, n, x.data_ptr(), delta.data_ptr(), w.data_ptr(), 1e-6, bf16, 2,
+                              out.data_ptr()) == 0
         assert torch.equal(x, want_x)  # the residual add, in place
         tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the sum of squares' order may move one rounding
         assert (out.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
-        gate_up = torch.randn(rows, 2 * n, generator=g).mul(4).to(dtype)
+        gate_up = torch.randn(rows, 2 * n, generator=g).mul(4)
+        gate_up[0, :6] = torch.tensor([-200.0, -100.0, -90.0, 90.0, 100.0, 200.0])  # exp's range ends
+        gate_up = gate_up.to(dtype)
         want = F.silu(gate_up[:, :n]) * gate_up[:, n:]
         out = torch.empty(rows, n, dtype=dtype)
         gate, up = gate_up[:, :n], gate_up[:, n:]  # the halves of one fused product, rows 2n apart
-        assert k.silu_mul(rows, n, gate.data_ptr(), up.data_ptr(), 2 * n, bf16, out.data_ptr()) == 0
+        assert k.silu_mul(rows, n, gate.data_ptr(), up.data_ptr(), 2 * n, bf16, 2, out.data_ptr()) == 0
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         assert (out.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()

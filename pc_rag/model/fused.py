@@ -1,4 +1,5 @@
-"""A decode step of the standard decoder layer in a few native calls between the matrix products.
+"""The standard decoder layer's small ops as native calls between the matrix products: a whole decode step, and
+in a prefill the norms and the MLP's activation.
 
 A decode step is memory and per-op overhead (docs/speed.md): between its four products a layer ran ~35 small
 torch ops (two RMSNorms of 6-8 ops each in bf16, RoPE on queries and keys, the per-request KV writes and views,
@@ -12,12 +13,16 @@ SiLU, the residual adds), each a dispatch of 3-10 us, plus the Python between th
     a = SiLU(x Wg) * (x Wu)             oneDNN; pc_rag_silu_mul
     h += a Wd                           oneDNN; fused into the next layer's norm
 
+A prefill (runner.forward_layers) takes the same norm and SiLU calls, threaded over its rows: in bf16 torch ran
+them as fp32 round trips (to, pow, mean, rsqrt, mul, to, mul per norm; silu then mul), 2.0 of a 10.5 s cold 4K
+prefill at the large shape. RoPE and attention stay the runner's there (attention.py).
+
 Which models: the layer of Llama, Mistral, Qwen2, Qwen3 and the families that share it (a pre-attention and a
 pre-MLP RMSNorm, per-head q/k RMSNorms or none, SiLU, rotate-half RoPE over the whole head, no multipliers or
 soft-caps), in fp32 or bf16 on a CPU where the kernels run (kernels.py) and the products are packed. Each op rounds
-where the model's own ops do, and `FusedDecode.of` checks a probe step against the module-by-module step before it
-is used: any family, version or norm that differs gets the module-by-module step (runner.decode_batch), as does
-everything else.
+where the model's own ops do, and `FusedLayers.of` checks a probe prefill and step against the module-by-module
+ones before it is used: any family, version or norm that differs gets the module-by-module layers (runner.py), as
+does everything else.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from . import kernels
 from .architecture import DEFAULT_ROPE, Norms
 
 log = logging.getLogger("pc_rag.fused")
+
+# A prefill's MLP runs this many bytes of gate|up product at a time (FusedLayers.after_attention).
+MLP_BYTES = 16 << 20
 
 
 def _linear(packed, x: torch.Tensor) -> torch.Tensor:
@@ -58,9 +66,8 @@ def _is_silu(act) -> bool:
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-class FusedDecode:
-    """The fused decode step of one runner (see the module docstring); `of(runner)` returns None where it does not
-    apply."""
+class FusedLayers:
+    """One runner's fused ops (see the module docstring); `of(runner)` returns None where they do not apply."""
 
     def __init__(self, runner, k: kernels.Kernels):
         self.runner = runner
@@ -77,19 +84,24 @@ class FusedDecode:
         self.bf16 = int(runner.dtype == torch.bfloat16)
         self.kv_heads, self.head_dim = arch.kv_heads, arch.head_dim
         self.group = arch.heads // arch.kv_heads
+        self.mlp_width = w.layers[0].gate_up.splits[0]  # the MLP's intermediate size
         self.plain_rows = False  # one-row steps through MKL on the modules' own weights (set by `of`)
 
     @classmethod
-    def of(cls, runner) -> FusedDecode | None:
+    def of(cls, runner) -> FusedLayers | None:
         why = cls._unfit(runner)
         if why is None:
             fused = cls(runner, kernels.loaded())
-            why = None if fused._agrees() else "a probe step disagreed with the module-by-module step"
-            if why is None and runner.dtype == torch.float32:
-                fused.plain_rows = fused._plain_is_faster()
-                fused.plain_rows = fused.plain_rows and fused._agrees()  # the probe again, through MKL's products
+            runner._fused = fused  # the probe runs the runner's own forward with it
+            try:
+                why = None if fused._agrees() else "a probe disagreed with the module-by-module layers"
+                if why is None and runner.dtype == torch.float32:
+                    fused.plain_rows = fused._plain_is_faster()
+                    fused.plain_rows = fused.plain_rows and fused._agrees()  # again, through MKL's products
+            finally:
+                runner._fused = None
         if why is not None:
-            log.info("pc_rag: decode steps module by module (%s)", why)
+            log.info("pc_rag: layers module by module (%s)", why)
             return None
         return fused
 
@@ -116,22 +128,27 @@ class FusedDecode:
         return None
 
     def _agrees(self) -> bool:
-        """A probe: 6 tokens prefilled module by module into two caches, then one step each way; the logits must
-        agree as closely as fp32 (1e-4) or bf16 (one rounding of the logits) allow."""
+        """A probe: 6 tokens prefilled into two caches, module by module and fused, then one step each way; the
+        logits of both must agree as closely as fp32 (1e-4) or bf16 (one rounding of the logits) allow. The
+        caller has set runner._fused to self."""
         r = self.runner
         ids = [min(i + 3, r.config.vocab_size - 1) for i in range(7)]
         caches = [r.new_cache(8), r.new_cache(8)]
-        for c in caches:
-            r.forward_layers(c, ids[:6], list(range(6)), list(range(6)))
-        want = r.decode_batch(caches[:1], ids[6:], [6], [6], fused=False)
+        six = list(range(6))
         try:
-            got = self.step(caches[1:], ids[6:], [6], [6])
+            pairs = [(r.forward_layers(caches[0], ids[:6], six, six, fused=False),
+                      r.forward_layers(caches[1], ids[:6], six, six))]
+            pairs.append((r.decode_batch(caches[:1], ids[6:], [6], [6], fused=False),
+                          self.step(caches[1:], ids[6:], [6], [6])))
         except RuntimeError as e:  # e.g. RoPE over part of each head (Phi-3)
-            log.info("pc_rag: the fused decode step does not take this model: %s", e)
+            log.info("pc_rag: the fused layers do not take this model: %s", e)
             return False
         tol = 1e-4 if r.dtype == torch.float32 else 5e-2
-        scale = float(want.abs().max()) + 1e-6
-        return bool(((got - want).abs().max() / scale) <= tol) and torch.equal(got.argmax(-1), want.argmax(-1))
+        for want, got in pairs:
+            scale = float(want.abs().max()) + 1e-6
+            if not (((got - want).abs().max() / scale) <= tol and torch.equal(got.argmax(-1), want.argmax(-1))):
+                return False
+        return True
 
     @torch.inference_mode()
     def _plain_is_faster(self) -> bool:
@@ -190,7 +207,8 @@ class FusedDecode:
         n_hidden = hidden.shape[-1]
         x = torch.empty_like(hidden)
         o = torch.empty(b, hk * g * d, dtype=r.dtype)
-        k.add_rms_norm(b, n_hidden, hidden.data_ptr(), None, self.input_norms[0].data_ptr(), eps, bf16, x.data_ptr())
+        k.add_rms_norm(b, n_hidden, hidden.data_ptr(), None, self.input_norms[0].data_ptr(), eps, bf16, threads,
+                       x.data_ptr())
         layers = r.weights.layers
         plain = b == 1 and self.plain_rows  # MKL's products on the modules' weights (see _plain_is_faster)
         for i, lw in enumerate(layers):
@@ -215,7 +233,7 @@ class FusedDecode:
                 gate = up = _linear(lw.gate_up, x)
                 up = up[:, up.shape[-1] // 2:]
             a = torch.empty(b, up.shape[-1], dtype=r.dtype)
-            k.silu_mul(b, a.shape[-1], gate.data_ptr(), up.data_ptr(), gate.stride(0), bf16, a.data_ptr())
+            k.silu_mul(b, a.shape[-1], gate.data_ptr(), up.data_ptr(), gate.stride(0), bf16, threads, a.data_ptr())
             out = _plain(lw.down.modules[0], a) if plain else _linear(lw.down, a)
             self._norm(hidden, out, self.input_norms[i + 1] if i + 1 < len(layers) else None, x)
         logits = r._logits(hidden[:, None])[:, 0]  # [B, vocab]
@@ -223,9 +241,41 @@ class FusedDecode:
             cache.length = max(cache.length, s + 1)
         return logits.float()
 
+    def first_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The first layer's input norm of a prefill's hidden states [1, n, hidden]."""
+        x = torch.empty_like(hidden)
+        self.k.add_rms_norm(hidden.numel() // hidden.shape[-1], hidden.shape[-1], hidden.data_ptr(), None,
+                            self.input_norms[0].data_ptr(), self.eps, self.bf16, torch.get_num_threads(), x.data_ptr())
+        return x
+
+    def after_attention(self, i: int, hidden: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The rest of layer `i` in a prefill, runner._after_attention's ops with the norms and SiLU fused: `hidden`
+        [1, n, hidden] (contiguous) += o Wo, then += the MLP of its norm, in place. Returns the next layer's input
+        norm of it (after the last layer: nothing to use).
+
+        The MLP runs MLP_BYTES of its widest activations at a time: a whole 4K-token prefill's gate|up product is
+        80-160 MB, which the allocator maps fresh for every layer (glibc maps blocks over 32 MB, and a fresh page
+        costs a fault and zeroing: 20-40 ms per 80 MB here), while blocks under that are reused from its heap."""
+        lw, bf16, threads = self.runner.weights.layers[i], self.bf16, torch.get_num_threads()
+        width = hidden.shape[-1]
+        out = lw.o(o.transpose(1, 2).reshape(-1, width))
+        hidden = hidden.view(-1, width)
+        x = self._norm(hidden, out, self.mlp_norms[i], torch.empty_like(hidden))
+        after = None if i + 1 == len(self.input_norms) else self.input_norms[i + 1]
+        rows = max(256, MLP_BYTES // (2 * self.mlp_width * hidden.element_size()) // 256 * 256)
+        for a in range(0, hidden.shape[0], rows):
+            gate, up = lw.gate_up(x[a: a + rows])  # [r, I] each: column ranges of one product
+            act = torch.empty(gate.shape, dtype=gate.dtype)
+            self.k.silu_mul(gate.shape[0], gate.shape[1], gate.data_ptr(), up.data_ptr(), gate.stride(0), bf16,
+                            threads, act.data_ptr())
+            self._norm(hidden[a: a + rows], lw.down(act), after, x[a: a + rows])  # x's rows a.. are used up
+        return x.view(1, -1, width)
+
     def _norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None,
               out: torch.Tensor) -> torch.Tensor:
-        """hidden += delta, then out = RMSNorm(hidden) * weight (just the add where weight is None)."""
-        self.k.add_rms_norm(hidden.shape[0], hidden.shape[1], hidden.data_ptr(), delta.data_ptr(),
-                            None if weight is None else weight.data_ptr(), self.eps, self.bf16, out.data_ptr())
+        """hidden += delta, then out = RMSNorm(hidden) * weight (just the add where weight is None); rows of any
+        leading shape, contiguous."""
+        self.k.add_rms_norm(hidden.numel() // hidden.shape[-1], hidden.shape[-1], hidden.data_ptr(), delta.data_ptr(),
+                            None if weight is None else weight.data_ptr(), self.eps, self.bf16,
+                            torch.get_num_threads(), out.data_ptr())
         return out

@@ -198,10 +198,10 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
                      ptr, i64, i64, i64, i64, i32, f32, i32, ptr]
     step.restype = i32
     norm = lib.pc_rag_add_rms_norm
-    norm.argtypes = [i64, i64, ptr, ptr, ptr, f32, i32, ptr]
+    norm.argtypes = [i64, i64, ptr, ptr, ptr, f32, i32, i32, ptr]
     norm.restype = i32
     silu = lib.pc_rag_silu_mul
-    silu.argtypes = [i64, i64, ptr, ptr, i64, i32, ptr]
+    silu.argtypes = [i64, i64, ptr, ptr, i64, i32, i32, ptr]
     silu.restype = i32
     return Kernels(decode, prefill, step, norm, silu)
 

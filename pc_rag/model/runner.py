@@ -25,7 +25,7 @@ from .attention import Heads, Writes, _mask, _prefill_kernel_runs, attend, atten
 from .cache import ModelShape, SlotCache, _to_device
 from .families import SUPPORTED_MODEL_TYPES, describe
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
-from .fused import FusedDecode
+from .fused import FusedLayers
 from .rope import RelocationCheck, relocate, rope_of
 from .weights import weights_of
 
@@ -125,8 +125,10 @@ class LlamaRunner:
         self.pool_max_bytes = min(POOL_MAX_BYTES, POOL_SIZE * context_bytes)
         self._fingerprint: str | None = None
         self._fingerprint_lock = threading.Lock()
-        # Decode steps as a few native calls per layer where the model's layer is the standard one (fused.py).
-        self._fused: FusedDecode | None = FusedDecode.of(self)
+        # Decode steps as a few native calls per layer, and a prefill's norms and SiLU, where the model's layer is
+        # the standard one (fused.py).
+        self._fused: FusedLayers | None = None
+        self._fused = FusedLayers.of(self)
 
     @property
     def fingerprint(self) -> str:
@@ -325,11 +327,14 @@ class LlamaRunner:
             return {name: rotary(hidden, positions, name) for name in self.rope.tables}
         return {name: rotary(hidden, positions) for name in self.rope.tables}
 
-    def _qkv(self, i: int, hidden: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+    def _qkv(self, i: int, hidden: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+             x: torch.Tensor | None = None):
         """Layer `i`'s queries, keys and values for `hidden` [B, T, hidden], RoPE applied, [B, H, T, D] each: the
-        ops of the model's own attention module (its projections fused, see weights.py)."""
+        ops of the model's own attention module (its projections fused, see weights.py). `x`: `hidden` already
+        through the input norm (the fused layers')."""
         lw, arch = self.weights.layers[i], self.arch
-        x = lw.input_norm(hidden) if lw.input_norm is not None else hidden
+        if x is None:
+            x = lw.input_norm(hidden) if lw.input_norm is not None else hidden
         q, k, v = lw.qkv(x)
         if arch.qk_norm == "projection":  # OLMo 2: over all heads at once
             q, k = lw.q_norm(q), lw.k_norm(k)
@@ -371,7 +376,7 @@ class LlamaRunner:
     @torch.inference_mode()
     def forward_layers(self, cache: SlotCache, ids: list[int], positions: list[int], slots: list[int],
                        narrow: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
-                       ) -> torch.Tensor:
+                       fused: bool = True) -> torch.Tensor:
         """The forward pass, layer by layer over the model's own modules: `ids` at `positions`, their KV written
         to `slots` of `cache`, each token attending to the slots up to its own (within its window, in a
         sliding-window layer). Returns the last token's logits [vocab] (fp32).
@@ -386,6 +391,9 @@ class LlamaRunner:
         RoPE applied) exist, before any KV is written: it returns the indices of the rows to go on with (None:
         all). A dropped row keeps the KV already in its slot from this layer on (CacheBlend's selection: a row
         is dropped once its fresh KV shows it needs no recompute). The last row must stay.
+
+        Where the model's layer is the standard one, its norms and SiLU run fused (fused.py; `fused=False`: module
+        by module, what its probe compares with).
         """
         self._check_cancelled()
         dev = self.device
@@ -395,18 +403,23 @@ class LlamaRunner:
             w = Writes(w.n, w.kv, "slots", None, rows, _mask(rows, w.kv, self.dtype))
         cache.length = max(cache.length, w.kv)
         layers = self.arch.layers
+        fused = self._fused if fused else None
         with self._lock:
             hidden = self._embed(torch.tensor([ids], device=dev))  # [1, n, hidden]
             rope = self._rope_at(hidden, torch.tensor([positions], device=dev))  # table -> [1, n, D] each
+            x = fused.first_norm(hidden) if fused is not None else None  # the next layer's normed input
             for i in range(self.shape.num_layers):
-                q, k, v = self._qkv(i, hidden, rope)  # [1, H, n, D]
+                q, k, v = self._qkv(i, hidden, rope, x)  # [1, H, n, D]
                 keep = narrow(i, w.rows(dev), k[0]) if narrow is not None else None
                 if keep is not None:
                     hidden, q, k, v = hidden[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
                     rope = {name: (cos[:, keep], sin[:, keep]) for name, (cos, sin) in rope.items()}
                     w = w.keep(keep, w.rows(dev), self.dtype)
                 o = attend(cache.keys[i], cache.values[i], self.heads, layers[i].window, q, k, v, w)
-                hidden = self._after_attention(i, hidden, o)
+                if fused is not None:  # hidden updated in place
+                    x = fused.after_attention(i, hidden, o)
+                else:
+                    hidden = self._after_attention(i, hidden, o)
             logits = self._logits(hidden[:, -1:])
         return logits[0, -1].float()
 

@@ -1,7 +1,8 @@
-// The small ops between a decode step's matrix products, one call each instead of 5-9 torch ops (fused.py's
-// FusedDecode): the residual add with the RMSNorm after it, and the MLP's SiLU(gate) * up. Each rounds to the
-// tensors' dtype where the model's own ops do, so fp32 results match them to float rounding and bf16 ones to the
-// last bit but for the sum of squares' order.
+// The small ops between a layer's matrix products, one call each instead of 5-9 torch ops (fused.py): the residual
+// add with the RMSNorm after it, and the MLP's SiLU(gate) * up. A decode step passes one row per request, a
+// prefill thousands: rows go to the threads, 16 lanes at a time. Each op rounds to the tensors' dtype where the
+// model's own ops do, so fp32 results match them to float rounding and bf16 ones to the last bit but for the sum of
+// squares' order and exp's last ulp.
 #include <immintrin.h>
 
 #include <cmath>
@@ -11,24 +12,65 @@
 
 namespace {
 
+// Below this many elements a call runs on one thread: a decode step's rows are done before threads would start.
+constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;
+
 // SiLU as torch computes it in fp32, x / (1 + exp(-x)), then rounded to T; times up, rounded again.
 template <typename T>
-void silu_mul_row(const T* gate, const T* up, int64_t N, T* out) {
-  for (int64_t i = 0; i < N; ++i) {
+PC_AVX512 void silu_mul_row(const T* gate, const T* up, int64_t N, T* out) {
+  int64_t i = 0;
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= N; i += 16) {
+    const __m512 g = load16(gate + i);
+    const __m512 e = exp16_any(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 a = round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+    store16(out + i, _mm512_mul_ps(a, load16(up + i)));
+  }
+  for (; i < N; ++i) {
     const float g = to_f32(gate[i]);
     const T a = from_f32<T>(g / (1.f + std::exp(-g)));
     out[i] = from_f32<T>(to_f32(a) * to_f32(up[i]));
   }
 }
 
+// One row: x += delta (rounded to T) where delta is given, then out = w * T(x * rsqrt(mean(x^2) + eps)) where w is
+// given (HF's LlamaRMSNorm: statistics in fp32).
 template <typename T>
-void add_rms_norm(int64_t B, int64_t N, T* x, const T* delta, const T* w, float eps, T* out) {
-  for (int64_t r = 0; r < B; ++r) {
-    T* xr = x + r * N;
-    if (delta)
-      for (int64_t i = 0; i < N; ++i) xr[i] = from_f32<T>(to_f32(xr[i]) + to_f32(delta[r * N + i]));
-    if (w) rms_norm_row(xr, w, N, eps, out + r * N);
+PC_AVX512 void add_rms_norm_row(T* x, const T* delta, const T* w, int64_t N, float eps, T* out) {
+  __m512 acc = _mm512_setzero_ps();
+  float tail = 0.f;
+  int64_t i = 0;
+  for (; i + 16 <= N; i += 16) {
+    __m512 v = load16(x + i);
+    if (delta) {
+      v = round16<T>(_mm512_add_ps(v, load16(delta + i)));
+      store16(x + i, v);
+    }
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
   }
+  for (int64_t j = i; j < N; ++j) {
+    if (delta) x[j] = from_f32<T>(to_f32(x[j]) + to_f32(delta[j]));
+    tail += to_f32(x[j]) * to_f32(x[j]);
+  }
+  if (!w) return;
+  const float inv = 1.f / std::sqrt((_mm512_reduce_add_ps(acc) + tail) / float(N) + eps);
+  const __m512 s = _mm512_set1_ps(inv);
+  for (i = 0; i + 16 <= N; i += 16)
+    store16(out + i, _mm512_mul_ps(load16(w + i), round16<T>(_mm512_mul_ps(load16(x + i), s))));
+  for (; i < N; ++i) out[i] = from_f32<T>(to_f32(w[i]) * to_f32(from_f32<T>(to_f32(x[i]) * inv)));
+}
+
+template <typename T>
+void add_rms_norm(int64_t B, int64_t N, T* x, const T* delta, const T* w, float eps, int threads, T* out) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (B > 1 && B * N >= PARALLEL_ELEMENTS)
+  for (int64_t r = 0; r < B; ++r)
+    add_rms_norm_row(x + r * N, delta ? delta + r * N : nullptr, w, N, eps, out + r * N);
+}
+
+template <typename T>
+void silu_mul(int64_t B, int64_t N, const T* gate, const T* up, int64_t row, int threads, T* out) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (B > 1 && B * N >= PARALLEL_ELEMENTS)
+  for (int64_t r = 0; r < B; ++r) silu_mul_row(gate + r * row, up + r * row, N, out + r * N);
 }
 
 }  // namespace
@@ -38,27 +80,26 @@ extern "C" {
 // B rows x [B, N]: x += delta where delta is not null (the residual add, in place), then out = RMSNorm(x) * w where
 // w is not null. Returns 0.
 int pc_rag_add_rms_norm(int64_t B, int64_t N, void* x, const void* delta, const void* w, float eps, int bf16,
-                        void* out) {
+                        int threads, void* out) {
   if (bf16)
     add_rms_norm(B, N, static_cast<uint16_t*>(x), static_cast<const uint16_t*>(delta),
-                 static_cast<const uint16_t*>(w), eps, static_cast<uint16_t*>(out));
+                 static_cast<const uint16_t*>(w), eps, threads, static_cast<uint16_t*>(out));
   else
     add_rms_norm(B, N, static_cast<float*>(x), static_cast<const float*>(delta), static_cast<const float*>(w), eps,
-                 static_cast<float*>(out));
+                 threads, static_cast<float*>(out));
   return 0;
 }
 
 // B rows of gate and up [B, N] (rows `row` elements apart: the halves of one fused product, or two products):
 // out [B, N] = SiLU(gate) * up. Returns 0.
-int pc_rag_silu_mul(int64_t B, int64_t N, const void* gate, const void* up, int64_t row, int bf16, void* out) {
-  for (int64_t r = 0; r < B; ++r) {
-    if (bf16)
-      silu_mul_row(static_cast<const uint16_t*>(gate) + r * row, static_cast<const uint16_t*>(up) + r * row, N,
-                   static_cast<uint16_t*>(out) + r * N);
-    else
-      silu_mul_row(static_cast<const float*>(gate) + r * row, static_cast<const float*>(up) + r * row, N,
-                   static_cast<float*>(out) + r * N);
-  }
+int pc_rag_silu_mul(int64_t B, int64_t N, const void* gate, const void* up, int64_t row, int bf16, int threads,
+                    void* out) {
+  if (bf16)
+    silu_mul(B, N, static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up), row, threads,
+             static_cast<uint16_t*>(out));
+  else
+    silu_mul(B, N, static_cast<const float*>(gate), static_cast<const float*>(up), row, threads,
+             static_cast<float*>(out));
   return 0;
 }
 

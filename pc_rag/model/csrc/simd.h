@@ -37,6 +37,28 @@ PC_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// exp(x) for any x: above 100 it is +inf as it should be (2^n overflows in scalef); the clamp keeps the range
+// reduction's r small there.
+PC_AVX512 inline __m512 exp16_any(__m512 x) { return exp16(_mm512_min_ps(x, _mm512_set1_ps(100.f))); }
+
+// v rounded to T and widened back (bf16: to nearest even, as torch's conversion; fp32: v).
+template <typename T> PC_AVX512 inline __m512 round16(__m512 v);
+template <> PC_AVX512 inline __m512 round16<float>(__m512 v) { return v; }
+template <> PC_AVX512 inline __m512 round16<uint16_t>(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+// 16 lanes stored as T (bf16 rounded to nearest even).
+template <typename T> PC_AVX512 inline void store16(T* p, __m512 v);
+template <> PC_AVX512 inline void store16<float>(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+template <> PC_AVX512 inline void store16<uint16_t>(uint16_t* p, __m512 v) {
+  const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(round16<uint16_t>(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
+}
+
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
   float f;
