@@ -1,10 +1,11 @@
-"""The fused decode step (pc_rag/model/fused.py, csrc/elementwise.cpp, pc_rag_decode_step).
+"""The fused layers (pc_rag/model/fused.py, csrc/elementwise.cpp, pc_rag_decode_step): the decode step and a
+prefill's norms, SiLU and RoPE with its KV writes.
 
-References: the module-by-module step (`decode_batch(..., fused=False)`, the model's own modules and sdpa-checked
-attention) for the logits (fp32 <= 1e-5 relative to the largest logit; bf16 <= 3e-2 and the same argmax) and for the
-KV written into each request's cache (fp32 <= 1e-6, bf16 bit-equal: RoPE rounds as HF's three ops do); torch's own
-ops for the elementwise kernels; HF's `generate` for the tokens (test_families.py already runs every family, the
-fused ones through this step)."""
+References: the module-by-module step and prefill (`decode_batch(..., fused=False)`, `forward_layers(...,
+fused=False)`: the model's own modules and sdpa-checked attention) for the logits (fp32 <= 1e-5 relative to the
+largest logit; bf16 <= 3e-2 and the same argmax) and for the KV written into each request's cache (a step's: fp32
+<= 1e-6, bf16 bit-equal: RoPE rounds as HF's three ops do); torch's and HF's own ops for the elementwise kernels;
+HF's `generate` for the tokens (test_families.py already runs every family, the fused ones through this code)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,6 @@ def test_the_fused_step_equals_the_module_by_module_step(tmp_path, tiny_path, do
                     assert (new_a - new_b).abs().max().item() <= 1e-6 * new_b.abs().max().item()
 
 
-@needs_kernel
 @needs_kernel
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 def test_qwen3s_per_head_norms_run_fused(tmp_path, docs, dtype, tol):
@@ -165,3 +165,82 @@ def test_add_rms_norm_and_silu_mul_equal_torch(dtype):
         assert k.silu_mul(rows, n, gate.data_ptr(), up.data_ptr(), 2 * n, bf16, 2, out.data_ptr()) == 0
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         assert (out.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_fused_prefill_equals_the_module_by_module_prefill(tmp_path, tiny_path, docs, monkeypatch, arch, dtype,
+                                                               tol):
+    """A cold prefill (causal) and more tokens after it (the fresh tokens after a cached prefix), fused and module
+    by module, each into its own cache: the logits, and every layer's KV (fp32 <= 1e-5 relative; bf16 within the
+    roundings the norms' other sum order moves, compounded over the layers). The MLP in blocks of 256 rows
+    (MLP_BYTES made small)."""
+    from pc_rag.model import fused as fused_module
+
+    monkeypatch.setattr(fused_module, "MLP_BYTES", 1)
+    if arch == "llama":
+        path = tiny_path
+    elif arch == "qwen3":
+        path = build_tiny(tmp_path / "qwen3", "qwen3")
+    else:
+        path = _save_variant(tmp_path, tiny_path, arch)
+    runner = _engine(path, dtype).runner
+    assert runner._fused is not None
+    cold, more = 600, 100
+    ids = runner.tokenizer(" ".join(docs) * 2, add_special_tokens=False)["input_ids"][: cold + more]
+    assert len(ids) == cold + more
+    caches = [runner.new_cache(cold + more), runner.new_cache(cold + more)]
+    for a, b in ((0, cold), (cold, cold + more)):
+        span = list(range(a, b))
+        got = runner.forward_layers(caches[0], ids[a:b], span, span)
+        want = runner.forward_layers(caches[1], ids[a:b], span, span, fused=False)
+        assert (got - want).abs().max().item() <= tol * want.abs().max().item(), (a, b)
+        assert torch.equal(got.argmax(), want.argmax())
+    kv_tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, w in ((caches[0].keys, caches[1].keys), (caches[0].values, caches[1].values)):
+        g, w = g[..., : cold + more, :].float(), w[..., : cold + more, :].float()
+        assert (g - w).abs().max().item() <= kv_tol * w.abs().max().item()
+        first = 1e-6 if dtype == torch.float32 else 1e-2  # layer 0: the embeddings through one norm and RoPE
+        assert (g[0] - w[0]).abs().max().item() <= first * w[0].abs().max().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,qk_norm", [(64, False), (128, True), (48, False)])
+def test_prefill_rope_equals_hfs_ops(dtype, head_dim, qk_norm):
+    """pc_rag_prefill_rope against HF's apply_rotary_pos_emb (and Qwen3's per-head RMSNorm): the queries, and the
+    keys and values written into a cache at slots 5.., bit for bit without the norms (each product and the sum
+    rounded as HF's three ops); 48-dim heads take the scalar path."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    k, g = kernels.loaded(), torch.Generator().manual_seed(7)
+    n, hk, group, d = 300, 2, 3, head_dim
+    proj = torch.randn(n, (hk * group + 2 * hk) * d, generator=g).mul(2).to(dtype)
+    q, kk, v = proj.split([hk * group * d, hk * d, hk * d], -1)
+    angles = torch.randn(n, d // 2, generator=g).mul(50)
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    norm_w = [torch.randn(d, generator=g).to(dtype) for _ in range(2)] if qk_norm else [None, None]
+    heads_q, heads_k = (t.view(1, n, -1, d).transpose(1, 2) for t in (q, kk))
+    if qk_norm:
+        def norm(x, w):
+            h = x.float()
+            return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        heads_q, heads_k = norm(heads_q, norm_w[0]), norm(heads_k, norm_w[1])
+    want_q, want_k = apply_rotary_pos_emb(heads_q, heads_k, cos[None], sin[None])
+    out = torch.empty(1, hk * group, n, d, dtype=dtype)
+    cache_k, cache_v = torch.zeros(1, hk, n + 9, d, dtype=dtype), torch.zeros(1, hk, n + 9, d, dtype=dtype)
+    ptr = [None if w is None else w.data_ptr() for w in norm_w]
+    assert k.prefill_rope(n, q.data_ptr(), q.stride(0), kk.data_ptr(), kk.stride(0), v.data_ptr(), v.stride(0),
+                          cos.data_ptr(), sin.data_ptr(), d, ptr[0], ptr[1], 1e-6, out.data_ptr(),
+                          cache_k[0, 0, 5].data_ptr(), cache_k.stride(1), cache_v[0, 0, 5].data_ptr(),
+                          cache_v.stride(1), hk, group, d, int(dtype == torch.bfloat16), 2) == 0
+    got_k, got_v = cache_k[:, :, 5: 5 + n], cache_v[:, :, 5: 5 + n]
+    assert torch.equal(got_v, v.view(1, n, hk, d).transpose(1, 2))
+    assert not cache_k[:, :, :5].any() and not cache_k[:, :, 5 + n:].any()  # nothing written outside the slots
+    for got, want in ((out, want_q), (got_k, want_k)):
+        if qk_norm:  # the sum of squares' order may move one rounding
+            tol = 1e-6 if dtype == torch.float32 else 1e-2
+            assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+        else:
+            assert torch.equal(got, want)

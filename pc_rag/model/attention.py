@@ -99,13 +99,14 @@ class Writes:
 
 
 def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, window: int | None, q, k, v,
-           w: Writes) -> torch.Tensor:
+           w: Writes, written: bool = False) -> torch.Tensor:
     """Write the fresh keys and values `k`, `v` [1, H_kv, n, D] into one layer's buffers [1, H_kv, capacity, D]
-    at `w`'s slots, then attend (sliding `window`, if any): [1, H_q, n, D]."""
-    if w.layout == "slots":
+    at `w`'s slots (unless `written`: they are views of the buffers there already), then attend (sliding `window`,
+    if any): [1, H_q, n, D]."""
+    if not written and w.layout == "slots":
         layer_keys.index_copy_(2, w.index, k)
         layer_values.index_copy_(2, w.index, v)
-    else:
+    elif not written:
         layer_keys[:, :, w.start: w.start + w.n] = k
         layer_values[:, :, w.start: w.start + w.n] = v
     if w.layout == "after" and w.n == 1:  # a decode step: the last `window` keys at most

@@ -13,9 +13,10 @@ SiLU, the residual adds), each a dispatch of 3-10 us, plus the Python between th
     a = SiLU(x Wg) * (x Wu)             oneDNN; pc_rag_silu_mul
     h += a Wd                           oneDNN; fused into the next layer's norm
 
-A prefill (runner.forward_layers) takes the same norm and SiLU calls, threaded over its rows: in bf16 torch ran
-them as fp32 round trips (to, pow, mean, rsqrt, mul, to, mul per norm; silu then mul), 2.0 of a 10.5 s cold 4K
-prefill at the large shape. RoPE and attention stay the runner's there (attention.py).
+A prefill (runner.forward_layers) takes the same norm and SiLU calls, threaded over its rows, and RoPE with the KV
+writes in one call (pc_rag_prefill_rope): in bf16 torch ran them as fp32 round trips (to, pow, mean, rsqrt, mul, to,
+mul per norm; silu then mul; cat, neg, mul, mul, add per RoPE, then copies), 2.4 of a 10.5 s cold 4K prefill at the
+large shape. Attention stays attention.py's.
 
 Which models: the layer of Llama, Mistral, Qwen2, Qwen3 and the families that share it (a pre-attention and a
 pre-MLP RMSNorm, per-head q/k RMSNorms or none, SiLU, rotate-half RoPE over the whole head, no multipliers or
@@ -247,6 +248,24 @@ class FusedLayers:
         self.k.add_rms_norm(hidden.numel() // hidden.shape[-1], hidden.shape[-1], hidden.data_ptr(), None,
                             self.input_norms[0].data_ptr(), self.eps, self.bf16, torch.get_num_threads(), x.data_ptr())
         return x
+
+    def qkv_written(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int):
+        """Layer `i`'s queries, keys and values for a prefill's normed rows x [1, n, hidden] at slots [start, start +
+        n): the keys (RoPE applied) and values written to `cache` there, the queries returned with RoPE applied
+        ([1, H, n, D], contiguous: sdpa's layout), with the keys and values as views of the cache ([1, H_kv, n, D]).
+        runner._qkv's ops and attention.attend's writes in one native call; cos, sin: [1, n, D]."""
+        lw, n, d = self.runner.weights.layers[i], x.shape[1], self.head_dim
+        q, k, v = (t.view(n, -1) for t in lw.qkv(x))  # column ranges of one product
+        cos, sin = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()
+        if cos.dtype != q.dtype:
+            raise RuntimeError(f"fused prefill: RoPE tables in {cos.dtype}, projections in {q.dtype}")
+        out = torch.empty(1, self.kv_heads * self.group, n, d, dtype=q.dtype)
+        keys, values = cache.keys[i, :, :, start: start + n], cache.values[i, :, :, start: start + n]
+        self.k.prefill_rope(n, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                            cos.data_ptr(), sin.data_ptr(), d, _ptr(self.q_norms[i]), _ptr(self.k_norms[i]),
+                            self.qk_eps, out.data_ptr(), keys.data_ptr(), keys.stride(1), values.data_ptr(),
+                            values.stride(1), self.kv_heads, self.group, d, self.bf16, torch.get_num_threads())
+        return out, keys, values
 
     def after_attention(self, i: int, hidden: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The rest of layer `i` in a prefill, runner._after_attention's ops with the norms and SiLU fused: `hidden`

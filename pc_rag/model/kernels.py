@@ -4,7 +4,8 @@
   at about half the machine's rate in fp32 and a third in bf16 (bench model, 4K keys, 8 layers: 4.9 against
   2.9 ms in fp32, 5.7 against 1.4 ms in bf16). `pc_rag_decode_step` runs it straight from the fused q|k|v
   projection, with RoPE and the KV writes (fused.py).
-- elementwise.cpp: the residual add with the RMSNorm after it, SiLU(gate) * up (fused.py).
+- elementwise.cpp: the residual add with the RMSNorm after it, SiLU(gate) * up, a prefill's RoPE and KV writes
+  (fused.py).
 - prefill_attention.cpp: causal attention of many query rows (a cold prefill, the fresh tokens after a cached
   prefix). sdpa's CPU kernel ran its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench
   machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster.
@@ -66,6 +67,7 @@ class Kernels:
     decode_step: object  # one layer's RoPE, KV write and attention in a decode step
     add_rms_norm: object
     silu_mul: object
+    prefill_rope: object  # a prefill layer's RoPE and KV writes
 
 
 def kernel_dir() -> Path:
@@ -203,7 +205,11 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     silu = lib.pc_rag_silu_mul
     silu.argtypes = [i64, i64, ptr, ptr, i64, i32, i32, ptr]
     silu.restype = i32
-    return Kernels(decode, prefill, step, norm, silu)
+    rope = lib.pc_rag_prefill_rope
+    rope.argtypes = [i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, i64, ptr, i64, i64, i64,
+                     i64, i32, i32]
+    rope.restype = i32
+    return Kernels(decode, prefill, step, norm, silu, rope)
 
 
 def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

@@ -21,6 +21,7 @@ from ..batch import TurnLock
 from ..errors import Cancelled, PCRagError, UnsupportedModelError
 from . import kernels
 from . import rope as rope_check
+from .architecture import DEFAULT_ROPE
 from .attention import Heads, Writes, _mask, _prefill_kernel_runs, attend, attend_decode
 from .cache import ModelShape, SlotCache, _to_device
 from .families import SUPPORTED_MODEL_TYPES, describe
@@ -408,14 +409,19 @@ class LlamaRunner:
             hidden = self._embed(torch.tensor([ids], device=dev))  # [1, n, hidden]
             rope = self._rope_at(hidden, torch.tensor([positions], device=dev))  # table -> [1, n, D] each
             x = fused.first_norm(hidden) if fused is not None else None  # the next layer's normed input
+            # RoPE and the KV writes in one call where the slots are contiguous and every row stays
+            written = fused is not None and narrow is None and w.layout != "slots"
             for i in range(self.shape.num_layers):
-                q, k, v = self._qkv(i, hidden, rope, x)  # [1, H, n, D]
+                if written:
+                    q, k, v = fused.qkv_written(i, x, *rope[DEFAULT_ROPE], cache, w.start)
+                else:
+                    q, k, v = self._qkv(i, hidden, rope, x)  # [1, H, n, D]
                 keep = narrow(i, w.rows(dev), k[0]) if narrow is not None else None
                 if keep is not None:
                     hidden, q, k, v = hidden[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
                     rope = {name: (cos[:, keep], sin[:, keep]) for name, (cos, sin) in rope.items()}
                     w = w.keep(keep, w.rows(dev), self.dtype)
-                o = attend(cache.keys[i], cache.values[i], self.heads, layers[i].window, q, k, v, w)
+                o = attend(cache.keys[i], cache.values[i], self.heads, layers[i].window, q, k, v, w, written)
                 if fused is not None:  # hidden updated in place
                     x = fused.after_attention(i, hidden, o)
                 else:

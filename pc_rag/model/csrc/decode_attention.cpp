@@ -224,20 +224,6 @@ int64_t rows_per_item(int64_t B, const int64_t* n, int64_t H, int threads) {
   return std::min<int64_t>(512, std::max<int64_t>(64, (total * H + 4 * threads - 1) / (4 * threads)));
 }
 
-// x [D] rotated as HF's apply_rotary_pos_emb does, x * cos + rotate_half(x) * sin (rotate_half(x) = [-x2, x1]),
-// each product and the sum rounded to T as its three tensor ops are; into y [D] (in T) and, if ys, ys [D] (fp32,
-// times scale).
-template <typename T>
-void rotate(const T* x, const T* cos, const T* sin, int64_t D, T* y, float* ys, float scale) {
-  const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) {
-    const float xd = to_f32(x[d]), rd = d < half ? -to_f32(x[d + half]) : to_f32(x[d - half]);
-    const T a = from_f32<T>(xd * to_f32(cos[d])), b = from_f32<T>(rd * to_f32(sin[d]));
-    y[d] = from_f32<T>(to_f32(a) + to_f32(b));
-    if (ys) ys[d] = scale * to_f32(y[d]);
-  }
-}
-
 // One layer of a decode step, for B requests, from the projections: q [B, H * G * D], k and v [B, H * D] (rows
 // q_row, k_row, v_row elements apart; the three column ranges of one fused product, or three products). Each
 // head's RMSNorm where q_norm / k_norm [D] are given (Qwen3), RoPE on the queries and the new keys (cos, sin [B, D],

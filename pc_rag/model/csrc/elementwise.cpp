@@ -1,5 +1,5 @@
 // The small ops between a layer's matrix products, one call each instead of 5-9 torch ops (fused.py): the residual
-// add with the RMSNorm after it, and the MLP's SiLU(gate) * up. A decode step passes one row per request, a
+// add with the RMSNorm after it, the MLP's SiLU(gate) * up, and a prefill's RoPE with its KV writes. A decode step passes one row per request, a
 // prefill thousands: rows go to the threads, 16 lanes at a time. Each op rounds to the tensors' dtype where the
 // model's own ops do, so fp32 results match them to float rounding and bf16 ones to the last bit but for the sum of
 // squares' order and exp's last ulp.
@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "simd.h"
 
@@ -73,6 +75,36 @@ void silu_mul(int64_t B, int64_t N, const T* gate, const T* up, int64_t row, int
   for (int64_t r = 0; r < B; ++r) silu_mul_row(gate + r * row, up + r * row, N, out + r * N);
 }
 
+// n rows of one prefill from the projections q [n, H * G * D], k and v [n, H * D] (rows q_row, k_row, v_row elements
+// apart): each head's RMSNorm where q_norm / k_norm [D] are given (Qwen3), RoPE (cos, sin [n, D], rows cs_row
+// apart) on the queries into q_out [H * G, n, D] and on the keys into k_out (head h's row r at h * k_head + r * D:
+// a layer's cache at the prefill's first slot), the values copied into v_out alike.
+template <typename T>
+void prefill_rope(int64_t n, const T* q, int64_t q_row, const T* k, int64_t k_row, const T* v, int64_t v_row,
+                  const T* cos, const T* sin, int64_t cs_row, const T* q_norm, const T* k_norm, float eps, T* q_out,
+                  T* k_out, int64_t k_head, T* v_out, int64_t v_head, int64_t H, int64_t G, int64_t D, int threads) {
+  const int64_t HQ = H * G;
+#pragma omp parallel num_threads(threads) if (n * HQ * D >= PARALLEL_ELEMENTS)
+  {
+    std::vector<T> normed(D);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      const T *c = cos + r * cs_row, *s = sin + r * cs_row;
+      for (int64_t h = 0; h < HQ; ++h) {
+        const T* x = q + r * q_row + h * D;
+        if (q_norm) x = rms_norm_row(x, q_norm, D, eps, normed.data());
+        rotate_row(x, c, s, D, q_out + (h * n + r) * D);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const T* x = k + r * k_row + h * D;
+        if (k_norm) x = rms_norm_row(x, k_norm, D, eps, normed.data());
+        rotate_row(x, c, s, D, k_out + h * k_head + r * D);
+        std::memcpy(v_out + h * v_head + r * D, v + r * v_row + h * D, D * sizeof(T));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -100,6 +132,26 @@ int pc_rag_silu_mul(int64_t B, int64_t N, const void* gate, const void* up, int6
   else
     silu_mul(B, N, static_cast<const float*>(gate), static_cast<const float*>(up), row, threads,
              static_cast<float*>(out));
+  return 0;
+}
+
+// A prefill's RoPE and KV writes for one layer: see prefill_rope above (strides in elements). Returns 0.
+int pc_rag_prefill_rope(int64_t n, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
+                        int64_t v_row, const void* cos, const void* sin, int64_t cs_row, const void* q_norm,
+                        const void* k_norm, float eps, void* q_out, void* k_out, int64_t k_head, void* v_out,
+                        int64_t v_head, int64_t H, int64_t G, int64_t D, int bf16, int threads) {
+  if (bf16)
+    prefill_rope(n, static_cast<const uint16_t*>(q), q_row, static_cast<const uint16_t*>(k), k_row,
+                 static_cast<const uint16_t*>(v), v_row, static_cast<const uint16_t*>(cos),
+                 static_cast<const uint16_t*>(sin), cs_row, static_cast<const uint16_t*>(q_norm),
+                 static_cast<const uint16_t*>(k_norm), eps, static_cast<uint16_t*>(q_out), static_cast<uint16_t*>(k_out),
+                 k_head, static_cast<uint16_t*>(v_out), v_head, H, G, D, threads);
+  else
+    prefill_rope(n, static_cast<const float*>(q), q_row, static_cast<const float*>(k), k_row,
+                 static_cast<const float*>(v), v_row, static_cast<const float*>(cos), static_cast<const float*>(sin),
+                 cs_row, static_cast<const float*>(q_norm), static_cast<const float*>(k_norm), eps,
+                 static_cast<float*>(q_out), static_cast<float*>(k_out), k_head, static_cast<float*>(v_out), v_head, H,
+                 G, D, threads);
   return 0;
 }
 

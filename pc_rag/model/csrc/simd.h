@@ -91,6 +91,41 @@ inline const T* rms_norm_row(const T* x, const T* w, int64_t N, float eps, T* ou
   return out;
 }
 
+// x [D] rotated as HF's apply_rotary_pos_emb does, x * cos + rotate_half(x) * sin (rotate_half(x) = [-x2, x1]),
+// each product and the sum rounded to T as its three tensor ops are; into y [D] (in T) and, if ys, ys [D] (fp32,
+// times scale).
+template <typename T>
+void rotate(const T* x, const T* cos, const T* sin, int64_t D, T* y, float* ys, float scale) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float xd = to_f32(x[d]), rd = d < half ? -to_f32(x[d + half]) : to_f32(x[d - half]);
+    const T a = from_f32<T>(xd * to_f32(cos[d])), b = from_f32<T>(rd * to_f32(sin[d]));
+    y[d] = from_f32<T>(to_f32(a) + to_f32(b));
+    if (ys) ys[d] = scale * to_f32(y[d]);
+  }
+}
+
+// rotate's result into y only, 16 lanes at a time where each half of the head is a whole number of vectors
+// (D % 32 == 0), with the same roundings.
+template <typename T>
+PC_AVX512 inline void rotate_row(const T* x, const T* cos, const T* sin, int64_t D, T* y) {
+  const int64_t half = D / 2;
+  if (half % 16) {
+    rotate<T>(x, cos, sin, D, y, nullptr, 0.f);
+    return;
+  }
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t d = 0; d < half; d += 16) {
+    const __m512 x1 = load16(x + d), x2 = load16(x + d + half);
+    const __m512 a1 = round16<T>(_mm512_mul_ps(x1, load16(cos + d)));
+    const __m512 b1 = round16<T>(_mm512_mul_ps(_mm512_sub_ps(zero, x2), load16(sin + d)));
+    const __m512 a2 = round16<T>(_mm512_mul_ps(x2, load16(cos + d + half)));
+    const __m512 b2 = round16<T>(_mm512_mul_ps(x1, load16(sin + d + half)));
+    store16(y + d, _mm512_add_ps(a1, b1));
+    store16(y + d + half, _mm512_add_ps(a2, b2));
+  }
+}
+
 inline bool avx512_supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
