@@ -143,3 +143,26 @@ def test_rope_types_that_depend_on_more_than_the_position_are_not_relocatable():
     assert rope_type_of({"type": "linear", "factor": 2.0}) == "linear" and rope_type_of(None) == "default"
     for name in ("mrope", "dynamic", "longrope"):
         assert name not in RELOCATABLE_ROPE_TYPES
+
+
+def test_bf16_relocation_natively_equals_its_torch_ops(monkeypatch):
+    """rope._rotate's native call (bf16 on CPU, kernels.py) against its own torch ops, bit for bit: into a slice of
+    a request buffer (strided layers and heads), and in place; nothing outside the slots written."""
+    from pc_rag.model import kernels
+    from pc_rag.model import rope as rope_module
+
+    if kernels.loaded() is None:
+        pytest.skip("the native kernels do not run here")
+    g = torch.Generator().manual_seed(3)
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    table = rope_module.RopeTable("default", "default", inv)
+    src = torch.randn(3, 2, 40, 64, generator=g).mul(3).to(torch.bfloat16)
+    buf = torch.zeros(3, 1, 2, 100, 64, dtype=torch.bfloat16)
+    rope_module._rotate(buf[:, 0, :, 30:70], src, table, 1234)
+    in_place = src.clone()
+    rope_module._rotate(in_place, in_place, table, 1234)
+    monkeypatch.setattr(rope_module, "_rotate_natively", lambda *a: False)
+    want = torch.empty_like(src)
+    rope_module._rotate(want, src, table, 1234)
+    assert torch.equal(buf[:, 0, :, 30:70], want) and torch.equal(in_place, want)
+    assert not buf[:, :, :, :30].any() and not buf[:, :, :, 70:].any()

@@ -5,7 +5,7 @@
   2.9 ms in fp32, 5.7 against 1.4 ms in bf16). `pc_rag_decode_step` runs it straight from the fused q|k|v
   projection, with RoPE and the KV writes (fused.py).
 - elementwise.cpp: the residual add with the RMSNorm after it, SiLU(gate) * up, a prefill's RoPE and KV writes
-  (fused.py).
+  (fused.py); cached keys rotated to another position (rope.relocate).
 - prefill_attention.cpp: causal attention of many query rows (a cold prefill, the fresh tokens after a cached
   prefix). sdpa's CPU kernel ran its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench
   machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster.
@@ -68,6 +68,7 @@ class Kernels:
     add_rms_norm: object
     silu_mul: object
     prefill_rope: object  # a prefill layer's RoPE and KV writes
+    relocate_keys: object  # cached bf16 keys rotated to another position (rope.relocate)
 
 
 def kernel_dir() -> Path:
@@ -209,7 +210,10 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     rope.argtypes = [i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, i64, ptr, i64, i64, i64,
                      i64, i32, i32]
     rope.restype = i32
-    return Kernels(decode, prefill, step, norm, silu, rope)
+    relocate = lib.pc_rag_relocate_keys
+    relocate.argtypes = [i64, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr]
+    relocate.restype = i32
+    return Kernels(decode, prefill, step, norm, silu, rope, relocate)
 
 
 def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from . import kernels
 from .architecture import Architecture
 from .cache import _may_copy_async, _to_device
 
@@ -126,6 +127,8 @@ def _rotate(dst: torch.Tensor, src: torch.Tensor, table: RopeTable, delta: int) 
         dst[..., r:] = src[..., r:]
     angle = delta * table.inv_freq.to(dst.device)
     cos, sin = angle.cos(), angle.sin()
+    if _rotate_natively(dst, src, r, cos, sin):
+        return
     if src.dtype == dst.dtype == torch.float32:
         k1, k2 = src[..., :h], src[..., h:r]
         o1, o2 = dst[..., :h], dst[..., h:r]
@@ -138,6 +141,20 @@ def _rotate(dst: torch.Tensor, src: torch.Tensor, table: RopeTable, delta: int) 
         k1, k2 = k[..., :h], k[..., h:]
         dst[..., :h] = k1 * cos - k2 * sin
         dst[..., h:r] = k2 * cos + k1 * sin
+
+
+def _rotate_natively(dst: torch.Tensor, src: torch.Tensor, r: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The half-precision rotation below in one native call (kernels.py) where it runs: bf16 on CPU, every dim
+    rotary, each row's dims contiguous. The same ops and roundings, bit for bit, without the fp32 temporaries: 0.3
+    against 1.2 ms for 8 layers of a 256-token chunk (bench model), 6-8 of a modular request's 45 ms before. (fp32
+    runs 4 torch ops into `dst`, as fast as the kernel.) Returns whether it ran."""
+    k = kernels.loaded() if dst.device.type == "cpu" and dst.dtype == torch.bfloat16 else None
+    if (k is None or src.device != dst.device or src.dtype != dst.dtype or r != dst.shape[-1] or dst.dim() != 4
+            or dst.shape != src.shape or dst.stride(-1) != 1 or src.stride(-1) != 1):
+        return False
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    return k.relocate_keys(*dst.shape, src.data_ptr(), *src.stride()[:3], dst.data_ptr(), *dst.stride()[:3],
+                           cos.data_ptr(), sin.data_ptr()) == 0
 
 
 # ---- the self-check --------------------------------------------------------------------------------------------

@@ -105,6 +105,35 @@ void prefill_rope(int64_t n, const T* q, int64_t q_row, const T* k, int64_t k_ro
   }
 }
 
+// Cached keys moved by a RoPE rotation (rope.py's relocate): each row [D] of L x H x T, at src + l * s_layer + h *
+// s_head + t * s_row (dst alike), rotated by the angles whose cos and sin [D / 2] (fp32) are given, in fp32 with
+// one rounding to T per op as rope._rotate's torch ops: y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin. src may be
+// dst (each row is read before it is written).
+template <typename T>
+PC_AVX512 void relocate_keys(int64_t L, int64_t H, int64_t T_, int64_t D, const T* src, int64_t s_layer,
+                             int64_t s_head, int64_t s_row, T* dst, int64_t d_layer, int64_t d_head, int64_t d_row,
+                             const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T_; ++t) {
+        const T* x = src + l * s_layer + h * s_head + t * s_row;
+        T* y = dst + l * d_layer + h * d_head + t * d_row;
+        int64_t d = 0;
+        for (; d + 16 <= half; d += 16) {
+          const __m512 x1 = load16(x + d), x2 = load16(x + half + d);
+          const __m512 c = _mm512_loadu_ps(cos + d), s = _mm512_loadu_ps(sin + d);
+          store16(y + d, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
+          store16(y + half + d, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
+        }
+        for (; d < half; ++d) {
+          const float x1 = to_f32(x[d]), x2 = to_f32(x[half + d]);
+          y[d] = from_f32<T>(x1 * cos[d] - x2 * sin[d]);
+          y[half + d] = from_f32<T>(x2 * cos[d] + x1 * sin[d]);
+        }
+      }
+}
+
 }  // namespace
 
 extern "C" {
@@ -152,6 +181,18 @@ int pc_rag_prefill_rope(int64_t n, const void* q, int64_t q_row, const void* k, 
                  cs_row, static_cast<const float*>(q_norm), static_cast<const float*>(k_norm), eps,
                  static_cast<float*>(q_out), static_cast<float*>(k_out), k_head, static_cast<float*>(v_out), v_head, H,
                  G, D, threads);
+  return 0;
+}
+
+// bf16 keys relocated by a rotation: see relocate_keys above (strides in elements; one thread: block reads call it
+// from reader threads, where an OpenMP team each would oversubscribe the cores). fp32 keys stay with torch's ops,
+// as fast there. Returns 0, or -1 for an odd D.
+int pc_rag_relocate_keys(int64_t L, int64_t H, int64_t T, int64_t D, const void* src, int64_t s_layer, int64_t s_head,
+                         int64_t s_row, void* dst, int64_t d_layer, int64_t d_head, int64_t d_row, const float* cos,
+                         const float* sin) {
+  if (D % 2) return -1;
+  relocate_keys(L, H, T, D, static_cast<const uint16_t*>(src), s_layer, s_head, s_row, static_cast<uint16_t*>(dst),
+                d_layer, d_head, d_row, cos, sin);
   return 0;
 }
 
