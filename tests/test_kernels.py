@@ -256,3 +256,24 @@ def test_the_prefill_kernel_out_of_memory_is_an_error_not_a_crash():
     keys = torch.randn(1, 1, 64).expand(1, 2**32, 64)
     with pytest.raises(MemoryError, match="packed keys"):
         kernels.prefill_attention(fn, torch.randn(1, 1, 64), keys, keys, 0.125)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("start,n", [(1, 300), (40, 160), (100, 300)])
+def test_attention_after_a_short_prefix_equals_the_masked_reference(monkeypatch, dtype, tol, start, n):
+    """Fresh rows after a cached prefix where pc_rag's prefill kernel does not run (bf16 on AMX CPUs, CPUs without
+    AVX-512, CUDA): a prefix of at most a quarter of them takes one causal call with its rows padded
+    (`_attend_padded`), a longer one the masked or two-part path; every way against float64 attention."""
+    monkeypatch.setattr(attention, "_prefill_kernel_runs", lambda *a: False)
+    monkeypatch.setattr(attention, "_prefill_kernel_takes", lambda *a: False)
+    g = torch.Generator().manual_seed(start + n)
+    heads, group, dim = 2, 3, 32
+    layer_k, layer_v = (torch.randn(1, heads, start + n + 20, dim, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(1, heads * group, n, dim, generator=g).to(dtype)
+    k, v = layer_k[:, :, start: start + n].clone(), layer_v[:, :, start: start + n].clone()
+    w = attention.Writes.of(list(range(start, start + n)), dtype, "cpu")
+    assert (w.mask is None) == (start * attention.PADDED_PREFIX_SHARE <= n)
+    got = attention.attend(layer_k, layer_v, Heads(group, dim ** -0.5), None, q, k, v, w)
+    want = causal_float64(q[0], layer_k[0, :, : start + n], layer_v[0, :, : start + n], dim ** -0.5)
+    assert got.shape == q.shape
+    assert (got[0].double() - want).abs().max().item() < tol
