@@ -41,7 +41,10 @@ def test_writes_pick_the_layout_from_the_slots(monkeypatch):
     many = list(range(5, 5 + SPLIT_MIN_TOKENS))
     after = Writes.of(many, dt, "cpu")  # on CPU, attention in two parts: no mask
     assert (after.layout, after.kv, after.start, after.mask) == ("after", many[-1] + 1, 5, None)
-    assert Writes.of(many, dt, "meta").mask is not None  # elsewhere the mask
+    assert Writes.of(many, dt, "meta").mask is None  # after a short prefix, anywhere: padded rows (_attend_padded)
+    long_prefix = list(range(SPLIT_MIN_TOKENS, 2 * SPLIT_MIN_TOKENS))
+    assert Writes.of(long_prefix, dt, "cpu").mask is None  # on CPU, in two parts
+    assert Writes.of(long_prefix, dt, "meta").mask is not None  # elsewhere the mask
     gaps = Writes.of([2, 3, 7], dt, "cpu")
     assert gaps.layout == "slots" and gaps.index.tolist() == [2, 3, 7] and gaps.kv == 8
     visible = (gaps.mask[0, 0] == 0).tolist()
