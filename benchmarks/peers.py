@@ -245,12 +245,13 @@ def profile(engine, texts: Texts) -> dict:
     from torch.profiler import profile as torch_profile
 
     ours = (kernels.PROFILE_NAME, kernels.PREFILL_PROFILE_NAME)  # pc_rag's own attention kernels
+    products = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", kernels.LINEAR_PROFILE_NAME)
 
     def kinds(prof, wall_s, per):
         out = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
         for e in prof.key_averages():
-            if e.key.startswith(("aten::", "mkldnn::")) or e.key in ours:
-                kind = ("matmul" if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise") else
+            if e.key.startswith(("aten::", "mkldnn::")) or e.key in ours or e.key in products:
+                kind = ("matmul" if e.key in products else
                         "attention" if "scaled_dot_product" in e.key or e.key in ours else
                         "other ops")
                 out[kind] += e.self_cpu_time_total / 1e3 / per

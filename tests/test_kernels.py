@@ -1,4 +1,5 @@
-"""pc_rag's attention kernels (pc_rag/model/kernels.py, csrc/): decode attention and causal prefill attention.
+"""pc_rag's attention kernels (pc_rag/model/kernels.py, csrc/): decode attention and causal prefill attention, and
+the few-row product (linear_rows) against float64 products.
 
 References: attention computed in float64 by sdpa over the same tensors (the kernels within 1e-5 in fp32, within
 bf16's rounding in bf16); the attention paths with the kernels against the same paths through sdpa (1e-5, fp32);
@@ -277,3 +278,27 @@ def test_attention_after_a_short_prefix_equals_the_masked_reference(monkeypatch,
     want = causal_float64(q[0], layer_k[0, :, : start + n], layer_v[0, :, : start + n], dim ** -0.5)
     assert got.shape == q.shape
     assert (got[0].double() - want).abs().max().item() < tol
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize("k", [16, 40, 896, 1000])
+def test_linear_rows_equals_a_float64_product(dtype, tol, k):
+    """Rows 1..9 (the kernel takes 4 at a time), segments of 4n and odd row counts, K a multiple of 32 or not, with
+    and without a bias, x rows a stride apart (column ranges of a wider tensor); large enough to be threaded."""
+    fn = kernels.linear_rows_kernel(dtype)
+    if fn is None:
+        pytest.skip("no AVX512-BF16 here")
+    g = torch.Generator().manual_seed(k)
+    ws = [torch.randn(n, k, generator=g).to(dtype) for n in (64, 7, 129)]
+    bias = torch.randn(200, generator=g).to(dtype)
+    for m in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(m, k + 8, generator=g).to(dtype)[:, 3: 3 + k]
+        for b in (None, bias):
+            want = F.linear(x.double(), torch.cat(ws).double(), None if b is None else b.double())
+            got = kernels.LinearRows(fn, ws, b)(x)
+            assert got.dtype == dtype and got.shape == (m, 200)
+            # bf16: the fp32 sum rounded once (half an ulp of the output) plus the inputs' own rounding
+            assert (got.double() - want).abs().max().item() <= tol * want.abs().max().item(), (m, b is None)
+            for r in range(m):  # a row's result does not depend on the rows beside it
+                assert torch.equal(kernels.LinearRows(fn, ws, b)(x[r: r + 1])[0], got[r])

@@ -7,11 +7,11 @@ SiLU, the residual adds), each a dispatch of 3-10 us, plus the Python between th
 (24 layers) that was 13 of a 44 ms step. vLLM's CPU engine runs the same layer as fused C++ ops. Here, per layer:
 
     x = RMSNorm(h)                      pc_rag_add_rms_norm (fused with the previous residual add)
-    qkv = x Wqkv                        oneDNN, packed (weights.py); one-row fp32 steps MKL where faster
+    qkv = x Wqkv                        weights.Packed: pc_rag_linear_rows (a few rows), oneDNN packed (more)
     o = attention(RoPE(q), cache + k, v)  pc_rag_decode_step: RoPE, the KV written to each request's slot, attention
-    h += o Wo; x = RMSNorm(h)           oneDNN; pc_rag_add_rms_norm
-    a = SiLU(x Wg) * (x Wu)             oneDNN; pc_rag_silu_mul
-    h += a Wd                           oneDNN; fused into the next layer's norm
+    h += o Wo; x = RMSNorm(h)           weights.Packed; pc_rag_add_rms_norm
+    a = SiLU(x Wg) * (x Wu)             weights.Packed; pc_rag_silu_mul
+    h += a Wd                           weights.Packed; fused into the next layer's norm
 
 A prefill (runner.forward_layers) takes the same norm and SiLU calls, threaded over its rows, and RoPE with the KV
 writes in one call (pc_rag_prefill_rope): in bf16 torch ran them as fp32 round trips (to, pow, mean, rsqrt, mul, to,
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import time
 
 import torch
 
@@ -41,16 +40,6 @@ log = logging.getLogger("pc_rag.fused")
 
 # A prefill's MLP runs this many bytes of gate|up product at a time (FusedLayers.after_attention).
 MLP_BYTES = 16 << 20
-
-
-def _linear(packed, x: torch.Tensor) -> torch.Tensor:
-    """x [B, in] times a weights.Packed product, unsplit: [B, out]."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
-
-
-def _plain(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x [B, in] times one module's own weight, through torch's F.linear (MKL on CPU)."""
-    return torch.nn.functional.linear(x, module.weight, module.bias)
 
 
 def _eps(norm: torch.nn.Module) -> float | None:
@@ -86,7 +75,6 @@ class FusedLayers:
         self.kv_heads, self.head_dim = arch.kv_heads, arch.head_dim
         self.group = arch.heads // arch.kv_heads
         self.mlp_width = w.layers[0].gate_up.splits[0]  # the MLP's intermediate size
-        self.plain_rows = False  # one-row steps through MKL on the modules' own weights (set by `of`)
 
     @classmethod
     def of(cls, runner) -> FusedLayers | None:
@@ -96,9 +84,6 @@ class FusedLayers:
             runner._fused = fused  # the probe runs the runner's own forward with it
             try:
                 why = None if fused._agrees() else "a probe disagreed with the module-by-module layers"
-                if why is None and runner.dtype == torch.float32:
-                    fused.plain_rows = fused._plain_is_faster()
-                    fused.plain_rows = fused.plain_rows and fused._agrees()  # again, through MKL's products
             finally:
                 runner._fused = None
         if why is not None:
@@ -152,41 +137,6 @@ class FusedLayers:
         return True
 
     @torch.inference_mode()
-    def _plain_is_faster(self) -> bool:
-        """Whether a one-row step's products run faster through MKL (F.linear on the modules' own weights, two or
-        three products where the packed one is fused) than through oneDNN's packed weights, timed here on the
-        model's MLP products: by CPU, the answer differs. On the AMD EPYC we measured, MKL read fp32 weights at
-        10 GB/s against oneDNN's 17-19; on an Intel Xeon, 25 against 13-20 (weights.py). fp32 only: in bf16 the
-        packed products were ahead on both."""
-        layers = self.runner.weights.layers
-        if any(len(lw.qkv.modules) != 3 or len(lw.gate_up.modules) != 2 for lw in layers):
-            return False  # one module for q|k|v or gate|up (Phi-3): its own product is already one
-        x = torch.randn(1, layers[0].gate_up.modules[0].weight.shape[1], dtype=self.runner.dtype)
-
-        def packed():
-            for lw in layers:
-                _linear(lw.gate_up, x)
-
-        def plain():
-            for lw in layers:
-                for m in lw.gate_up.modules:
-                    _plain(m, x)
-
-        times = {packed: [], plain: []}
-        for _ in range(3):  # warm both (MKL's first calls set up its threads)
-            packed(), plain()
-        for _ in range(5):  # alternating, medians: a busy moment hits both alike
-            for f in times:
-                t = time.perf_counter()
-                f()
-                times[f].append(time.perf_counter() - t)
-        a, b = (sorted(times[f])[2] for f in (packed, plain))
-        faster = b < 0.95 * a
-        log.info("pc_rag: one-row products %s (MLP weights, packed %.2f ms, MKL %.2f ms)",
-                 "through MKL" if faster else "packed", a * 1e3, b * 1e3)
-        return faster
-
-    @torch.inference_mode()
     def step(self, caches, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """runner.decode_batch's step (same arguments, same result within float rounding), fused. The caller holds
         the runner's lock."""
@@ -211,13 +161,9 @@ class FusedLayers:
         k.add_rms_norm(b, n_hidden, hidden.data_ptr(), None, self.input_norms[0].data_ptr(), eps, bf16, threads,
                        x.data_ptr())
         layers = r.weights.layers
-        plain = b == 1 and self.plain_rows  # MKL's products on the modules' weights (see _plain_is_faster)
         for i, lw in enumerate(layers):
-            if plain:
-                q, kk, v = (_plain(m, x) for m in lw.qkv.modules)
-            else:
-                q = kk = v = _linear(lw.qkv, x)  # one fused product: three column ranges of its rows
-                kk, v = kk[:, hk * g * d:], v[:, (hk * g + hk) * d:]
+            q = kk = v = lw.qkv.product(x)  # one product: three column ranges of its rows
+            kk, v = kk[:, hk * g * d:], v[:, (hk * g + hk) * d:]
             with torch.profiler.record_function(kernels.PROFILE_NAME):
                 status = k.decode_step(b, q.data_ptr(), q.stride(0), kk.data_ptr(), kk.stride(0), v.data_ptr(),
                                        v.stride(0), cos.data_ptr(), sin.data_ptr(), d, _ptr(self.q_norms[i]),
@@ -226,17 +172,12 @@ class FusedLayers:
                                        o.data_ptr())
             if status != 0:
                 raise RuntimeError(f"fused decode step refused layer {i} (slots {slots})")
-            out = _plain(lw.o.modules[0], o) if plain else _linear(lw.o, o)
-            self._norm(hidden, out, self.mlp_norms[i], x)
-            if plain:
-                gate, up = (_plain(m, x) for m in lw.gate_up.modules)
-            else:
-                gate = up = _linear(lw.gate_up, x)
-                up = up[:, up.shape[-1] // 2:]
+            self._norm(hidden, lw.o.product(o), self.mlp_norms[i], x)
+            gate = up = lw.gate_up.product(x)
+            up = up[:, up.shape[-1] // 2:]
             a = torch.empty(b, up.shape[-1], dtype=r.dtype)
             k.silu_mul(b, a.shape[-1], gate.data_ptr(), up.data_ptr(), gate.stride(0), bf16, threads, a.data_ptr())
-            out = _plain(lw.down.modules[0], a) if plain else _linear(lw.down, a)
-            self._norm(hidden, out, self.input_norms[i + 1] if i + 1 < len(layers) else None, x)
+            self._norm(hidden, lw.down.product(a), self.input_norms[i + 1] if i + 1 < len(layers) else None, x)
         logits = r._logits(hidden[:, None])[:, 0]  # [B, vocab]
         for cache, s in zip(caches, slots, strict=True):
             cache.length = max(cache.length, s + 1)

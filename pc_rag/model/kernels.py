@@ -6,6 +6,8 @@
   projection, with RoPE and the KV writes (fused.py).
 - elementwise.cpp: the residual add with the RMSNorm after it, SiLU(gate) * up, a prefill's RoPE and KV writes
   (fused.py); cached keys rotated to another position (rope.relocate).
+- linear_rows.cpp: the product of a few rows by a layer's weights (a decode step's linear layers; weights.py),
+  reading the weights at a higher rate than oneDNN's or MKL's one-row products.
 - prefill_attention.cpp: causal attention of many query rows (a cold prefill, the fresh tokens after a cached
   prefix). sdpa's CPU kernel ran its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench
   machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster.
@@ -46,10 +48,12 @@ import torch
 log = logging.getLogger("pc_rag.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "decode_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "elementwise.cpp"]  # one library
+SOURCES = [CSRC / "decode_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "elementwise.cpp",
+           CSRC / "linear_rows.cpp"]  # one library
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read keys and values in
 PROFILE_NAME = "pc_rag::decode_attention"
 PREFILL_PROFILE_NAME = "pc_rag::prefill_attention"
+LINEAR_PROFILE_NAME = "pc_rag::linear_rows"
 # No FMA contraction: the elementwise ops round as torch's separate ops do.
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 
@@ -69,6 +73,8 @@ class Kernels:
     silu_mul: object
     prefill_rope: object  # a prefill layer's RoPE and KV writes
     relocate_keys: object  # cached bf16 keys rotated to another position (rope.relocate)
+    linear_rows: object  # a few rows times a layer's weights (weights.Packed)
+    linear_bf16: bool  # whether linear_rows takes bf16 here (AVX512-BF16)
 
 
 def kernel_dir() -> Path:
@@ -213,7 +219,18 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     relocate = lib.pc_rag_relocate_keys
     relocate.argtypes = [i64, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr]
     relocate.restype = i32
-    return Kernels(decode, prefill, step, norm, silu, rope, relocate)
+    linear = lib.pc_rag_linear_rows
+    linear.argtypes = [i64, i64, ptr, i64, i64, ptr, ptr, ptr, i32, i32, ptr, i64]
+    linear.restype = i32
+    return Kernels(decode, prefill, step, norm, silu, rope, relocate, linear, bool(lib.pc_rag_linear_bf16_supported()))
+
+
+def linear_rows_kernel(dtype: torch.dtype):
+    """The compiled `pc_rag_linear_rows` where it takes `dtype` on this CPU, else None."""
+    k = loaded()
+    if k is None or dtype not in DTYPES or (dtype == torch.bfloat16 and not k.linear_bf16):
+        return None
+    return k.linear_rows
 
 
 def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -271,9 +288,40 @@ def prefill_attention(fn, q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     return out.transpose(0, 1)
 
 
+class LinearRows:
+    """x [M, K] times `weights` [rows_s, K] (row-major, contiguous, one dtype) concatenated, plus `bias`: [M, sum of
+    rows_s] in their dtype (accumulated in fp32, rounded once), through `pc_rag_linear_rows` (fn). The pointer
+    arrays are built once: a decode step makes 4 such calls per layer."""
+
+    def __init__(self, fn, weights: list[torch.Tensor], bias: torch.Tensor | None):
+        if any(w.dtype != weights[0].dtype or w.shape[1] != weights[0].shape[1] or not w.is_contiguous()
+               for w in weights) or (bias is not None and not bias.is_contiguous()):
+            raise ValueError(f"linear_rows: weights {[(tuple(w.shape), w.dtype) for w in weights]} do not fit")
+        self.fn, self.weights, self.bias = fn, weights, bias  # the tensors kept alive for their pointers
+        self.dtype, self.k, self.n = weights[0].dtype, weights[0].shape[1], sum(w.shape[0] for w in weights)
+        self._ptrs = (ctypes.c_void_p * len(weights))(*[w.data_ptr() for w in weights])
+        self._rows = (ctypes.c_int64 * len(weights))(*[w.shape[0] for w in weights])
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.dim() == 2 and x.shape[1] == self.k and x.stride(1) == 1
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fits(x):
+            raise ValueError(f"linear_rows: x {tuple(x.shape)} {x.dtype} for weights [{self.n}, {self.k}] {self.dtype}")
+        y = torch.empty(x.shape[0], self.n, dtype=self.dtype)
+        with torch.profiler.record_function(LINEAR_PROFILE_NAME):
+            status = self.fn(x.shape[0], self.k, x.data_ptr(), x.stride(0), len(self.weights), self._ptrs, self._rows,
+                             None if self.bias is None else self.bias.data_ptr(), int(self.dtype == torch.bfloat16),
+                             torch.get_num_threads(), y.data_ptr(), y.stride(0))
+        if status != 0:
+            raise RuntimeError(f"linear_rows kernel refused {self.dtype} on this CPU")
+        return y
+
+
 def _agrees(k: Kernels) -> bool:
-    """Each kernel against sdpa on a probe per dtype it runs: the decode kernel over keys in several chunks, 2
-    query rows per KV head; the prefill kernel over 100 rows after 200 earlier keys (partial tiles and blocks)."""
+    """Each kernel against sdpa (or F.linear) on a probe per dtype it runs: the decode kernel over keys in several
+    chunks, 2 query rows per KV head; the prefill kernel over 100 rows after 200 earlier keys (partial tiles and
+    blocks); linear_rows over two weight segments, one of them not a multiple of 4 rows."""
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         q = torch.randn(2, 2, 64, generator=g).to(dtype)
@@ -290,4 +338,11 @@ def _agrees(k: Kernels) -> bool:
         if not torch.allclose(prefill_attention(k.prefill, q, keys, values, 0.125).float(), want.float(), rtol=tol,
                               atol=tol):
             return False
+        if dtype == torch.float32 or k.linear_bf16:
+            x = torch.randn(3, 40, generator=g).to(dtype)
+            ws = [torch.randn(8, 40, generator=g).to(dtype), torch.randn(5, 40, generator=g).to(dtype)]
+            bias = torch.randn(13, generator=g).to(dtype)
+            want = torch.nn.functional.linear(x.float(), torch.cat(ws).float(), bias.float())
+            if not torch.allclose(LinearRows(k.linear_rows, ws, bias)(x).float(), want, rtol=tol, atol=tol):
+                return False
     return True

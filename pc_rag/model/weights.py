@@ -11,8 +11,12 @@ torch's `F.linear` on CPU goes to MKL, which on the AMD EPYC we measure on ran f
 | bf16, 1 / 8 rows | 9 / 8 GB/s | 13-15 / 14-15 GB/s |
 
 On an Intel Xeon with AMX (2026-12-02, 1 row, 24 weights in turn so they come from memory): fp32 F.linear 17-25
-GB/s against packed 13-20, bf16 8.5-12 against 10-16. So fused.py times both for one-row fp32 decode steps at load
-and takes the faster; everything else uses the packed products.
+GB/s against packed 13-20, bf16 8.5-12 against 10-16: all below what the machine reads (18-24 GB/s). pc_rag's own
+kernel for a few rows (kernels.linear_rows, linear_rows.cpp, on the modules' own weights) read them there at
+1.3-1.7x oneDNN's packed rate in bf16 and 1.0-1.2x MKL's in fp32 (2026-12-03), up to 4 rows; from 6 rows oneDNN's
+AMX tiles catch up. An earlier version of it on the AMD EPYC was ahead in fp32 and not in bf16. So which one
+takes products of up to FEW_ROWS rows (a decode step's) is timed once per model at load (`_few_rows_faster`), and
+logged; more rows always go to oneDNN.
 
 So on CPU each layer's q/k/v projections (and gate/up) are concatenated into one weight and reordered once into
 oneDNN's blocked layout ("packed", without a batch-size hint: measured best across 1 to 2048 rows), and the
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,11 +43,13 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UnsupportedModelError
+from . import kernels
 from .architecture import Architecture
 
 log = logging.getLogger("pc_rag.weights")
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+FEW_ROWS = 4  # products of at most this many rows go through kernels.linear_rows where it runs (docstring)
 
 
 class Plain:
@@ -75,11 +82,21 @@ class Packed:
             self.bias = None
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.splits = splits if splits is not None else [m.weight.shape[0] for m in modules]
-        self.modules = modules  # their own weights too: fused.py's one-row products where MKL is faster
+        # A few rows' products through the kernel on the modules' own weights (the docstring): None where it does
+        # not run here, or where oneDNN was faster at load.
+        fn = kernels.linear_rows_kernel(weight.dtype)
+        self.few = None if fn is None else kernels.LinearRows(fn, [m.weight.detach().contiguous() for m in modules],
+                                                                self.bias)
+        self.kernel = self.few  # what `few` is when the timing at load (weights_of) picks the kernel
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, in] (rows contiguous) times the weights, unsplit: [B, out]."""
+        if x.shape[0] <= FEW_ROWS and self.few is not None and self.few.fits(x):
+            return self.few(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def __call__(self, x: torch.Tensor):
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
-        y = y.view(*x.shape[:-1], -1)
+        y = self.product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         return list(y.split(self.splits, -1)) if len(self.splits) > 1 else y
 
 
@@ -161,8 +178,57 @@ def weights_of(model, arch: Architecture) -> Weights:
                 mlp_out_norm=_module(layer, norms.after_mlp, arch, i),
             ))
         found = Weights(tuple(layers), kind([model.lm_head]), pack)
+        if pack and found.layers[0].gate_up.few is not None and not _few_rows_faster(found):
+            for product in _packed_products(found):
+                product.few = None
         _SHARED[model] = found
         return found
+
+
+def _packed_products(w: Weights) -> list[Packed]:
+    return [*(p for lw in w.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)), w.lm_head]
+
+
+# Enough weights for the timing below to read them from memory, as a decode step does, not from the CPU's caches.
+TIMED_BYTES = 256 << 20
+
+
+@torch.inference_mode()
+def _few_rows_faster(w: Weights) -> bool:
+    """Whether one-row products run faster through kernels.linear_rows than through oneDNN's packed weights, timed
+    on the MLP products of as many layers as make TIMED_BYTES (alternating, medians of 5: a busy moment hits both
+    alike); the kernel must be at least as fast. By CPU, the answer differs (module docstring)."""
+    layers, size = [], 0
+    for lw in w.layers:
+        layers.append(lw)
+        size += sum(t.numel() * t.element_size() for t in (*lw.gate_up.few.weights, *lw.down.few.weights))
+        if size >= TIMED_BYTES:
+            break
+    x = torch.randn(1, layers[0].gate_up.few.k, dtype=layers[0].gate_up.few.dtype)
+    a = torch.randn(1, layers[0].down.few.k, dtype=x.dtype)
+
+    def onednn():
+        for lw in layers:
+            for p, v in ((lw.gate_up, x), (lw.down, a)):
+                torch.ops.mkldnn._linear_pointwise(v, p.weight, p.bias, "none", [], "")
+
+    def kernel():
+        for lw in layers:
+            for p, v in ((lw.gate_up, x), (lw.down, a)):
+                p.few(v)
+
+    times = {onednn: [], kernel: []}
+    for _ in range(2):
+        onednn(), kernel()
+    for _ in range(5):
+        for f in times:
+            t = time.perf_counter()
+            f()
+            times[f].append(time.perf_counter() - t)
+    theirs, ours = (sorted(times[f])[2] for f in (onednn, kernel))
+    log.info("pc_rag: one-row products %s (MLP weights of %d layers: oneDNN %.2f ms, linear_rows %.2f ms)",
+             "through linear_rows" if ours <= theirs else "through oneDNN", len(layers), theirs * 1e3, ours * 1e3)
+    return ours <= theirs
 
 
 def _module(parent: torch.nn.Module, name: str | None, arch: Architecture, i: int):
