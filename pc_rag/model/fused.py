@@ -164,7 +164,7 @@ class FusedLayers:
         for i, lw in enumerate(layers):
             q = kk = v = lw.qkv.product(x)  # one product: three column ranges of its rows
             kk, v = kk[:, hk * g * d:], v[:, (hk * g + hk) * d:]
-            with torch.profiler.record_function(kernels.PROFILE_NAME):
+            with kernels.traced(kernels.PROFILE_NAME):
                 status = k.decode_step(b, q.data_ptr(), q.stride(0), kk.data_ptr(), kk.stride(0), v.data_ptr(),
                                        v.stride(0), cos.data_ptr(), sin.data_ptr(), d, _ptr(self.q_norms[i]),
                                        _ptr(self.k_norms[i]), self.qk_eps, kbase, vbase, k_layer, v_layer, i, k_head,
