@@ -316,6 +316,10 @@ class LinearRows:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fits(x):
             raise ValueError(f"linear_rows: x {tuple(x.shape)} {x.dtype} for weights [{self.n}, {self.k}] {self.dtype}")
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The product of an x the caller has checked `fits` (weights.Packed, on a decode step's path)."""
         y = torch.empty(x.shape[0], self.n, dtype=self.dtype)
         with traced(LINEAR_PROFILE_NAME):
             status = self.fn(x.shape[0], self.k, x.data_ptr(), x.stride(0), len(self.weights), self._ptrs, self._rows,

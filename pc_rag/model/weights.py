@@ -92,7 +92,7 @@ class Packed:
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, in] (rows contiguous) times the weights, unsplit: [B, out]."""
         if x.shape[0] <= FEW_ROWS and self.few is not None and self.few.fits(x):
-            return self.few(x)
+            return self.few.run(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def __call__(self, x: torch.Tensor):
