@@ -15,6 +15,7 @@ keyword `past_key_values` to `cache`), this package is the one place to edit. Wh
 - fingerprint.py: the model fingerprint in every store key;
 - hf.py: names in transformers' API that differ between supported releases (for direct HF calls: benchmarks);
 - runner.py: `LlamaRunner`, the layer loop over all of the above;
+- heap.py: glibc's malloc thresholds, so that a forward's large temporaries are reused;
 - threads.py: `release_team`, a thread that stops computing to wait gives back its OpenMP team.
 """
 

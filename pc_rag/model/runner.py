@@ -19,7 +19,7 @@ import torch
 
 from ..batch import TurnLock
 from ..errors import Cancelled, PCRagError, UnsupportedModelError
-from . import kernels
+from . import heap, kernels
 from . import rope as rope_check
 from .architecture import DEFAULT_ROPE
 from .attention import Heads, Writes, _mask, _prefill_kernel_runs, attend, attend_decode
@@ -107,6 +107,8 @@ class LlamaRunner:
         self._apply_rope = modeling.apply_rotary_pos_emb
         # The linear layers as the forward passes multiply by them (fused, oneDNN-packed on CPU: weights.py).
         self.weights = weights_of(model, arch)
+        if self.device.type == "cpu":
+            heap.keep_temporaries()  # a forward's temporaries reused from the heap, not mapped afresh (heap.py)
         if self.device.type == "cpu" and self.dtype in kernels.DTYPES:
             kernels.decode_attention_kernel()  # compiled now if it must be (once per machine, ~1 s), not mid-request
         # One forward at a time: requests from several threads interleave step by step, each with its own
