@@ -84,16 +84,57 @@ PC_AVX512 void weigh_values_rows(const float* s, int64_t ld, const T* v, int64_t
   }
 }
 
+#define PC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+// Whether bf16 scores are taken by AVX512-BF16 dot products (`block_scores_bf16`): checked once.
+bool dot_bf16() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// The scores of the G query rows q [G, D] (bf16, unscaled; D % 32 == 0) against a block of KB bf16 key rows k
+// [KB, D] (zeros past the chunk's end), times scale, into s[g * ld] for each row g: two keys' dims per lane
+// (VDPBF16PS: exact products, fp32 sums), so the keys are read as they are stored, not widened to fp32 first.
+// Measured alone (2026-12-03, Xeon with AMX, bf16, keys in cache), against the widening and fp32 FMAs: 352 against
+// 405 us for 7 query heads per KV head over 4K keys, 376 against 424 for 8 requests of 600 keys, 2 heads each.
+PC_AVX512_BF16 void block_scores_bf16(const uint16_t* q, const uint16_t* k, int64_t G, int64_t D, float scale,
+                                      float* s, int64_t ld) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 a[KB];
+    for (int64_t t = 0; t < KB; ++t) a[t] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < D; j += 32) {
+      const __m512bh qj = (__m512bh)_mm512_loadu_si512(q + g * D + j);
+      for (int64_t t = 0; t < KB; ++t) a[t] = _mm512_dpbf16_ps(a[t], qj, (__m512bh)_mm512_loadu_si512(k + t * D + j));
+    }
+    _mm512_storeu_ps(s + g * ld, _mm512_mul_ps(reduce16(a), sc));
+  }
+}
+
 // The G query rows q [G, D] (fp32, already scaled) over n key/value rows k, v [n, D] of one KV head: the chunk's
 // score max m [G], exp-sum l [G] and unnormalised output acc [G, D]. s: room for G * ld scores, ld = n rounded up
-// to 16; kb: room for 16 * D floats.
+// to 16; kb: room for 16 * D floats. qr: the same query rows unscaled in bf16 (null for fp32), which the scores are
+// taken from where `block_scores_bf16` runs.
 template <typename T>
-PC_AVX512 void attend_chunk(const float* q, const T* k, const T* v, int64_t n, int64_t G, int64_t D, float* s,
-                            float* kb, float* m, float* l, float* acc) {
+PC_AVX512 void attend_chunk(const float* q, const T* qr, float scale, const T* k, const T* v, int64_t n, int64_t G,
+                            int64_t D, float* s, float* kb, float* m, float* l, float* acc) {
   const int64_t V = D / 16, ld = (n + KB - 1) / KB * KB;
+  const bool dot = std::is_same<T, uint16_t>::value && qr != nullptr && D % 32 == 0 && dot_bf16();
   for (int64_t t0 = 0; t0 < n; t0 += KB) {
-    // The block's keys in fp32 (zeros past the chunk's end), read from L1 by every query row of the group.
     const int64_t nb = std::min(KB, n - t0);
+    if (dot) {
+      const uint16_t* keys = reinterpret_cast<const uint16_t*>(k + t0 * D);
+      if (nb < KB) {  // the chunk's last keys, padded with zeros
+        uint16_t* pad = reinterpret_cast<uint16_t*>(kb);
+        std::memset(pad, 0, KB * D * sizeof(uint16_t));
+        std::memcpy(pad, keys, nb * D * sizeof(uint16_t));
+        keys = pad;
+      }
+      prefetch_rows(reinterpret_cast<const char*>(k + (t0 + KB) * D) + PF_BYTES, KB * D * int64_t(sizeof(T)));
+      block_scores_bf16(reinterpret_cast<const uint16_t*>(qr), keys, G, D, scale, s + t0, ld);
+      continue;
+    }
+    // The block's keys in fp32 (zeros past the chunk's end), read from L1 by every query row of the group.
     const float* keys = kb;
     if (std::is_same<T, float>::value && nb == KB) {
       keys = reinterpret_cast<const float*>(k + t0 * D);
@@ -154,9 +195,9 @@ PC_AVX512 void attend_chunk(const float* q, const T* k, const T* v, int64_t n, i
 // Every request's keys in chunks of `rows`: work item i belongs to request r where first[r] <= i < first[r + 1],
 // head and chunk in request order; each item's max, exp-sum and partial output go to ml, acc at index i.
 template <typename T>
-void attend_all(int64_t B, const float* q, const void* const* keys, const void* const* values, const int64_t* n,
-                const int64_t* k_head, const int64_t* v_head, int64_t H, int64_t G, int64_t D, int64_t rows,
-                int threads, const int64_t* first, float* ml, float* acc) {
+void attend_all(int64_t B, const float* q, const T* qr, float scale, const void* const* keys,
+                const void* const* values, const int64_t* n, const int64_t* k_head, const int64_t* v_head, int64_t H,
+                int64_t G, int64_t D, int64_t rows, int threads, const int64_t* first, float* ml, float* acc) {
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> s(G * ((rows + KB - 1) / KB * KB)), kb(KB * D), m(G), l(G);
@@ -165,7 +206,8 @@ void attend_all(int64_t B, const float* q, const void* const* keys, const void* 
       const int64_t r = std::upper_bound(first, first + B + 1, i) - first - 1;
       const int64_t C = (n[r] + rows - 1) / rows, j = i - first[r];
       const int64_t h = j / C, t0 = (j % C) * rows, len = std::min(rows, n[r] - t0);
-      attend_chunk<T>(q + (r * H + h) * G * D, static_cast<const T*>(keys[r]) + h * k_head[r] + t0 * D,
+      attend_chunk<T>(q + (r * H + h) * G * D, qr ? qr + (r * H + h) * G * D : nullptr, scale,
+                      static_cast<const T*>(keys[r]) + h * k_head[r] + t0 * D,
                       static_cast<const T*>(values[r]) + h * v_head[r] + t0 * D, len, G, D, s.data(), kb.data(),
                       m.data(), l.data(), acc + i * G * D);
       for (int64_t g = 0; g < G; ++g) {
@@ -176,20 +218,21 @@ void attend_all(int64_t B, const float* q, const void* const* keys, const void* 
   }
 }
 
-// Attention for B requests from their scaled fp32 queries qs [B, H, G, D]: request r's keys[r] / values[r] (H heads
-// of n[r] rows, heads k_head[r] / v_head[r] elements apart) into out [B, H, G, D] in the keys' dtype.
-void attend(int64_t B, const float* qs, const void* const* keys, const void* const* values, const int64_t* n,
-            const int64_t* k_head, const int64_t* v_head, int64_t H, int64_t G, int64_t D, int bf16, int64_t rows,
-            int threads, void* out) {
+// Attention for B requests from their scaled fp32 queries qs [B, H, G, D] (and in bf16 the same unscaled, qr, which
+// the scores are taken from where AVX512-BF16 runs): request r's keys[r] / values[r] (H heads of n[r] rows, heads
+// k_head[r] / v_head[r] elements apart) into out [B, H, G, D] in the keys' dtype.
+void attend(int64_t B, const float* qs, const uint16_t* qr, float scale, const void* const* keys,
+            const void* const* values, const int64_t* n, const int64_t* k_head, const int64_t* v_head, int64_t H,
+            int64_t G, int64_t D, int bf16, int64_t rows, int threads, void* out) {
   std::vector<int64_t> first(B + 1, 0);
   for (int64_t r = 0; r < B; ++r) first[r + 1] = first[r] + H * ((n[r] + rows - 1) / rows);
   std::vector<float> ml(first[B] * G * 2), acc(first[B] * G * D), o(D);
   if (bf16)
-    attend_all<uint16_t>(B, qs, keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(), ml.data(),
-                         acc.data());
+    attend_all<uint16_t>(B, qs, qr, scale, keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(),
+                         ml.data(), acc.data());
   else
-    attend_all<float>(B, qs, keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(), ml.data(),
-                      acc.data());
+    attend_all<float>(B, qs, nullptr, scale, keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(),
+                      ml.data(), acc.data());
   // Merge each query row's chunks: weights exp(m_c - max m), normalised by the weighted exp-sums.
   for (int64_t r = 0; r < B; ++r) {
     const int64_t C = (n[r] + rows - 1) / rows;
@@ -238,7 +281,7 @@ int decode_step(int64_t B, const T* q, int64_t q_row, const T* k, int64_t k_row,
                 int64_t H, int64_t G, int64_t D, float scale, int threads, void* out) {
   const int64_t HQ = H * G;
   std::vector<float> qs(B * HQ * D);
-  std::vector<T> qr(D), normed(D);
+  std::vector<T> qr(B * HQ * D), normed(D);
   std::vector<const void*> keys(B), values(B);
   std::vector<int64_t> n(B);
   for (int64_t r = 0; r < B; ++r) {
@@ -246,7 +289,7 @@ int decode_step(int64_t B, const T* q, int64_t q_row, const T* k, int64_t k_row,
     for (int64_t h = 0; h < HQ; ++h) {
       const T* x = q + r * q_row + h * D;
       if (q_norm) x = rms_norm_row(x, q_norm, D, eps, normed.data());
-      rotate(x, c, s, D, qr.data(), qs.data() + (r * HQ + h) * D, scale);
+      rotate(x, c, s, D, qr.data() + (r * HQ + h) * D, qs.data() + (r * HQ + h) * D, scale);
     }
     T* kc = static_cast<T*>(k_cache[r]) + layer * k_layer[r];
     T* vc = static_cast<T*>(v_cache[r]) + layer * v_layer[r];
@@ -261,8 +304,9 @@ int decode_step(int64_t B, const T* q, int64_t q_row, const T* k, int64_t k_row,
     values[r] = vc + lo * D;
     n[r] = slot[r] + 1 - lo;
   }
-  attend(B, qs.data(), keys.data(), values.data(), n.data(), k_head, v_head, H, G, D,
-         std::is_same<T, uint16_t>::value, rows_per_item(B, n.data(), H, threads), threads, out);
+  const bool bf16 = std::is_same<T, uint16_t>::value;
+  attend(B, qs.data(), bf16 ? reinterpret_cast<const uint16_t*>(qr.data()) : nullptr, scale, keys.data(),
+         values.data(), n.data(), k_head, v_head, H, G, D, bf16, rows_per_item(B, n.data(), H, threads), threads, out);
   return 0;
 }
 
@@ -287,7 +331,8 @@ int pc_rag_decode_attention(int64_t B, const void* q, const void* const* keys, c
   std::vector<float> qs(Q);
   for (int64_t i = 0; i < Q; ++i)
     qs[i] = scale * (bf16 ? bf16_to_f32(static_cast<const uint16_t*>(q)[i]) : static_cast<const float*>(q)[i]);
-  attend(B, qs.data(), keys, values, n, k_head, v_head, H, G, D, bf16, rows, threads, out);
+  attend(B, qs.data(), bf16 ? static_cast<const uint16_t*>(q) : nullptr, scale, keys, values, n, k_head, v_head, H,
+         G, D, bf16, rows, threads, out);
   return 0;
 }
 
