@@ -14,9 +14,11 @@ On an Intel Xeon with AMX (2026-12-02, 1 row, 24 weights in turn so they come fr
 GB/s against packed 13-20, bf16 8.5-12 against 10-16: all below what the machine reads (18-24 GB/s). pc_rag's own
 kernel for a few rows (kernels.linear_rows, linear_rows.cpp, on the modules' own weights) read them there at
 1.3-1.7x oneDNN's packed rate in bf16 and 1.0-1.2x MKL's in fp32 (2026-12-03), up to 4 rows; from 6 rows oneDNN's
-AMX tiles catch up. An earlier version of it on the AMD EPYC was ahead in fp32 and not in bf16. So which one
-takes products of up to FEW_ROWS rows (a decode step's) is timed once per model at load (`_few_rows_faster`), and
-logged; more rows always go to oneDNN.
+AMX tiles catch up in bf16, while in fp32 a batched step of 8 rows was faster through the kernel (bench model, 8
+requests: 14.3 against 16.0 ms a step). An earlier version of it on the AMD EPYC was ahead in fp32 and not in
+bf16. So which one takes products of up to FEW_ROWS rows (a decode step's) is timed once per model at load
+(`_few_rows_faster`), then whether it also takes up to BATCH_ROWS (a batched step's), and logged; more rows always
+go to oneDNN.
 
 So on CPU each layer's q/k/v projections (and gate/up) are concatenated into one weight and reordered once into
 oneDNN's blocked layout ("packed", without a batch-size hint: measured best across 1 to 2048 rows), and the
@@ -50,6 +52,7 @@ log = logging.getLogger("pc_rag.weights")
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 FEW_ROWS = 4  # products of at most this many rows go through kernels.linear_rows where it runs (docstring)
+BATCH_ROWS = 8  # and of up to this many where it was faster at this many rows too, timed at load
 
 
 class Plain:
@@ -88,10 +91,11 @@ class Packed:
         self.few = None if fn is None else kernels.LinearRows(fn, [m.weight.detach().contiguous() for m in modules],
                                                                 self.bias)
         self.kernel = self.few  # what `few` is when the timing at load (weights_of) picks the kernel
+        self.few_rows = FEW_ROWS  # the most rows `few` takes: FEW_ROWS or BATCH_ROWS, as timed at load
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, in] (rows contiguous) times the weights, unsplit: [B, out]."""
-        if x.shape[0] <= FEW_ROWS and self.few is not None and self.few.fits(x):
+        if x.shape[0] <= self.few_rows and self.few is not None and self.few.fits(x):
             return self.few.run(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
@@ -178,9 +182,14 @@ def weights_of(model, arch: Architecture) -> Weights:
                 mlp_out_norm=_module(layer, norms.after_mlp, arch, i),
             ))
         found = Weights(tuple(layers), kind([model.lm_head]), pack)
-        if pack and found.layers[0].gate_up.few is not None and not _few_rows_faster(found):
+        if pack and found.layers[0].gate_up.few is not None:
+            rows = FEW_ROWS if _few_rows_faster(found, 1) else 0
+            if rows and _few_rows_faster(found, BATCH_ROWS):
+                rows = BATCH_ROWS
             for product in _packed_products(found):
-                product.few = None
+                product.few_rows = rows
+                if not rows:
+                    product.few = None
         _SHARED[model] = found
         return found
 
@@ -194,18 +203,18 @@ TIMED_BYTES = 256 << 20
 
 
 @torch.inference_mode()
-def _few_rows_faster(w: Weights) -> bool:
-    """Whether one-row products run faster through kernels.linear_rows than through oneDNN's packed weights, timed
-    on the MLP products of as many layers as make TIMED_BYTES (alternating, medians of 5: a busy moment hits both
-    alike); the kernel must be at least as fast. By CPU, the answer differs (module docstring)."""
+def _few_rows_faster(w: Weights, rows: int) -> bool:
+    """Whether products of `rows` rows run faster through kernels.linear_rows than through oneDNN's packed weights,
+    timed on the MLP products of as many layers as make TIMED_BYTES (alternating, medians of 5: a busy moment hits
+    both alike); the kernel must be at least as fast. By CPU and dtype, the answer differs (module docstring)."""
     layers, size = [], 0
     for lw in w.layers:
         layers.append(lw)
         size += sum(t.numel() * t.element_size() for t in (*lw.gate_up.few.weights, *lw.down.few.weights))
         if size >= TIMED_BYTES:
             break
-    x = torch.randn(1, layers[0].gate_up.few.k, dtype=layers[0].gate_up.few.dtype)
-    a = torch.randn(1, layers[0].down.few.k, dtype=x.dtype)
+    x = torch.randn(rows, layers[0].gate_up.few.k, dtype=layers[0].gate_up.few.dtype)
+    a = torch.randn(rows, layers[0].down.few.k, dtype=x.dtype)
 
     def onednn():
         for lw in layers:
@@ -226,7 +235,7 @@ def _few_rows_faster(w: Weights) -> bool:
             f()
             times[f].append(time.perf_counter() - t)
     theirs, ours = (sorted(times[f])[2] for f in (onednn, kernel))
-    log.info("pc_rag: one-row products %s (MLP weights of %d layers: oneDNN %.2f ms, linear_rows %.2f ms)",
+    log.info("pc_rag: %d-row products %s (MLP weights of %d layers: oneDNN %.2f ms, linear_rows %.2f ms)", rows,
              "through linear_rows" if ours <= theirs else "through oneDNN", len(layers), theirs * 1e3, ours * 1e3)
     return ours <= theirs
 

@@ -24,7 +24,10 @@
 namespace {
 
 constexpr int64_t BLOCK_ROWS = 64;      // output rows per pass over the x rows (their weights stay in L1/L2)
-constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead in the weights each row's loads prefetch
+// How far ahead in the weights each row's loads prefetch: 4 KB along the row, or where a row is shorter than that,
+// the same place in the next group of R rows (4 KB ahead fell on rows two ahead, half of them being read already).
+// The bench model's weights at 4 rows (fp32, 2 KB rows): 19.0 against 16.6 GB/s; 1-15% elsewhere (2026-12-03).
+constexpr int64_t PREFETCH_BYTES = 4096;
 constexpr int64_t PARALLEL_WEIGHTS = 1 << 16;  // fewer weight elements than this: one thread
 
 // y[m, n..n+R) for the M <= 4 rows of x, from weight rows n..n+R (bf16).
@@ -34,12 +37,13 @@ PC_AVX512_BF16_LINEAR void rows_bf16(const uint16_t* x, int64_t ldx, const uint1
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const int64_t row = K * int64_t(sizeof(uint16_t)), ahead = row >= PREFETCH_BYTES ? PREFETCH_BYTES : R * row;
   for (int64_t k = 0; k < K; k += 32) {
     const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : __mmask32((1ull << (K - k)) - 1);
     __m512i wv[R];
     for (int r = 0; r < R; ++r) {
       wv[r] = _mm512_maskz_loadu_epi16(mask, w + r * K + k);
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + PREFETCH_BYTES, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + ahead, _MM_HINT_T0);
     }
     for (int m = 0; m < M; ++m) {
       const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
@@ -58,12 +62,13 @@ PC_AVX512 void rows_f32(const float* x, int64_t ldx, const float* w, int64_t K, 
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const int64_t row = K * int64_t(sizeof(float)), ahead = row >= PREFETCH_BYTES ? PREFETCH_BYTES : R * row;
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 mask = K - k >= 16 ? ~__mmask16(0) : __mmask16((1u << (K - k)) - 1);
     __m512 wv[R];
     for (int r = 0; r < R; ++r) {
       wv[r] = _mm512_maskz_loadu_ps(mask, w + r * K + k);
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + PREFETCH_BYTES, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + ahead, _MM_HINT_T0);
     }
     for (int m = 0; m < M; ++m) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
