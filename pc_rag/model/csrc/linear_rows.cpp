@@ -30,28 +30,33 @@ constexpr int64_t BLOCK_ROWS = 64;      // output rows per pass over the x rows 
 constexpr int64_t PREFETCH_BYTES = 4096;
 constexpr int64_t PARALLEL_WEIGHTS = 1 << 16;  // fewer weight elements than this: one thread
 
+// The loops over a block's x rows and weight rows fully unrolled: otherwise GCC kept a copy of the accumulators on
+// the stack and stored all M x R of them at every step of k (16-32 vector stores per step at 4 rows); with the
+// pragma they stay in registers: 8 rows 10-12% faster in fp32, the same sums (2026-12-03).
+#define PC_UNROLL _Pragma("GCC unroll 8")
+
 // y[m, n..n+R) for the M <= 4 rows of x, from weight rows n..n+R (bf16).
 template <int M, int R>
 PC_AVX512_BF16_LINEAR void rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const uint16_t* b,
                                      uint16_t* y, int64_t ldy) {
   __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  PC_UNROLL for (int m = 0; m < M; ++m)
+    PC_UNROLL for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   const int64_t row = K * int64_t(sizeof(uint16_t)), ahead = row >= PREFETCH_BYTES ? PREFETCH_BYTES : R * row;
   for (int64_t k = 0; k < K; k += 32) {
     const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : __mmask32((1ull << (K - k)) - 1);
     __m512i wv[R];
-    for (int r = 0; r < R; ++r) {
+    PC_UNROLL for (int r = 0; r < R; ++r) {
       wv[r] = _mm512_maskz_loadu_epi16(mask, w + r * K + k);
       _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + ahead, _MM_HINT_T0);
     }
-    for (int m = 0; m < M; ++m) {
+    PC_UNROLL for (int m = 0; m < M; ++m) {
       const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)wv[r], xv);
+      PC_UNROLL for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)wv[r], xv);
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r)
+  PC_UNROLL for (int m = 0; m < M; ++m)
+    PC_UNROLL for (int r = 0; r < R; ++r)
       y[m * ldy + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[m][r]) + (b ? bf16_to_f32(b[r]) : 0.f));
 }
 
@@ -60,23 +65,23 @@ template <int M, int R>
 PC_AVX512 void rows_f32(const float* x, int64_t ldx, const float* w, int64_t K, const float* b, float* y,
                         int64_t ldy) {
   __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  PC_UNROLL for (int m = 0; m < M; ++m)
+    PC_UNROLL for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   const int64_t row = K * int64_t(sizeof(float)), ahead = row >= PREFETCH_BYTES ? PREFETCH_BYTES : R * row;
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 mask = K - k >= 16 ? ~__mmask16(0) : __mmask16((1u << (K - k)) - 1);
     __m512 wv[R];
-    for (int r = 0; r < R; ++r) {
+    PC_UNROLL for (int r = 0; r < R; ++r) {
       wv[r] = _mm512_maskz_loadu_ps(mask, w + r * K + k);
       _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + ahead, _MM_HINT_T0);
     }
-    for (int m = 0; m < M; ++m) {
+    PC_UNROLL for (int m = 0; m < M; ++m) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+      PC_UNROLL for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]) + (b ? b[r] : 0.f);
+  PC_UNROLL for (int m = 0; m < M; ++m)
+    PC_UNROLL for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]) + (b ? b[r] : 0.f);
 }
 
 template <int M, int R, typename T>
