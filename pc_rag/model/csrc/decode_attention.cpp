@@ -84,11 +84,9 @@ PC_AVX512 void weigh_values_rows(const float* s, int64_t ld, const T* v, int64_t
   }
 }
 
-#define PC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-
 // Whether bf16 scores are taken by AVX512-BF16 dot products (`block_scores_bf16`): checked once.
 bool dot_bf16() {
-  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  static const bool yes = avx512_bf16_supported();
   return yes;
 }
 

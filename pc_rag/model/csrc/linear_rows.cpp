@@ -19,7 +19,6 @@
 
 #include "simd.h"
 
-#define PC_AVX512_BF16_LINEAR __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 namespace {
 
@@ -37,8 +36,8 @@ constexpr int64_t PARALLEL_WEIGHTS = 1 << 16;  // fewer weight elements than thi
 
 // y[m, n..n+R) for the M <= 4 rows of x, from weight rows n..n+R (bf16).
 template <int M, int R>
-PC_AVX512_BF16_LINEAR void rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const uint16_t* b,
-                                     uint16_t* y, int64_t ldy) {
+PC_AVX512_BF16 void rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const uint16_t* b,
+                              uint16_t* y, int64_t ldy) {
   __m512 acc[M][R];
   PC_UNROLL for (int m = 0; m < M; ++m)
     PC_UNROLL for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -135,7 +134,7 @@ void linear_rows(int64_t M, int64_t K, const T* x, int64_t ldx, int64_t S, const
 
 extern "C" {
 
-int pc_rag_linear_bf16_supported() { return avx512_supported() && __builtin_cpu_supports("avx512bf16"); }
+int pc_rag_linear_bf16_supported() { return avx512_bf16_supported(); }
 
 // y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) times the S weight segments w[s] [rows[s], K] (row-major,
 // contiguous), concatenated, plus bias [N] where not null. Returns 0, or -1 for bf16 on a CPU without AVX512-BF16.

@@ -25,8 +25,6 @@
 
 #include "simd.h"
 
-#define PC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-
 namespace {
 
 // Measured (bench model's heads, 4K tokens, fp32 / bf16 ms per layer): 64-key blocks 76 / 46, 128 64 / 40,
@@ -403,7 +401,7 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
 extern "C" {
 
 // Whether this CPU has AVX512-BF16's dot products (the bf16 path's fast mode; without them bf16 is widened).
-int pc_rag_prefill_bf16_supported() { return avx512_supported() && __builtin_cpu_supports("avx512bf16"); }
+int pc_rag_prefill_bf16_supported() { return avx512_bf16_supported(); }
 
 // Causal attention of nq query rows over nk >= nq keys (row i sees keys [0, nk - nq + i]). q, out: H heads of nq
 // rows; k, v: H / G heads of nk rows (query head h uses KV head h / G, HF's repeat_kv); every row D contiguous

@@ -10,6 +10,8 @@
 #include <cstring>
 
 #define PC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+// The same with AVX512-BF16 dot products (VDPBF16PS); callers check `avx512_bf16_supported()` first.
+#define PC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 template <typename T> PC_AVX512 inline __m512 load16(const T* p);
 template <> PC_AVX512 inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
@@ -130,3 +132,5 @@ inline bool avx512_supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
 }
+
+inline bool avx512_bf16_supported() { return avx512_supported() && __builtin_cpu_supports("avx512bf16"); }
