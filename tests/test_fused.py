@@ -116,6 +116,39 @@ def test_a_step_of_up_to_few_rows_multiplies_by_the_kernel_and_more_rows_by_oned
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_layer_loop_equals_the_python_one(tiny_path, docs, dtype):
+    """A step's layers in one native call (decode_layers.cpp) run the Python loop's kernels in its order: the same
+    logits and KV bit for bit, for one request and three."""
+    from pc_rag.model import weights
+
+    engine = _engine(tiny_path, dtype)
+    fused = engine.runner._fused
+    if kernels.linear_rows_kernel(dtype) is None:
+        pytest.skip("no AVX512-BF16 here: bf16 products stay oneDNN's")
+    products = weights._packed_products(engine.runner.weights)
+    keep = [(p.few, p.few_rows) for p in products]
+    for p in products:  # whichever the timing at load picked
+        p.few, p.few_rows = p.kernel, weights.FEW_ROWS
+    try:
+        for rows in (1, 3):
+            assert fused._native(rows)
+            got, got_caches, _, _, slots = _step_both_ways(engine, docs, rows)
+            fused.native = False
+            want, want_caches, _, _, _ = _step_both_ways(engine, docs, rows)
+            fused.native = True
+            assert torch.equal(got, want), rows
+            for g, w, s in zip(got_caches, want_caches, slots, strict=True):
+                assert torch.equal(g.keys[:, :, :, : s + 1], w.keys[:, :, :, : s + 1])
+                assert torch.equal(g.values[:, :, :, : s + 1], w.values[:, :, :, : s + 1])
+        assert not fused._native(weights.FEW_ROWS + 1)  # more rows: oneDNN's products, the Python loop
+    finally:
+        fused.native = True
+        for p, (few, few_rows) in zip(products, keep, strict=True):
+            p.few, p.few_rows = few, few_rows
+
+
+@needs_kernel
 def test_one_token_forwards_go_through_the_fused_step_and_equal_it(engine, docs):
     """`forward` with one token (a lone request's decode) is the fused step: bit-equal to decode_batch of one."""
     runner = engine.runner

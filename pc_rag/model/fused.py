@@ -75,6 +75,15 @@ class FusedLayers:
         self.kv_heads, self.head_dim = arch.kv_heads, arch.head_dim
         self.group = arch.heads // arch.kv_heads
         self.mlp_width = w.layers[0].gate_up.splits[0]  # the MLP's intermediate size
+        # The step's layers in one native call (decode_layers.cpp) where every product would go to linear_rows.
+        self._products = [p for lw in w.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        self._layers = None
+        self.native = True  # False: the Python loop (tests compare the two)
+        if all(getattr(p, "kernel", None) is not None for p in self._products):
+            self._layers = (kernels.Layer * len(w.layers))(*[kernels.Layer(
+                self.input_norms[i].data_ptr(), self.mlp_norms[i].data_ptr(), _ptr(self.q_norms[i]),
+                _ptr(self.k_norms[i]), *(kernels.Product.of(p.kernel) for p in (lw.qkv, lw.o, lw.gate_up, lw.down)),
+                self.windows[i]) for i, lw in enumerate(w.layers)])
 
     @classmethod
     def of(cls, runner) -> FusedLayers | None:
@@ -155,33 +164,47 @@ class FusedLayers:
         slot = i64s(*slots)
         threads, eps, bf16 = torch.get_num_threads(), self.eps, self.bf16
         hk, g, d = self.kv_heads, self.group, self.head_dim
-        n_hidden = hidden.shape[-1]
-        x = torch.empty_like(hidden)
-        o = torch.empty(b, hk * g * d, dtype=r.dtype)
-        k.add_rms_norm(b, n_hidden, hidden.data_ptr(), None, self.input_norms[0].data_ptr(), eps, bf16, threads,
-                       x.data_ptr())
-        layers = r.weights.layers
-        for i, lw in enumerate(layers):
-            q = kk = v = lw.qkv.product(x)  # one product: three column ranges of its rows
-            kk, v = kk[:, hk * g * d:], v[:, (hk * g + hk) * d:]
-            with kernels.traced(kernels.PROFILE_NAME):
-                status = k.decode_step(b, q.data_ptr(), q.stride(0), kk.data_ptr(), kk.stride(0), v.data_ptr(),
-                                       v.stride(0), cos.data_ptr(), sin.data_ptr(), d, _ptr(self.q_norms[i]),
-                                       _ptr(self.k_norms[i]), self.qk_eps, kbase, vbase, k_layer, v_layer, i, k_head,
-                                       v_head, slot, self.windows[i], hk, g, d, bf16, r.heads.scaling, threads,
-                                       o.data_ptr())
+        n_hidden, layers = hidden.shape[-1], r.weights.layers
+        if self._native(b):  # the loop below in one native call (decode_layers.cpp)
+            with kernels.traced(kernels.LAYERS_PROFILE_NAME):
+                status = k.decode_layers(b, n_hidden, hidden.data_ptr(), len(layers), self._layers, cos.data_ptr(),
+                                         sin.data_ptr(), kbase, vbase, k_layer, v_layer, k_head, v_head, slot, hk, g,
+                                         d, eps, self.qk_eps, r.heads.scaling, bf16, threads)
             if status != 0:
-                raise RuntimeError(f"fused decode step refused layer {i} (slots {slots})")
-            self._norm(hidden, lw.o.product(o), self.mlp_norms[i], x)
-            gate = up = lw.gate_up.product(x)
-            up = up[:, up.shape[-1] // 2:]
-            a = torch.empty(b, up.shape[-1], dtype=r.dtype)
-            k.silu_mul(b, a.shape[-1], gate.data_ptr(), up.data_ptr(), gate.stride(0), bf16, threads, a.data_ptr())
-            self._norm(hidden, lw.down.product(a), self.input_norms[i + 1] if i + 1 < len(layers) else None, x)
+                raise RuntimeError(f"fused decode step refused its layers (slots {slots})")
+        else:
+            x = torch.empty_like(hidden)
+            o = torch.empty(b, hk * g * d, dtype=r.dtype)
+            k.add_rms_norm(b, n_hidden, hidden.data_ptr(), None, self.input_norms[0].data_ptr(), eps, bf16, threads,
+                           x.data_ptr())
+            for i, lw in enumerate(layers):
+                q = kk = v = lw.qkv.product(x)  # one product: three column ranges of its rows
+                kk, v = kk[:, hk * g * d:], v[:, (hk * g + hk) * d:]
+                with kernels.traced(kernels.PROFILE_NAME):
+                    status = k.decode_step(b, q.data_ptr(), q.stride(0), kk.data_ptr(), kk.stride(0), v.data_ptr(),
+                                           v.stride(0), cos.data_ptr(), sin.data_ptr(), d, _ptr(self.q_norms[i]),
+                                           _ptr(self.k_norms[i]), self.qk_eps, kbase, vbase, k_layer, v_layer, i,
+                                           k_head, v_head, slot, self.windows[i], hk, g, d, bf16, r.heads.scaling,
+                                           threads, o.data_ptr())
+                if status != 0:
+                    raise RuntimeError(f"fused decode step refused layer {i} (slots {slots})")
+                self._norm(hidden, lw.o.product(o), self.mlp_norms[i], x)
+                gate = up = lw.gate_up.product(x)
+                up = up[:, up.shape[-1] // 2:]
+                a = torch.empty(b, up.shape[-1], dtype=r.dtype)
+                k.silu_mul(b, a.shape[-1], gate.data_ptr(), up.data_ptr(), gate.stride(0), bf16, threads,
+                           a.data_ptr())
+                self._norm(hidden, lw.down.product(a), self.input_norms[i + 1] if i + 1 < len(layers) else None, x)
         logits = r._logits(hidden[:, None])[:, 0]  # [B, vocab]
         for cache, s in zip(caches, slots, strict=True):
             cache.length = max(cache.length, s + 1)
         return logits.float()
+
+    def _native(self, rows: int) -> bool:
+        """Whether a step of `rows` requests runs its layers in one native call: where every product would go to
+        linear_rows (weights.Packed.product's test; `few` is the kernel the call was built with, or None)."""
+        return (self._layers is not None and self.native
+                and all(p.few is not None and rows <= p.few_rows for p in self._products))
 
     def first_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The first layer's input norm of a prefill's hidden states [1, n, hidden]."""

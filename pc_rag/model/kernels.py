@@ -8,6 +8,8 @@
   (fused.py); cached keys rotated to another position (rope.relocate).
 - linear_rows.cpp: the product of a few rows by a layer's weights (a decode step's linear layers; weights.py),
   reading the weights at a higher rate than oneDNN's or MKL's one-row products.
+- decode_layers.cpp: a decode step's layers in one call, those kernels in a loop (fused.py), so that a step lets
+  go of the GIL once instead of at every op.
 - prefill_attention.cpp: causal attention of many query rows (a cold prefill, the fresh tokens after a cached
   prefix). sdpa's CPU kernel ran its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench
   machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster.
@@ -50,11 +52,12 @@ log = logging.getLogger("pc_rag.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "decode_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "elementwise.cpp",
-           CSRC / "linear_rows.cpp"]  # one library
+           CSRC / "linear_rows.cpp", CSRC / "decode_layers.cpp"]  # one library
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read keys and values in
 PROFILE_NAME = "pc_rag::decode_attention"
 PREFILL_PROFILE_NAME = "pc_rag::prefill_attention"
 LINEAR_PROFILE_NAME = "pc_rag::linear_rows"
+LAYERS_PROFILE_NAME = "pc_rag::decode_layers"
 # No FMA contraction: the elementwise ops round as torch's separate ops do.
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 
@@ -76,6 +79,27 @@ class Kernels:
     relocate_keys: object  # cached bf16 keys rotated to another position (rope.relocate)
     linear_rows: object  # a few rows times a layer's weights (weights.Packed)
     linear_bf16: bool  # whether linear_rows takes bf16 here (AVX512-BF16)
+    decode_layers: object  # a decode step's layers in one call (fused.py)
+
+
+class Product(ctypes.Structure):
+    """decode_layers.cpp's PcProduct: a LinearRows' weights."""
+
+    _fields_ = [("segments", ctypes.c_int64), ("weights", ctypes.c_void_p), ("rows", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("outputs", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, lr: LinearRows) -> Product:
+        return cls(len(lr.weights), ctypes.cast(lr._ptrs, ctypes.c_void_p), ctypes.cast(lr._rows, ctypes.c_void_p),
+                   None if lr.bias is None else lr.bias.data_ptr(), lr.n)
+
+
+class Layer(ctypes.Structure):
+    """decode_layers.cpp's PcLayer: one decoder layer's norms and products (pointers into tensors kept elsewhere)."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", Product), ("o", Product), ("gate_up", Product),
+                ("down", Product), ("window", ctypes.c_int64)]
 
 
 def traced(name: str):
@@ -230,7 +254,12 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     linear = lib.pc_rag_linear_rows
     linear.argtypes = [i64, i64, ptr, i64, i64, ptr, ptr, ptr, i32, i32, ptr, i64]
     linear.restype = i32
-    return Kernels(decode, prefill, step, norm, silu, rope, relocate, linear, bool(lib.pc_rag_linear_bf16_supported()))
+    layers = lib.pc_rag_decode_layers
+    layers.argtypes = [i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, f32,
+                       f32, i32, i32]
+    layers.restype = i32
+    return Kernels(decode, prefill, step, norm, silu, rope, relocate, linear, bool(lib.pc_rag_linear_bf16_supported()),
+                   layers)
 
 
 def linear_rows_kernel(dtype: torch.dtype):
