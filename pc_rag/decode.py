@@ -62,14 +62,34 @@ class Sampler:
         # Shifted so the largest is 0 before dividing: near that bound the unshifted quotients overflow (10 / 1e-38);
         # shifted, the others go to -inf, which softmax takes as 0.
         probs = torch.softmax((logits - logits.max()) / s.temperature, dim=-1)
+        tokens = None  # the token id of each entry of probs, where that is not its index
         if s.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            # keep the smallest set whose mass reaches top_p (the token that crosses it included)
-            drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= s.top_p
-            drop[0] = False  # the most likely token always stays: a top_p below float32's range (1e-300) is 0 here
-            sorted_p[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            probs, tokens = _nucleus(probs, s.top_p)
+        # One uniform draw from the request's generator through the distribution's CDF (in float64: 53 bits, so a
+        # token's share of draws is its probability down to ~1e-16). torch.multinomial draws one exponential per
+        # token of the vocabulary instead: 0.35 ms a row on an 8K vocabulary, 2.8 ms of each 8-request step of a
+        # server, where sampling is what the OpenAI API does by default (bench model, 2026-12-03).
+        cdf = probs.double().cumsum(-1)
+        x = torch.rand(1, dtype=torch.float64, generator=self.generator) * cdf[-1]
+        i = int(torch.searchsorted(cdf, x, right=True))  # the first entry whose CDF passes x: never one of p = 0
+        if i == len(cdf):  # x rounded up to the total (u within 1e-16 of 1): the last possible entry
+            i = int(probs.nonzero()[-1])
+        return i if tokens is None else int(tokens[i])
+
+
+# The nucleus is looked for among this many most likely tokens first: sorting the whole vocabulary cost ~1 ms a row
+# (8K tokens), and a trained model's nucleus is usually far smaller.
+NUCLEUS_CANDIDATES = 64
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest set of most likely tokens whose mass reaches top_p (the token that crosses it included; the most
+    likely one always, even for a top_p below float32's range): their probabilities, largest first, and token ids."""
+    top, order = torch.topk(probs, min(NUCLEUS_CANDIDATES, probs.numel()))  # sorted, largest first
+    if top.numel() < probs.numel() and float(top.sum()) < top_p:  # the nucleus is wider: the whole order
+        top, order = torch.sort(probs, descending=True)
+    n = max(1, int(((torch.cumsum(top, -1) - top) < top_p).sum()))  # a prefix: cumsum - p never decreases
+    return top[:n], order[:n]
 
 
 class TextStream:

@@ -70,6 +70,34 @@ def test_sampling_seed_is_reproducible_and_top_p_tiny_is_greedy(engine, docs):
     assert nucleus.token_ids == greedy.token_ids
 
 
+def _reference_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The distribution sampled from, by the whole sort: probabilities outside the nucleus zeroed, renormalized."""
+    sorted_p, order = torch.sort(probs, descending=True)
+    drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= top_p
+    drop[0] = False
+    sorted_p[drop] = 0.0
+    kept = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize("vocab,spread,top_p", [(6, 1.0, 1.0), (6, 1.0, 0.7), (300, 1.0, 0.9), (300, 6.0, 0.9),
+                                                (300, 2.0, 1.0)])
+def test_sampled_tokens_follow_the_softmax_and_the_nucleus(vocab, spread, top_p):
+    """Frequencies over 20,000 draws against the probabilities (temperature 0.8): every token within 5 standard
+    errors of its probability (plus 2e-3), none drawn outside the nucleus. vocab 300 with a flat spread has its
+    nucleus past the first candidates (the whole sort); with spread 6 it lies among them (topk)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(vocab, generator=g) * spread
+    want = _reference_nucleus(torch.softmax(logits / 0.8, -1), top_p)
+    sampler = Sampler(Sampling(temperature=0.8, top_p=top_p, seed=5))
+    n = 20_000
+    counts = torch.bincount(torch.tensor([sampler(logits) for _ in range(n)]), minlength=vocab).double()
+    got = counts / n
+    assert torch.all(got[want == 0] == 0)
+    error = 5 * torch.sqrt(want * (1 - want) / n) + 2e-3
+    assert torch.all((got - want).abs() <= error), (got - want).abs().max()
+
+
 def test_sampling_arguments_are_checked():
     with pytest.raises(pc_rag.PCRagError, match="top_p"):
         Sampler(Sampling(temperature=1.0, top_p=0.0))
