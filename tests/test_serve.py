@@ -26,6 +26,7 @@ import pc_rag  # noqa: E402
 from pc_rag.adapters import chat_prompt, completion_prompt  # noqa: E402
 from pc_rag.serve.process import ServerProcess  # noqa: E402
 from pc_rag.store import MemoryStore  # noqa: E402
+from pc_rag.testing import build_tiny  # noqa: E402
 
 from .conftest import worktree_env  # noqa: E402
 
@@ -258,10 +259,13 @@ def test_llama_index_openai_like(server, reference, tiny_path):
 
 
 # ---- auth, the bounded line ------------------------------------------------------------------------------------
-def test_api_key_and_a_full_line_answer_401_429_503_and_ready_follows_the_line(tiny_path, tmp_path):
+def test_api_key_and_a_full_line_answer_401_429_503_and_ready_follows_the_line(tmp_path):
     extra = ["--store", "memory", "--api-key", "s3cret", "--max-running", "1", "--max-waiting", "1",
              "--queue-timeout", "0.8"]
-    with ServerProcess(tiny_path, extra=extra, env=worktree_env(tmp_path)) as srv:
+    # The tiny model with room for 16K positions: 1,900 tokens (the most its 2K allow) took about 2 s until the
+    # decode step ran as one native call, then under 1.5 s, and finished before the line was looked at.
+    model = build_tiny(tmp_path / "long", "llama", max_position_embeddings=16384)
+    with ServerProcess(model, extra=extra, env=worktree_env(tmp_path)) as srv:
         assert srv.health() == {"status": "ok"}  # /health needs no key (load balancers), and then tells no more
         assert httpx.get(srv.url + "/ready", timeout=5).json() == {"status": "ready"}  # readiness: no key either
         anonymous = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
@@ -270,9 +274,9 @@ def test_api_key_and_a_full_line_answer_401_429_503_and_ready_follows_the_line(t
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         keyed = {"authorization": "Bearer s3cret"}
-        # One long request takes the only place (1900 tokens: about 2 s on the tiny model) ...
+        # One long request takes the only place (16,000 tokens: seconds on the tiny model) ...
         with httpx.stream("POST", srv.url + "/v1/completions", headers=keyed, timeout=60,
-                          json={"prompt": "Tell me a long story.", "max_tokens": 1900, "temperature": 0,
+                          json={"prompt": "Tell me a long story.", "max_tokens": 16000, "temperature": 0,
                                 "stream": True}) as running:
             lines = running.iter_lines()  # kept: a dropped iterator closes the response (a disconnect)
             next(lines)

@@ -86,7 +86,9 @@ def test_the_next_agent_step_reuses_the_previous_prompt_and_reply(engine):
                 {"role": "user", "content": "What does the documentation say about decorators?"}]
     steps = []
     for step in range(3):
-        reply = _chat(engine, messages, tools=TOOLS, tool_choice="required", temperature=1.0, seed=step)
+        # 100 tokens, as above: a forced call of the random model can take more than 60.
+        reply = _chat(engine, messages, tools=TOOLS, tool_choice="required", temperature=1.0, seed=step,
+                      max_new_tokens=100)
         steps.append(reply)
         call = reply.tool_calls[0]
         messages = messages + [

@@ -13,6 +13,10 @@ SiLU, the residual adds), each a dispatch of 3-10 us, plus the Python between th
     a = SiLU(x Wg) * (x Wu)             weights.Packed; pc_rag_silu_mul
     h += a Wd                           weights.Packed; fused into the next layer's norm
 
+Where every product of the step goes to linear_rows (a few rows, weights.Packed.few_rows), that loop over the
+layers runs as one native call (csrc/decode_layers.cpp: the same kernels in the same order, so the same sums), and
+a step lets go of the GIL once instead of at each of ~20 ops per layer (docs/speed.md, 18.).
+
 A prefill (runner.forward_layers) takes the same norm and SiLU calls, threaded over its rows, and RoPE with the KV
 writes in one call (pc_rag_prefill_rope): in bf16 torch ran them as fp32 round trips (to, pow, mean, rsqrt, mul, to,
 mul per norm; silu then mul; cat, neg, mul, mul, add per RoPE, then copies), 2.4 of a 10.5 s cold 4K prefill at the
