@@ -119,7 +119,7 @@ def test_a_step_of_up_to_few_rows_multiplies_by_the_kernel_and_more_rows_by_oned
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_native_layer_loop_equals_the_python_one(tiny_path, docs, dtype):
     """A step's layers in one native call (decode_layers.cpp) run the Python loop's kernels in its order: the same
-    logits and KV bit for bit, for one request and three."""
+    logits and KV bit for bit, for one request, three and BATCH_ROWS."""
     from pc_rag.model import weights
 
     engine = _engine(tiny_path, dtype)
@@ -129,9 +129,9 @@ def test_the_native_layer_loop_equals_the_python_one(tiny_path, docs, dtype):
     products = weights._packed_products(engine.runner.weights)
     keep = [(p.few, p.few_rows) for p in products]
     for p in products:  # whichever the timing at load picked
-        p.few, p.few_rows = p.kernel, weights.FEW_ROWS
+        p.few, p.few_rows = p.kernel, weights.BATCH_ROWS
     try:
-        for rows in (1, 3):
+        for rows in (1, 3, weights.BATCH_ROWS):
             assert fused._native(rows)
             got, got_caches, _, _, slots = _step_both_ways(engine, docs, rows)
             fused.native = False
@@ -141,7 +141,7 @@ def test_the_native_layer_loop_equals_the_python_one(tiny_path, docs, dtype):
             for g, w, s in zip(got_caches, want_caches, slots, strict=True):
                 assert torch.equal(g.keys[:, :, :, : s + 1], w.keys[:, :, :, : s + 1])
                 assert torch.equal(g.values[:, :, :, : s + 1], w.values[:, :, :, : s + 1])
-        assert not fused._native(weights.FEW_ROWS + 1)  # more rows: oneDNN's products, the Python loop
+        assert not fused._native(weights.BATCH_ROWS + 1)  # more rows: oneDNN's products, the Python loop
     finally:
         fused.native = True
         for p, (few, few_rows) in zip(products, keep, strict=True):

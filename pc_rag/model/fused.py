@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 
 import torch
 
@@ -97,6 +98,8 @@ class FusedLayers:
             runner._fused = fused  # the probe runs the runner's own forward with it
             try:
                 why = None if fused._agrees() else "a probe disagreed with the module-by-module layers"
+                if why is None:
+                    fused._time_batches()
             finally:
                 runner._fused = None
         if why is not None:
@@ -148,6 +151,37 @@ class FusedLayers:
             if not (((got - want).abs().max() / scale) <= tol and torch.equal(got.argmax(-1), want.argmax(-1))):
                 return False
         return True
+
+    @torch.inference_mode()
+    def _time_batches(self) -> None:
+        """Where linear_rows' products of BATCH_ROWS rows lost to oneDNN's when timed alone (weights_of), whether
+        a step of that many requests is still faster as one native call over them than as the Python loop over
+        oneDNN's; if so, the layers' products take that many rows. The native call saves the loop's per-op cost:
+        bf16, bench model, 8 requests, 10.7 against 12.1 ms a step, where the products alone lost (2026-12-03).
+        Timed once at load on empty caches (alternating, medians of 5) and logged."""
+        from .weights import BATCH_ROWS, FEW_ROWS
+
+        rows = BATCH_ROWS
+        if self._layers is None or any(p.few is None or p.few_rows != FEW_ROWS for p in self._products):
+            return
+        r = self.runner
+        caches = [r.new_cache(16) for _ in range(rows)]
+        ids = [min(i + 3, r.config.vocab_size - 1) for i in range(rows)]
+        times: dict[int, list[float]] = {FEW_ROWS: [], rows: []}
+        for i in range(14):
+            limit = (FEW_ROWS, rows)[i % 2]
+            for p in self._products:
+                p.few_rows = limit
+            t = time.perf_counter()
+            self.step(caches, ids, [i] * rows, [i] * rows)
+            if i >= 4:  # after two of each
+                times[limit].append(time.perf_counter() - t)
+        loop, native = (sorted(times[k])[2] for k in (FEW_ROWS, rows))
+        for p in self._products:
+            p.few_rows = rows if native < loop else FEW_ROWS
+        log.info("pc_rag: %d-request decode steps %s (one native call over linear_rows %.2f ms, the layer loop "
+                 "over oneDNN %.2f ms)", rows, "as one native call" if native < loop else "through oneDNN",
+                 native * 1e3, loop * 1e3)
 
     @torch.inference_mode()
     def step(self, caches, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:

@@ -18,7 +18,8 @@ AMX tiles catch up in bf16, while in fp32 a batched step of 8 rows was faster th
 requests: 14.3 against 16.0 ms a step). An earlier version of it on the AMD EPYC was ahead in fp32 and not in
 bf16. So which one takes products of up to FEW_ROWS rows (a decode step's) is timed once per model at load
 (`_few_rows_faster`), then whether it also takes up to BATCH_ROWS (a batched step's), and logged; more rows always
-go to oneDNN.
+go to oneDNN. Where the products alone lose at BATCH_ROWS, a whole step of that many requests may still be faster
+as one native call over them (fused.py, `FusedLayers._time_batches`, timed once the fused layers are built).
 
 So on CPU each layer's q/k/v projections (and gate/up) are concatenated into one weight and reordered once into
 oneDNN's blocked layout ("packed", without a batch-size hint: measured best across 1 to 2048 rows), and the
