@@ -247,12 +247,16 @@ def profile(engine, texts: Texts) -> dict:
     ours = (kernels.PROFILE_NAME, kernels.PREFILL_PROFILE_NAME)  # pc_rag's own attention kernels
     products = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", kernels.LINEAR_PROFILE_NAME)
 
+    # A decode step's layers in one native call (fused.py): its products, attention and small ops together.
+    layers = kernels.LAYERS_PROFILE_NAME
+
     def kinds(prof, wall_s, per):
-        out = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
+        out = {"matmul": 0.0, "attention": 0.0, "native layers": 0.0, "other ops": 0.0}
         for e in prof.key_averages():
-            if e.key.startswith(("aten::", "mkldnn::")) or e.key in ours or e.key in products:
+            if e.key.startswith(("aten::", "mkldnn::")) or e.key in ours or e.key in products or e.key == layers:
                 kind = ("matmul" if e.key in products else
                         "attention" if "scaled_dot_product" in e.key or e.key in ours else
+                        "native layers" if e.key == layers else
                         "other ops")
                 out[kind] += e.self_cpu_time_total / 1e3 / per
         out["outside ops"] = max(0.0, wall_s * 1e3 / per - sum(out.values()))

@@ -9,13 +9,15 @@ HF's `generate` for the tokens (test_families.py already runs every family, the 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import pc_rag
 from pc_rag import Chunk, Text
-from pc_rag.model import kernels
+from pc_rag.model import kernels, weights
 from pc_rag.store import MemoryStore
 from pc_rag.testing import build_tiny
 
@@ -28,6 +30,23 @@ DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)]
 
 def _engine(path, dtype):
     return pc_rag.Engine.from_pretrained(path, store=MemoryStore(), dtype=dtype)
+
+
+@contextlib.contextmanager
+def _kernel_products(engine, dtype, rows: int):
+    """Every packed product through linear_rows for up to `rows` rows, whichever the timing at load picked (restored
+    after); a skip where linear_rows does not take `dtype` on this CPU."""
+    if kernels.linear_rows_kernel(dtype) is None:
+        pytest.skip("no AVX512-BF16 here: bf16 products stay oneDNN's")
+    products = weights._packed_products(engine.runner.weights)
+    keep = [(p.few, p.few_rows) for p in products]
+    for p in products:
+        p.few, p.few_rows = p.kernel, rows
+    try:
+        yield
+    finally:
+        for p, (few, few_rows) in zip(products, keep, strict=True):
+            p.few, p.few_rows = few, few_rows
 
 
 def _step_both_ways(engine, docs, rows: int):
@@ -94,22 +113,10 @@ def test_a_step_of_up_to_few_rows_multiplies_by_the_kernel_and_more_rows_by_oned
     packed ones (the limit set here, not the one timed at load): both must give what the module-by-module step
     gives, and a request's logits must not depend on which of the two its batch size took (within the dtype's
     rounding)."""
-    from pc_rag.model import weights
-
     engine = _engine(tiny_path, dtype)
-    if kernels.linear_rows_kernel(dtype) is None:
-        pytest.skip("no AVX512-BF16 here: bf16 products stay oneDNN's")
-    products = weights._packed_products(engine.runner.weights)
-    keep = [(p.few, p.few_rows) for p in products]
-    for p in products:  # whichever the timing at load picked
-        p.few, p.few_rows = p.kernel, weights.FEW_ROWS
-    try:
-        rows = weights.FEW_ROWS + 1
-        got, _, want, _, _ = _step_both_ways(engine, docs, rows)
+    with _kernel_products(engine, dtype, weights.FEW_ROWS):
+        got, _, want, _, _ = _step_both_ways(engine, docs, weights.FEW_ROWS + 1)
         alone, _, _, _, _ = _step_both_ways(engine, docs, 1)
-    finally:
-        for p, (few, few_rows) in zip(products, keep, strict=True):
-            p.few, p.few_rows = few, few_rows
     assert (got - want).abs().max().item() <= tol * want.abs().max().item()
     assert (alone[0] - got[0]).abs().max().item() <= tol * got[0].abs().max().item()
     assert torch.equal(alone[0].argmax(), got[0].argmax())
@@ -120,32 +127,22 @@ def test_a_step_of_up_to_few_rows_multiplies_by_the_kernel_and_more_rows_by_oned
 def test_the_native_layer_loop_equals_the_python_one(tiny_path, docs, dtype):
     """A step's layers in one native call (decode_layers.cpp) run the Python loop's kernels in its order: the same
     logits and KV bit for bit, for one request, three and BATCH_ROWS."""
-    from pc_rag.model import weights
-
     engine = _engine(tiny_path, dtype)
     fused = engine.runner._fused
-    if kernels.linear_rows_kernel(dtype) is None:
-        pytest.skip("no AVX512-BF16 here: bf16 products stay oneDNN's")
-    products = weights._packed_products(engine.runner.weights)
-    keep = [(p.few, p.few_rows) for p in products]
-    for p in products:  # whichever the timing at load picked
-        p.few, p.few_rows = p.kernel, weights.BATCH_ROWS
-    try:
+    with _kernel_products(engine, dtype, weights.BATCH_ROWS):
         for rows in (1, 3, weights.BATCH_ROWS):
             assert fused._native(rows)
             got, got_caches, _, _, slots = _step_both_ways(engine, docs, rows)
             fused.native = False
-            want, want_caches, _, _, _ = _step_both_ways(engine, docs, rows)
-            fused.native = True
+            try:
+                want, want_caches, _, _, _ = _step_both_ways(engine, docs, rows)
+            finally:
+                fused.native = True
             assert torch.equal(got, want), rows
             for g, w, s in zip(got_caches, want_caches, slots, strict=True):
                 assert torch.equal(g.keys[:, :, :, : s + 1], w.keys[:, :, :, : s + 1])
                 assert torch.equal(g.values[:, :, :, : s + 1], w.values[:, :, :, : s + 1])
         assert not fused._native(weights.BATCH_ROWS + 1)  # more rows: oneDNN's products, the Python loop
-    finally:
-        fused.native = True
-        for p, (few, few_rows) in zip(products, keep, strict=True):
-            p.few, p.few_rows = few, few_rows
 
 
 @needs_kernel
