@@ -70,7 +70,10 @@ class Sampler:
         # token of the vocabulary instead: 0.35 ms a row on an 8K vocabulary, 2.8 ms of each 8-request step of a
         # server, where sampling is what the OpenAI API does by default (bench model, 2026-12-03).
         cdf = probs.double().cumsum(-1)
-        x = torch.rand(1, dtype=torch.float64, generator=self.generator) * cdf[-1]
+        total = float(cdf[-1])
+        if not 0 < total < float("inf"):  # NaN logits (a model that overflowed) fail this too: an error, no token
+            raise RuntimeError(f"pc_rag: cannot sample from these logits (their probabilities sum to {total})")
+        x = torch.rand(1, dtype=torch.float64, generator=self.generator) * total
         i = int(torch.searchsorted(cdf, x, right=True))  # the first entry whose CDF passes x: never one of p = 0
         if i == len(cdf):  # x rounded up to the total (u within 1e-16 of 1): the last possible entry
             i = int(probs.nonzero()[-1])

@@ -98,6 +98,15 @@ def test_sampled_tokens_follow_the_softmax_and_the_nucleus(vocab, spread, top_p)
     assert torch.all((got - want).abs() <= error), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_sampling_from_logits_with_nan_or_inf_is_an_error_not_a_token(bad):
+    logits = torch.zeros(50)
+    logits[7] = bad
+    for top_p in (1.0, 0.9):
+        with pytest.raises(RuntimeError, match="cannot sample"):
+            Sampler(Sampling(temperature=1.0, top_p=top_p, seed=0))(logits)
+
+
 def test_sampling_arguments_are_checked():
     with pytest.raises(pc_rag.PCRagError, match="top_p"):
         Sampler(Sampling(temperature=1.0, top_p=0.0))
