@@ -240,9 +240,9 @@ class FusedLayers:
 
     def _native(self, rows: int) -> bool:
         """Whether a step of `rows` requests runs its layers in one native call: where every product would go to
-        linear_rows (weights.Packed.product's test; `few` is the kernel the call was built with, or None)."""
+        linear_rows (Packed.takes_few, the test Packed.product makes)."""
         return (self._layers is not None and self.native
-                and all(p.few is not None and rows <= p.few_rows for p in self._products))
+                and all(p.takes_few(rows) for p in self._products))
 
     def first_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The first layer's input norm of a prefill's hidden states [1, n, hidden]."""

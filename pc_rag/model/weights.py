@@ -94,9 +94,13 @@ class Packed:
         self.kernel = self.few  # what `few` is when the timing at load (weights_of) picks the kernel
         self.few_rows = FEW_ROWS  # the most rows `few` takes: FEW_ROWS or BATCH_ROWS, as timed at load
 
+    def takes_few(self, rows: int) -> bool:
+        """Whether a product of `rows` rows goes to the kernel (`few`) rather than to oneDNN."""
+        return self.few is not None and rows <= self.few_rows
+
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, in] (rows contiguous) times the weights, unsplit: [B, out]."""
-        if x.shape[0] <= self.few_rows and self.few is not None and self.few.fits(x):
+        if self.takes_few(x.shape[0]) and self.few.fits(x):
             return self.few.run(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
