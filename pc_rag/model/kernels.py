@@ -80,6 +80,7 @@ class Kernels:
     linear_rows: object  # a few rows times a layer's weights (weights.Packed)
     linear_bf16: bool  # whether linear_rows takes bf16 here (AVX512-BF16)
     decode_layers: object  # a decode step's layers in one call (fused.py)
+    prefill_amx: bool  # whether the prefill kernel runs bf16 on AMX tiles here
 
 
 class Product(ctypes.Structure):
@@ -133,11 +134,12 @@ def decode_attention_kernel():
 def prefill_attention_kernel(dtype: torch.dtype):
     """The compiled `pc_rag_prefill_attention` where it is what runs keys of `dtype` on this CPU, else None.
 
-    Not bf16 on CPUs with AMX (Intel since Sapphire Rapids): there sdpa's CPU kernel runs its bf16 block products
-    on AMX tiles, 55 against the kernel's 152 ms for a bench-model layer of 4K tokens (2026-12-02, Xeon with
-    AMX; fp32 126 against 119, so fp32 keeps the kernel)."""
+    bf16 on CPUs with AMX (Intel since Sapphire Rapids) only where the kernel runs it on AMX tiles too: there
+    sdpa's CPU kernel does (through oneDNN), 55 against the AVX512-BF16 dot products' 152 ms for a bench-model layer
+    of 4K tokens (2026-12-02), and the kernel's own tiles 28-43 against sdpa's 36-51 (2026-12-03, the same
+    alternating runs)."""
     k = loaded()
-    if k is None or dtype not in DTYPES or (dtype == torch.bfloat16 and has_amx()):
+    if k is None or dtype not in DTYPES or (dtype == torch.bfloat16 and has_amx() and not k.prefill_amx):
         return None
     return k.prefill
 
@@ -259,7 +261,7 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
                        f32, i32, i32]
     layers.restype = i32
     return Kernels(decode, prefill, step, norm, silu, rope, relocate, linear, bool(lib.pc_rag_linear_bf16_supported()),
-                   layers)
+                   layers, bool(lib.pc_rag_prefill_amx_supported()))
 
 
 def linear_rows_kernel(dtype: torch.dtype):
@@ -297,13 +299,16 @@ def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list
     return out
 
 
+BF16_PATHS = {"best": 1, "widened": 2, "dot": 3}  # pc_rag_prefill_attention's bf16 codes
+
+
 def prefill_attention(fn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                      widen: bool = False) -> torch.Tensor:
+                      path: str = "best") -> torch.Tensor:
     """Causal attention of the query rows q [H_q, n, D] over keys / values [H_kv, T, D], T >= n (CPU, fp32 or
     bf16 alike, D contiguous, heads and rows at any strides): row i sits at slot T - n + i and sees the keys
     [0, T - n + i]; query head h uses KV head h // (H_q // H_kv). Returns [H_q, n, D] in the keys' dtype, a view
-    of a [n, H_q, D] tensor (what the output projection reads). `widen`: bf16 through the path of CPUs without
-    AVX512-BF16 even where it has them (tests)."""
+    of a [n, H_q, D] tensor (what the output projection reads). `path` (bf16; tests): "best" (AMX tiles where the
+    CPU has them, else AVX512-BF16 dot products, else widened to fp32), "dot" (never AMX) or "widened"."""
     h, n, d = q.shape
     hk, t, _ = keys.shape
     dtype = keys.dtype
@@ -314,7 +319,7 @@ def prefill_attention(fn, q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     with traced(PREFILL_PROFILE_NAME):
         status = fn(q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), keys.stride(0), keys.stride(1),
                     values.data_ptr(), values.stride(0), values.stride(1), out.data_ptr(), out.stride(1),
-                    out.stride(0), n, t, h, h // hk, d, (2 if widen else 1) if dtype == torch.bfloat16 else 0, scale,
+                    out.stride(0), n, t, h, h // hk, d, BF16_PATHS[path] if dtype == torch.bfloat16 else 0, scale,
                     torch.get_num_threads())
     if status == -2:
         raise MemoryError(f"prefill attention kernel: no memory for the packed keys of {tuple(keys.shape)} "
