@@ -12,11 +12,13 @@
   go of the GIL once instead of at every op.
 - prefill_attention.cpp: causal attention of many query rows (a cold prefill, the fresh tokens after a cached
   prefix). sdpa's CPU kernel ran its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench
-  machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster.
+  machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster. In bf16 on
+  CPUs with AMX, sdpa runs its products on AMX tiles, and so does the kernel (faster again: docs/speed.md, 21.).
 
 Where they run: Linux on x86-64 with AVX-512 (what servers have: Intel since Skylake-SP, AMD since Zen 4), keys in
-fp32 or bf16, head_dim a multiple of 16 up to 256. The bf16 prefill multiplies in bf16 (dot products) where the
-CPU has AVX512-BF16 (Intel since Cooper Lake, AMD since Zen 4), else widens to fp32 as it packs. There
+fp32 or bf16, head_dim a multiple of 16 up to 256. The bf16 prefill multiplies in bf16: on AMX tiles where the
+CPU has them (Intel since Sapphire Rapids; head_dim a multiple of 32), else with dot products where it has
+AVX512-BF16 (Intel since Cooper Lake, AMD since Zen 4), else widened to fp32 as it packs. There
 `attention.attend_decode` and `attention.attend` call them instead of sdpa.
 
 The sources are plain C++ with OpenMP and no torch or Python headers, so `g++` (or $CXX) compiles them in a few

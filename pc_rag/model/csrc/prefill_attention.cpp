@@ -164,30 +164,52 @@ PC_AVX512 inline __m256i to_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-// Online softmax of one row's block of scores s [BN] (unscaled), `live` of them visible: updates the row's max m
-// and exp-sum l, rescales its output o [D], and leaves the weights in s (fp32, or bf16 in pb), 0 past `live`.
+// 2^t to fp32's precision: 2^round(t) by scalef (0 far below the smallest float), times a degree-5 polynomial
+// for 2^f on [-1/2, 1/2] (relative error 8e-8, as Cephes' exp). In base 2 the softmax's scale and log2(e) fold
+// into the FMA that subtracts the row max, and the range reduction is one subtraction.
+PC_AVX512 inline __m512 exp2_16(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.327744403e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6758837914e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507131e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402211243e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314696468e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000000734f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Online softmax of one row's block of scores s [BN] (unscaled), `live` of them visible, in base 2 (scale2 is the
+// scale times log2(e); m is in those units): updates the row's max m and sum l, rescales its output o [D], and
+// leaves the weights in s (fp32, or bf16 in pb), 0 past `live`.
 template <bool BF16>
-PC_AVX512 inline void softmax_row(float* s, int64_t live, float scale, float& m, float& l, float* o, int64_t D,
+PC_AVX512 inline void softmax_row(float* s, int64_t live, float scale2, float& m, float& l, float* o, int64_t D,
                                   uint16_t* pb) {
-  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512 sc = _mm512_set1_ps(scale2);
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < live; j += 16) {
     const __mmask16 k = live - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (live - j)) - 1);
     top = _mm512_mask_max_ps(top, k, top, _mm512_mul_ps(_mm512_loadu_ps(s + j), sc));
   }
   const float mx = std::max(m, _mm512_reduce_max_ps(top));
-  const float alpha = m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m - mx);
+  const float alpha = m == mx ? 1.f : m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp2(m - mx);
   const __m512 M = _mm512_set1_ps(mx);
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < BN; j += 16) {
-    const int64_t n = live - j;
-    const __mmask16 k = n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M)));
+  int64_t j = 0;
+  for (; j < live; j += 16) {
+    const __mmask16 k = live - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (live - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M)));
     sum = _mm512_add_ps(sum, e);
     if constexpr (BF16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), to_bf16(e));
     else
       _mm512_storeu_ps(s + j, e);
+  }
+  for (; j < BN; j += 16) {  // past the visible keys: weights 0
+    if constexpr (BF16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), _mm256_setzero_si256());
+    else
+      _mm512_storeu_ps(s + j, _mm512_setzero_ps());
   }
   l = l * alpha + _mm512_reduce_add_ps(sum);
   m = mx;
@@ -380,10 +402,10 @@ PC_AMX inline void values_amx(const uint16_t* p, const uint16_t* vp, int64_t n, 
   }
 }
 
-// 2^t: 2^round(t) by scalef (0 far below the smallest float), times a polynomial for 2^f on [-1/2, 1/2]: degree
-// 4, relative error 2.7e-6, well under the bf16 rounding (2^-9) of the weights it makes. Where the softmax spent
-// most of its time, with Cephes' degree-7 exp16 (6.3 of 27 ms for a bench-model layer of 4K tokens).
-PC_AVX512 inline __m512 exp2_16(__m512 t) {
+// exp2_16 with a degree-4 polynomial: relative error 2.7e-6, well under the bf16 rounding (2^-9) of the weights it
+// makes. The exp was where the AMX softmax spent most of its time (Cephes' exp16: 6.3 of 27 ms for a bench-model
+// layer of 4K tokens).
+PC_AVX512 inline __m512 exp2_16_coarse(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(9.5711205838e-3f);
@@ -395,8 +417,8 @@ PC_AVX512 inline __m512 exp2_16(__m512 t) {
 }
 
 // Online softmax of one row's block of scores s (unscaled), `live` of them visible, as softmax_row, the weights
-// written as bf16 to pb up to `width` (a multiple of 32; zeros past live). In base 2: exp(scale s - m) is
-// 2^(scale log2(e) s - m'), one FMA before exp2_16. scale2 > 0, so the block's largest score is the largest weight's.
+// written as bf16 to pb up to `width` (a multiple of 32; zeros past live), in base 2 as softmax_row. scale2 > 0,
+// so the block's largest score is its largest weight's.
 PC_AMX inline void softmax_row_amx(const float* s, int64_t live, int64_t width, float scale2, float& m, float& l,
                                    float* o, int64_t D, uint16_t* pb) {
   const __m512 sc = _mm512_set1_ps(scale2);
@@ -409,8 +431,8 @@ PC_AMX inline void softmax_row_amx(const float* s, int64_t live, int64_t width, 
   const __m512 M = _mm512_set1_ps(mx);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   for (j = 0; j + 32 <= live; j += 32) {  // every score visible
-    const __m512 e0 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M));
-    const __m512 e1 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), sc, M));
+    const __m512 e0 = exp2_16_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M));
+    const __m512 e1 = exp2_16_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), sc, M));
     sum0 = _mm512_add_ps(sum0, e0);
     sum1 = _mm512_add_ps(sum1, e1);
     _mm512_storeu_si512(pb + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -419,8 +441,8 @@ PC_AMX inline void softmax_row_amx(const float* s, int64_t live, int64_t width, 
     const int64_t n = live - j;
     const __mmask16 k0 = n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
     const __mmask16 k1 = n >= 32 ? __mmask16(0xFFFF) : n <= 16 ? __mmask16(0) : __mmask16((1u << (n - 16)) - 1);
-    const __m512 e0 = _mm512_maskz_mov_ps(k0, exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M)));
-    const __m512 e1 = _mm512_maskz_mov_ps(k1, exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), sc, M)));
+    const __m512 e0 = _mm512_maskz_mov_ps(k0, exp2_16_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M)));
+    const __m512 e1 = _mm512_maskz_mov_ps(k1, exp2_16_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), sc, M)));
     sum0 = _mm512_add_ps(sum0, e0);
     sum1 = _mm512_add_ps(sum1, e1);
     _mm512_storeu_si512(pb + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -542,6 +564,7 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
   using C = std::conditional_t<MODE == BF16_DOT, uint16_t, float>;  // the packed keys' and query rows'
   constexpr bool DOT = MODE == BF16_DOT;
   const int64_t HK = H / G, padded = (nk + BN - 1) / BN * BN, before = nk - nq, blocks = (nq + BM - 1) / BM;
+  const float scale2 = scale * 1.44269504088896341f;  // the softmax in base 2
   // Every allocation up front and without exceptions (one thrown inside an OpenMP region ends the process): the
   // packed keys (and bf16 values), then each thread's tiles. Out of memory returns -2.
   struct Scratch {  // one thread's: its query rows, scores, output rows, row maxima and sums, bf16 weights
@@ -613,7 +636,7 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
             continue;
           }
           widest = std::max(widest, live);
-          softmax_row<DOT>(s + r * BN, live, scale, m[r], l[r], o + r * D, D, pb + r * BN);
+          softmax_row<DOT>(s + r * BN, live, scale2, m[r], l[r], o + r * D, D, pb + r * BN);
         }
         for (int64_t r = 0; r < rows; r += PV_ROWS) {
           if constexpr (DOT)
