@@ -416,42 +416,65 @@ PC_AVX512 inline __m512 exp2_16_coarse(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Online softmax of one row's block of scores s (unscaled), `live` of them visible, as softmax_row, the weights
-// written as bf16 to pb up to `width` (a multiple of 32; zeros past live), in base 2 as softmax_row. scale2 > 0,
-// so the block's largest score is its largest weight's.
-PC_AMX inline void softmax_row_amx(const float* s, int64_t live, int64_t width, float scale2, float& m, float& l,
+// How far above a row's running max a block's scores may be (base-2 units) and still be weighted against it.
+constexpr float SLACK = 8.f;
+
+// Online softmax of one row's block of scores s (unscaled), `live` of them visible, in base 2 as softmax_row, the
+// weights written as bf16 to pb up to `width` (a multiple of 32; zeros past live); the row's sum kept as 16 lanes
+// (l), added up once at the end. A row's max m is set by its first block and raised only when a later block
+// has a score more than SLACK above it (weights up to 2^8: fp32 has the room, bf16 the same relative precision),
+// so most blocks take one pass over their scores (the weights and their max together) instead of two (the max,
+// then the weights) and rescale nothing. scale2 > 0, so the block's largest score is its largest weight's.
+PC_AMX inline void softmax_row_amx(const float* s, int64_t live, int64_t width, float scale2, float& m, float* l,
                                    float* o, int64_t D, uint16_t* pb) {
   const __m512 sc = _mm512_set1_ps(scale2);
-  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 16 <= live; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
-  if (j < live) top = _mm512_mask_max_ps(top, __mmask16((1u << (live - j)) - 1), top, _mm512_loadu_ps(s + j));
-  const float mx = std::max(m, _mm512_reduce_max_ps(top) * scale2);
-  const float alpha = m == mx ? 1.f : m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp2(m - mx);
-  const __m512 M = _mm512_set1_ps(mx);
-  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-  for (j = 0; j + 32 <= live; j += 32) {  // every score visible
-    const __m512 e0 = exp2_16_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M));
-    const __m512 e1 = exp2_16_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), sc, M));
-    sum0 = _mm512_add_ps(sum0, e0);
-    sum1 = _mm512_add_ps(sum1, e1);
-    _mm512_storeu_si512(pb + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+  if (m == -std::numeric_limits<float>::infinity()) {  // the row's first block: its max first
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t j = 0;
+    for (; j + 16 <= live; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+    if (j < live) top = _mm512_mask_max_ps(top, __mmask16((1u << (live - j)) - 1), top, _mm512_loadu_ps(s + j));
+    m = _mm512_reduce_max_ps(top) * scale2;
   }
-  for (; j < width; j += 32) {  // the row's last visible scores, then zeros
-    const int64_t n = live - j;
-    const __mmask16 k0 = n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-    const __mmask16 k1 = n >= 32 ? __mmask16(0xFFFF) : n <= 16 ? __mmask16(0) : __mmask16((1u << (n - 16)) - 1);
-    const __m512 e0 = _mm512_maskz_mov_ps(k0, exp2_16_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M)));
-    const __m512 e1 = _mm512_maskz_mov_ps(k1, exp2_16_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), sc, M)));
-    sum0 = _mm512_add_ps(sum0, e0);
-    sum1 = _mm512_add_ps(sum1, e1);
-    _mm512_storeu_si512(pb + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-  }
-  l = l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
-  m = mx;
-  if (alpha != 1.f) {
-    const __m512 a = _mm512_set1_ps(alpha);
+  for (;;) {
+    const __m512 M = _mm512_set1_ps(m);
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    __m512 top0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), top1 = top0;
+    int64_t j = 0;
+    for (; j + 32 <= live; j += 32) {  // every score visible
+      const __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M);
+      const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), sc, M);
+      top0 = _mm512_max_ps(top0, x0);
+      top1 = _mm512_max_ps(top1, x1);
+      const __m512 e0 = exp2_16_coarse(x0), e1 = exp2_16_coarse(x1);
+      sum0 = _mm512_add_ps(sum0, e0);
+      sum1 = _mm512_add_ps(sum1, e1);
+      _mm512_storeu_si512(pb + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    for (; j < width; j += 32) {  // the row's last visible scores, then zeros
+      const int64_t n = live - j;
+      const __mmask16 k0 = n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+      const __mmask16 k1 = n >= 32 ? __mmask16(0xFFFF) : n <= 16 ? __mmask16(0) : __mmask16((1u << (n - 16)) - 1);
+      const __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M);
+      const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), sc, M);
+      top0 = _mm512_mask_max_ps(top0, k0, top0, x0);
+      top1 = _mm512_mask_max_ps(top1, k1, top1, x1);
+      const __m512 e0 = _mm512_maskz_mov_ps(k0, exp2_16_coarse(x0));
+      const __m512 e1 = _mm512_maskz_mov_ps(k1, exp2_16_coarse(x1));
+      sum0 = _mm512_add_ps(sum0, e0);
+      sum1 = _mm512_add_ps(sum1, e1);
+      _mm512_storeu_si512(pb + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    const __m512 top = _mm512_max_ps(top0, top1);
+    if (!_mm512_cmp_ps_mask(top, _mm512_set1_ps(SLACK), _CMP_GT_OQ)) {
+      _mm512_storeu_ps(l, _mm512_add_ps(_mm512_loadu_ps(l), _mm512_add_ps(sum0, sum1)));
+      return;
+    }
+    // A score far above the running max: raise it to this block's, rescale the sum and output, weigh again.
+    const float up = _mm512_reduce_max_ps(top);
+    const __m512 a = _mm512_set1_ps(std::exp2(-up));
+    _mm512_storeu_ps(l, _mm512_mul_ps(_mm512_loadu_ps(l), a));
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
+    m += up;
   }
 }
 
@@ -468,7 +491,8 @@ PC_AMX int attend_causal_amx(const uint16_t* q, Rows qr, const uint16_t* k, Rows
     alignas(64) float s[AM * BN];
     alignas(64) float o[AM * MAX_D];
     alignas(64) uint16_t pb[AM * BN];
-    float m[AM], l[AM];
+    alignas(64) float l[AM * 16];  // each row's sum as 16 lanes
+    float m[AM];
   };
   std::unique_ptr<uint16_t[]> kp(new (std::nothrow) uint16_t[HK * padded * D]);
   std::unique_ptr<uint16_t[]> vp(new (std::nothrow) uint16_t[HK * padded * D]);
@@ -495,7 +519,7 @@ PC_AMX int attend_causal_amx(const uint16_t* q, Rows qr, const uint16_t* k, Rows
       }
       std::fill(mine.o, mine.o + AM * D, 0.f);
       std::fill(mine.m, mine.m + AM, -std::numeric_limits<float>::infinity());
-      std::fill(mine.l, mine.l + AM, 0.f);
+      std::fill(mine.l, mine.l + AM * 16, 0.f);
       std::memset(mine.pb + rows * BN, 0, (AM - rows) * BN * 2);  // rows past the end: weights 0
       const uint16_t* keys = kp.get() + hk * padded * D;
       const uint16_t* values = vp.get() + hk * padded * D;
@@ -515,13 +539,13 @@ PC_AMX int attend_causal_amx(const uint16_t* q, Rows qr, const uint16_t* k, Rows
           if (live <= 0)  // this row sees none of the block: weights 0, nothing else changes
             std::memset(mine.pb + r * BN, 0, width * 2);
           else
-            softmax_row_amx(mine.s + r * BN, live, width, scale2, mine.m[r], mine.l[r], mine.o + r * D, D,
+            softmax_row_amx(mine.s + r * BN, live, width, scale2, mine.m[r], mine.l + r * 16, mine.o + r * D, D,
                             mine.pb + r * BN);
         }
         values_amx(mine.pb, values + j0 * D, width, mine.o, D);
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const __m512 inv = _mm512_set1_ps(1.f / mine.l[r]);
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(mine.l + r * 16)));
         for (int64_t d = 0; d < D; d += 16)
           store16<uint16_t>(out + orows.at(h, i0 + r) + d, _mm512_mul_ps(_mm512_loadu_ps(mine.o + r * D + d), inv));
       }
