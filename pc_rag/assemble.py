@@ -60,7 +60,9 @@ class Recompute:
 @dataclass(frozen=True)
 class Assembled:
     cache: SlotCache
-    logits: torch.Tensor  # [vocab] fp32, next-token logits after the prompt
+    # [vocab] fp32, next-token logits after the prompt; None where the prompt's one fresh token was left to the
+    # caller (`assemble(defer_last=True)`: the batched decode step computes it, slot prompt_tokens - 1)
+    logits: torch.Tensor | None
     plan: Plan  # as built: the plan carried out, with any block that could not be read recomputed instead
     prompt_tokens: int
     cached_tokens: int
@@ -178,8 +180,10 @@ class Assembler:
 
     # ---- build and forward -------------------------------------------------------------------------------------
     def assemble(self, plan: Plan, blocks: Mapping[str, KVBlock | PendingBlock], extra_capacity: int,
-                 recompute: Recompute | None = None) -> Assembled:
-        """Carries `plan` out with the `blocks` its lookups found (`lookups().blocks`): encode, build, forward."""
+                 recompute: Recompute | None = None, defer_last: bool = False) -> Assembled:
+        """Carries `plan` out with the `blocks` its lookups found (`lookups().blocks`): encode, build, forward.
+        `defer_last`: where the prompt's last token is the only one to compute, leave it (logits None, the cache
+        one slot short) to the caller, whose batched decode step computes it with other requests' tokens."""
         self._index(plan)
         plan, in_hand = self._encode(plan, blocks)
         ids, positions = plan.ids, plan.positions
@@ -212,7 +216,10 @@ class Assembler:
             fresh.add(total - 1)
             if self._reused(pieces, total - 1):
                 cached -= 1
-        if recompute is not None and recompute.ratio > 0:
+        if defer_last and fresh == {total - 1} and (recompute is None or recompute.ratio == 0):
+            cache.length = total - 1
+            logits, recomputed = None, set()
+        elif recompute is not None and recompute.ratio > 0:
             logits, recomputed = self._blend(pieces, cache, ids, positions, fresh, recompute)
         else:
             order = sorted(fresh)

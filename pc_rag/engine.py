@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -453,7 +453,7 @@ class Engine:
         return segments, extra_capacity
 
     def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int, recompute_ratio: float,
-                 namespace: str | None = None) -> Assembled:
+                 namespace: str | None = None, defer_last: bool = False) -> Assembled:
         """The request path up to the first logits, step by step: segments, plan (the store asked once, through
         lookups that keep what they found), then encode, build and forward (`Assembler.assemble`); every key in
         the request's cache `namespace`."""
@@ -465,7 +465,7 @@ class Engine:
         plan = self.planner.plan(segments, mode, lookups, namespace)
         if mode in ("modular", "blend"):
             self.scaffolds.observe(segments, namespace)
-        return self.assembler.assemble(plan, lookups.blocks, extra_capacity, recompute)
+        return self.assembler.assemble(plan, lookups.blocks, extra_capacity, recompute, defer_last)
 
     def _describe_group(self, group) -> str:
         def preview(ids):
@@ -496,10 +496,22 @@ class Engine:
         mode, max_new_tokens = options.mode, options.max_new_tokens
         grammar = self.grammars.state(options.grammar) if options.grammar is not None else None
         sampler = Sampler(Sampling.from_options(options), grammar)
+        # While other requests decode, a prompt whose only token to compute is its last (one sent again: n
+        # samples of a prompt, a retry, a burst of repeated requests) leaves that token to the shared decode
+        # step, as one more row: its first token then costs a share of a batched step instead of a forward of
+        # its own between two steps (docs/speed.md, 22.).
+        defer = self.batch_decoding and self._requests > 1
         with self._prefill_turn if self.batch_decoding else contextlib.nullcontext():
             asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=options.recompute_ratio,
-                                namespace=options.cache_salt)
-        token = sampler(asm.logits)
+                                namespace=options.cache_salt, defer_last=defer)
+        last = asm.plan.ids[-1]
+        deferred = asm.logits is None
+        if deferred and last in self.eos_ids:  # the loop takes no row after an EOS token: compute it here
+            asm.cache.length = asm.prompt_tokens
+            asm = replace(asm, logits=self.runner.forward(
+                asm.cache, [last], [asm.last_position], [asm.prompt_tokens - 1]))
+            deferred = False
+        token = None if deferred else sampler(asm.logits)
         ttft = time.perf_counter() - t0
 
         text = TextStream(self.tokenizer, options.stop)
@@ -510,7 +522,12 @@ class Engine:
         done = False  # the reply ran to its end (not an abandoned stream)
         try:
             needed = decode_steps_needed(max_new_tokens, room)
-            if self.batch_decoding and self._requests > 1:
+            if deferred:  # the prompt's last token as a row of the shared step, which chooses the first token
+                steps = self._join_batch(asm.cache, sampler, last, asm.last_position, asm.prompt_tokens - 1,
+                                         needed + 1)
+                token = steps.next()
+                ttft = time.perf_counter() - t0
+            elif self.batch_decoding and self._requests > 1:
                 steps = self._join_batch(asm.cache, sampler, token, asm.last_position + 1, asm.prompt_tokens, needed)
             for i in range(max_new_tokens):
                 ids.append(token)
@@ -542,8 +559,10 @@ class Engine:
                 # Redis would otherwise stall the stream right after the first token (the benchmark saw it as
                 # slower exact-mode decoding). Every token but the last was fed back, so its KV is in the
                 # cache: the next turn of a chat reuses the prompt and the reply.
-                saved = self.assembler.save_prefix(asm, ids[:-1])
-                self._remember_reply(prompt, text.text, ids, asm if done else None, saved, options.cache_salt)
+                # A deferred last token with no first token out may never have been computed: nothing to store.
+                if ids or not deferred:
+                    saved = self.assembler.save_prefix(asm, ids[:-1])
+                    self._remember_reply(prompt, text.text, ids, asm if done else None, saved, options.cache_salt)
             finally:
                 self.runner.release_cache(asm.cache)
                 release_team()  # a server's request thread waits for its next request (pc_rag/model/threads.py)

@@ -368,6 +368,47 @@ def test_an_abandoned_stream_leaves_the_batch_and_its_reply_is_reused(loaded, do
     assert again.text.startswith("".join(pieces)[:1])
 
 
+def test_a_prompt_sent_again_leaves_its_last_token_to_the_shared_step(loaded, docs):
+    """While another request is in flight, a prompt whose only token to compute is its last (sent before) joins
+    the decode loop with that token as its row, and the loop's step chooses its first token: the same tokens as
+    the prompt answered alone, greedy and seeded, and the same counts of cached and computed tokens."""
+    model, tok = loaded
+    other_prompt, prompt = _questions(docs, 2)
+    engine = pc_rag.Engine(model, tok, store=MemoryStore())
+    engine.generate(prompt, mode="exact", max_new_tokens=16)  # computed once; its blocks stored
+    alone = engine.generate(prompt, mode="exact", max_new_tokens=16)
+    seeded = engine.generate(prompt, mode="exact", max_new_tokens=16, temperature=0.9, seed=3)
+    assert alone.computed_tokens == 1 and engine._decoder is None  # alone: its own forward, no shared loop
+    for kwargs, want in (({}, alone), ({"temperature": 0.9, "seed": 3}, seeded)):
+        stream = engine.stream_generation(other_prompt, max_new_tokens=30)
+        next(stream)  # in flight: the next request finds another one running
+        before = engine.stats()["decode"]["tokens"] if engine._decoder is not None else 0
+        got = engine.generate(prompt, mode="exact", max_new_tokens=16, **kwargs)
+        # every one of its tokens, the first included, came out of the shared loop's steps
+        assert engine.stats()["decode"]["tokens"] - before == len(got.token_ids)
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert (got.cached_tokens, got.computed_tokens) == (want.cached_tokens, want.computed_tokens)
+        rest = list(stream)
+        assert rest
+
+
+def test_a_prompt_sent_again_ending_in_an_eos_token_computes_that_token_itself(loaded, docs):
+    """The loop takes no row after an EOS token, so a prompt ending in one computes its last token on its own
+    thread even while others decode, and answers as alone."""
+    model, tok = loaded
+    other_prompt, prompt = _questions(docs, 2)
+    engine = pc_rag.Engine(model, tok, store=MemoryStore())
+    engine.generate(prompt, mode="exact", max_new_tokens=8)
+    last = engine.generate(prompt, mode="exact", max_new_tokens=1).prompt_ids[-1]
+    engine.eos_ids = frozenset({*engine.eos_ids, last})
+    alone = engine.generate(prompt, mode="exact", max_new_tokens=8)
+    stream = engine.stream_generation(other_prompt, max_new_tokens=30)
+    next(stream)
+    got = engine.generate(prompt, mode="exact", max_new_tokens=8)
+    list(stream)
+    assert got.token_ids == alone.token_ids and got.computed_tokens == alone.computed_tokens == 1
+
+
 def test_serial_and_batched_engines_agree_on_a_single_request(loaded, docs):
     model, tok = loaded
     prompt = _questions(docs, 1)[0]
