@@ -172,6 +172,10 @@ class BatchDecoder:
         """Whether any request is decoding or waiting for a row (no lock: a momentary answer is enough)."""
         return bool(self._active or self._waiting)
 
+    def has_room(self) -> bool:
+        """Whether a request joining now would be in the next step, not wait for a row to leave (no lock)."""
+        return len(self._active) + len(self._waiting) < self.max_batch
+
     def stats(self) -> dict:
         with self._lock:
             return {"active": len(self._active), "waiting": len(self._waiting), "steps": self.steps,

@@ -499,8 +499,10 @@ class Engine:
         # While other requests decode, a prompt whose only token to compute is its last (one sent again: n
         # samples of a prompt, a retry, a burst of repeated requests) leaves that token to the shared decode
         # step, as one more row: its first token then costs a share of a batched step instead of a forward of
-        # its own between two steps (docs/speed.md, 22.).
-        defer = self.batch_decoding and self._requests > 1
+        # its own between two steps (docs/speed.md, 22.). Not when the batch is full: the first token would wait
+        # for a row to leave.
+        decoder = self._decoder
+        defer = self.batch_decoding and self._requests > 1 and (decoder is None or decoder.has_room())
         with self._prefill_turn if self.batch_decoding else contextlib.nullcontext():
             asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=options.recompute_ratio,
                                 namespace=options.cache_salt, defer_last=defer)

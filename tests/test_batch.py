@@ -134,7 +134,9 @@ def test_eos_ends_a_row_and_no_steps_means_no_row():
 def test_max_batch_bounds_a_step_and_the_rest_wait():
     step = FakeStep(delay=0.005)
     decoder = BatchDecoder(step, eos_ids=frozenset(), max_batch=2)
+    assert decoder.has_room()
     streams = [decoder.join([], identity, token=10 * i, position=0, slot=0, steps=4) for i in range(5)]
+    assert not decoder.has_room()  # a newcomer would wait for a row (the engine then computes its first token)
     for i, s in enumerate(streams):
         assert drain(s, 4) == [10 * i + k for k in range(1, 5)]
         s.close()
