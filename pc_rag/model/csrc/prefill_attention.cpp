@@ -164,18 +164,23 @@ PC_AVX512 inline __m256i to_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-// 2^t to fp32's precision: 2^round(t) by scalef (0 far below the smallest float), times a degree-5 polynomial
-// for 2^f on [-1/2, 1/2] (relative error 8e-8, as Cephes' exp). In base 2 the softmax's scale and log2(e) fold
-// into the FMA that subtracts the row max, and the range reduction is one subtraction.
-PC_AVX512 inline __m512 exp2_16(__m512 t) {
+// Minimax polynomials for 2^f on [-1/2, 1/2], highest power first: degree 5 (relative error 8e-8, as Cephes' exp:
+// fp32's precision) and degree 4 (2.7e-6, well under the bf16 rounding, 2^-9, of the weights the AMX path makes).
+constexpr float EXP2_FP32[] = {1.327744403e-3f, 9.6758837914e-3f, 5.5507131e-2f, 2.402211243e-1f, 6.9314696468e-1f,
+                               1.0000000734f};
+constexpr float EXP2_BF16[] = {9.5711205838e-3f, 5.5920936473e-2f, 2.4024745354e-1f, 6.9312135868e-1f,
+                               9.9999924829e-1f};
+
+// 2^t: 2^round(t) by scalef (0 far below the smallest float), times one of the polynomials above for the rest. In
+// base 2 the softmax's scale and log2(e) fold into the FMA that subtracts the row max, and the range reduction is
+// one subtraction. The exp was where the AMX softmax spent most of its time (Cephes' exp16: 6.3 of 27 ms for a
+// bench-model layer of 4K tokens).
+template <int N>
+PC_AVX512 inline __m512 exp2_16(__m512 t, const float (&c)[N]) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.327744403e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6758837914e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507131e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402211243e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314696468e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000000734f));
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (int i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -198,7 +203,7 @@ PC_AVX512 inline void softmax_row(float* s, int64_t live, float scale2, float& m
   int64_t j = 0;
   for (; j < live; j += 16) {
     const __mmask16 k = live - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (live - j)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(k, exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M)));
+    const __m512 e = _mm512_maskz_mov_ps(k, exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, M), EXP2_FP32));
     sum = _mm512_add_ps(sum, e);
     if constexpr (BF16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), to_bf16(e));
@@ -402,20 +407,6 @@ PC_AMX inline void values_amx(const uint16_t* p, const uint16_t* vp, int64_t n, 
   }
 }
 
-// exp2_16 with a degree-4 polynomial: relative error 2.7e-6, well under the bf16 rounding (2^-9) of the weights it
-// makes. The exp was where the AMX softmax spent most of its time (Cephes' exp16: 6.3 of 27 ms for a bench-model
-// layer of 4K tokens).
-PC_AVX512 inline __m512 exp2_16_coarse(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(9.5711205838e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5920936473e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024745354e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312135868e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999924829e-1f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // How far above a row's running max a block's scores may be (base-2 units) and still be weighted against it.
 constexpr float SLACK = 8.f;
 
@@ -445,7 +436,7 @@ PC_AMX inline void softmax_row_amx(const float* s, int64_t live, int64_t width, 
       const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), sc, M);
       top0 = _mm512_max_ps(top0, x0);
       top1 = _mm512_max_ps(top1, x1);
-      const __m512 e0 = exp2_16_coarse(x0), e1 = exp2_16_coarse(x1);
+      const __m512 e0 = exp2_16(x0, EXP2_BF16), e1 = exp2_16(x1, EXP2_BF16);
       sum0 = _mm512_add_ps(sum0, e0);
       sum1 = _mm512_add_ps(sum1, e1);
       _mm512_storeu_si512(pb + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -458,8 +449,8 @@ PC_AMX inline void softmax_row_amx(const float* s, int64_t live, int64_t width, 
       const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), sc, M);
       top0 = _mm512_mask_max_ps(top0, k0, top0, x0);
       top1 = _mm512_mask_max_ps(top1, k1, top1, x1);
-      const __m512 e0 = _mm512_maskz_mov_ps(k0, exp2_16_coarse(x0));
-      const __m512 e1 = _mm512_maskz_mov_ps(k1, exp2_16_coarse(x1));
+      const __m512 e0 = _mm512_maskz_mov_ps(k0, exp2_16(x0, EXP2_BF16));
+      const __m512 e1 = _mm512_maskz_mov_ps(k1, exp2_16(x1, EXP2_BF16));
       sum0 = _mm512_add_ps(sum0, e0);
       sum1 = _mm512_add_ps(sum1, e1);
       _mm512_storeu_si512(pb + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
