@@ -374,7 +374,7 @@ PC_AMX inline void scores_amx64(const uint16_t* q, const uint16_t* kp, int64_t p
 
 // O [16, D] += P [16, n] . V [n, D]: P's rows bf16 weights (BN apart), V packed [n / 2][D][2], n a multiple of 32.
 // 64 dims at a time: their accumulators in tiles 0-3 (O's rows in memory between blocks, where the softmax rescales
-// them), 32 keys' weights in tiles 4 and 5 by turns, the values' in tiles 6 and 7 by turns.
+// them), 32 keys' weights in tile 4, the values' in tiles 5-7 by turns (weights in two tiles by turns: no faster).
 PC_AMX inline void values_amx(const uint16_t* p, const uint16_t* vp, int64_t n, float* o, int64_t D) {
   for (int64_t c = 0; c < D; c += 64) {
     const int64_t tiles = std::min<int64_t>(4, (D - c) / 16);
@@ -384,21 +384,12 @@ PC_AMX inline void values_amx(const uint16_t* p, const uint16_t* vp, int64_t n, 
     if (tiles > 3) _tile_loadd(3, o + c + 48, D * 4);
     for (int64_t j = 0; j < n; j += 32) {
       const uint16_t* v = vp + j * D + 2 * c;  // 16 pairs of keys x 16 dims, pairs 2 D apart
-      if ((j & 32) == 0) {
-        _tile_loadd(4, p + j, BN * 2);
-        _tile_loadd(6, v, D * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        if (tiles > 1) { _tile_loadd(7, v + 32, D * 4); _tile_dpbf16ps(1, 4, 7); }
-        if (tiles > 2) { _tile_loadd(6, v + 64, D * 4); _tile_dpbf16ps(2, 4, 6); }
-        if (tiles > 3) { _tile_loadd(7, v + 96, D * 4); _tile_dpbf16ps(3, 4, 7); }
-      } else {
-        _tile_loadd(5, p + j, BN * 2);
-        _tile_loadd(6, v, D * 4);
-        _tile_dpbf16ps(0, 5, 6);
-        if (tiles > 1) { _tile_loadd(7, v + 32, D * 4); _tile_dpbf16ps(1, 5, 7); }
-        if (tiles > 2) { _tile_loadd(6, v + 64, D * 4); _tile_dpbf16ps(2, 5, 6); }
-        if (tiles > 3) { _tile_loadd(7, v + 96, D * 4); _tile_dpbf16ps(3, 5, 7); }
-      }
+      _tile_loadd(4, p + j, BN * 2);
+      _tile_loadd(5, v, D * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      if (tiles > 1) { _tile_loadd(6, v + 32, D * 4); _tile_dpbf16ps(1, 4, 6); }
+      if (tiles > 2) { _tile_loadd(7, v + 64, D * 4); _tile_dpbf16ps(2, 4, 7); }
+      if (tiles > 3) { _tile_loadd(5, v + 96, D * 4); _tile_dpbf16ps(3, 4, 5); }
     }
     _tile_stored(0, o + c, D * 4);
     if (tiles > 1) _tile_stored(1, o + c + 16, D * 4);
