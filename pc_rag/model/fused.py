@@ -43,7 +43,7 @@ from .architecture import DEFAULT_ROPE, Norms
 
 log = logging.getLogger("pc_rag.fused")
 
-# A prefill's MLP runs this many bytes of gate|up product at a time (FusedLayers.after_attention).
+# A prefill's MLP runs at most this many bytes of gate|up product at a time (FusedLayers.after_attention).
 MLP_BYTES = 16 << 20
 
 
@@ -283,7 +283,11 @@ class FusedLayers:
         hidden = hidden.view(-1, width)
         x = self._norm(hidden, out, self.mlp_norms[i], torch.empty_like(hidden))
         after = None if i + 1 == len(self.input_norms) else self.input_norms[i + 1]
-        rows = max(256, MLP_BYTES // (2 * self.mlp_width * hidden.element_size()) // 256 * 256)
+        # A power of two: at the large shape in bf16 (AMX), oneDNN's down product (4864 -> 896) ran at 1,551
+        # GFLOP/s over 512 rows and 1,747 over 2,048, but 811 over 768 (1,024: 803); a 4K prefill took 2.94-3.57
+        # against 3.19-3.51 s with 512-row blocks instead of 768 (docs/speed.md, 23.). Measured at that shape only.
+        budget = MLP_BYTES // (2 * self.mlp_width * hidden.element_size())
+        rows = max(256, 1 << max(0, budget.bit_length() - 1))
         for a in range(0, hidden.shape[0], rows):
             gate, up = lw.gate_up(x[a: a + rows])  # [r, I] each: column ranges of one product
             act = torch.empty(gate.shape, dtype=gate.dtype)
