@@ -48,13 +48,15 @@ def corpus_chunks(tokenizer, n: int, tokens_per_chunk: int) -> list[str]:
     return chunks
 
 
-def prompts(chunks: list[str], n: int) -> list[list]:
-    """Request i: the system text, two chunks (a pair that depends on i) and its own question."""
+def prompts(chunks: list[str], n: int, burst: int = 0) -> list[list]:
+    """Request i: the system text, two chunks (a pair that depends on i) and its own question (one that depends
+    on `burst` too, so that a server's later bursts ask questions it has not seen)."""
     out = []
     for i in range(n):
         a, b = chunks[i % len(chunks)], chunks[(i * 3 + 1) % len(chunks)]
+        item = i * 7 + 1000 * burst
         out.append([Text(SYSTEM), Chunk(a), Text("\n\n"), Chunk(b),
-                    Text(f"\n\nQuestion {i}: which statement is described, and what is item {i * 7} for?\nAnswer:")])
+                    Text(f"\n\nQuestion {i}: which statement is described, and what is item {item} for?\nAnswer:")])
     return out
 
 
@@ -146,7 +148,7 @@ def median_of(summaries: list[dict]) -> dict:
 
 
 def run(model_path, streams: list[int], max_new_tokens: int, chunk_tokens: int, reps: int = 3, dtype="float32",
-        device="cpu", http: bool = False) -> dict:
+        device="cpu", http: bool = False, same_prompts: bool = False) -> dict:
     base = pc_rag.Engine.from_pretrained(str(model_path), dtype=dtype, device=device, store="memory")
     model, tokenizer = base.model, base.tokenizer
     chunks = corpus_chunks(tokenizer, 16, chunk_tokens)
@@ -182,8 +184,8 @@ def run(model_path, streams: list[int], max_new_tokens: int, chunk_tokens: int, 
             rows.append(row)
             print(_line(row), flush=True)
         if http:
-            row = {"streams": n, "engine": "server (HTTP)", **run_http(model_path, batch, chunks, max_new_tokens,
-                                                                        dtype, device, reps)}
+            row = {"streams": n, "engine": "server (HTTP)", **run_http(model_path, n, chunks, max_new_tokens,
+                                                                        dtype, device, reps, same_prompts)}
             rows.append(row)
             print(_line(row), flush=True)
     return {
@@ -201,15 +203,20 @@ def run(model_path, streams: list[int], max_new_tokens: int, chunk_tokens: int, 
     }
 
 
-def run_http(model_path, batch, chunks, max_new_tokens, dtype, device, reps: int) -> dict:
-    """The same requests through a `pc-rag serve` process, streamed with the openai client (chat-less:
+def run_http(model_path, n: int, chunks, max_new_tokens, dtype, device, reps: int, same_prompts: bool) -> dict:
+    """The same kind of requests through a `pc-rag serve` process, streamed with the openai client (chat-less:
     /v1/completions with the prompt string, chunks marked by the `chunks` extension field): `reps` bursts on
-    one server, medians (one burst of 8 streams lasts ~2 s here, and single bursts ranged 130-233 tokens/s)."""
+    one server, medians (one burst of 8 streams lasts ~2 s here, and single bursts ranged 130-233 tokens/s).
+
+    Each burst asks new questions over the same chunks, as users do; with `same_prompts` every burst sends the
+    first one's prompts again, so that from the second burst on the server has each whole prompt cached (what
+    the rows of stops 34-35 measured)."""
     from openai import OpenAI
 
     from pc_rag.serve.process import ServerProcess
 
-    texts = ["".join(p.text for p in request) for request in batch]
+    bursts = [["".join(p.text for p in request) for request in prompts(chunks, n, 0 if same_prompts else b)]
+              for b in range(reps)]
     with ServerProcess(model_path, extra=["--dtype", dtype, "--device", device, "--store", "memory"]) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
         # Untimed: the chunks' KV (as engine.warm does for the in-process rows: each chunk on its own, so no
@@ -218,7 +225,7 @@ def run_http(model_path, batch, chunks, max_new_tokens, dtype, device, reps: int
             client.completions.create(model="m", prompt=chunk, max_tokens=1, extra_body={"chunks": [chunk]})
         client.completions.create(model="m", prompt="A warm-up request.", max_tokens=8)
 
-        def request(i):
+        def request(texts, i):
             start = time.perf_counter()
             first = None
             n = 0
@@ -234,8 +241,8 @@ def run_http(model_path, batch, chunks, max_new_tokens, dtype, device, reps: int
             first = first or end
             return {"ttft_s": first - start, "total_s": end - start, "tokens": [0] * n}
 
-        runs = [summarize(*together(len(texts), request)) for _ in range(reps)]
-    return {"reps": reps, **median_of(runs)}
+        runs = [summarize(*together(n, lambda i, texts=texts: request(texts, i))) for texts in bursts]
+    return {"reps": reps, "same_prompts": same_prompts, **median_of(runs)}
 
 
 def _line(row) -> str:
@@ -266,7 +273,8 @@ def markdown(result: dict) -> str:
             f"| {s['overall_tok_s']:.1f} / {b['overall_tok_s']:.1f} | {b['identical_requests']}/{n} |")
     http = [r for r in result["rows"] if r["engine"] == "server (HTTP)"]
     if http:
-        lines += ["", f"Through `pc-rag serve` (openai client, streaming, same requests; medians of {result['reps']} "
+        asks = "the same prompts every burst" if http[0].get("same_prompts") else "new questions every burst"
+        lines += ["", f"Through `pc-rag serve` (openai client, streaming, {asks}; medians of {result['reps']} "
                   "bursts on one server per row):", "",
                   "| streams | decode tok/s | x one stream | TTFT p50 / p95 ms | overall tok/s |",
                   "|---|---|---|---|---|"]
@@ -289,12 +297,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--http", action="store_true", help="also drive a `pc-rag serve` process (needs openai)")
+    ap.add_argument("--same-prompts", action="store_true",
+                    help="every HTTP burst sends the first burst's prompts again (default: new questions each burst)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     out = Path(args.out)
     model = model_or_bench(args.model, out)
     result = run(model, args.streams, args.max_new_tokens, args.chunk_tokens, args.reps, args.dtype, args.device,
-                 args.http)
+                 args.http, args.same_prompts)
     (out / "concurrency.json").write_text(json.dumps(result, indent=2))
     (out / "concurrency.md").write_text(markdown(result))
     print(markdown(result))

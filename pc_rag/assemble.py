@@ -60,8 +60,9 @@ class Recompute:
 @dataclass(frozen=True)
 class Assembled:
     cache: SlotCache
-    # [vocab] fp32, next-token logits after the prompt; None where the prompt's one fresh token was left to the
-    # caller (`assemble(defer_last=True)`: the batched decode step computes it, slot prompt_tokens - 1)
+    # [vocab] fp32, next-token logits after the prompt; None where the prompt's last `deferred` tokens were left
+    # to the caller (`assemble(defer=...)`: the batched decode step computes them, slots from prompt_tokens -
+    # deferred on)
     logits: torch.Tensor | None
     plan: Plan  # as built: the plan carried out, with any block that could not be read recomputed instead
     prompt_tokens: int
@@ -70,6 +71,7 @@ class Assembled:
     recomputed_tokens: int  # reused chunk tokens recomputed by blend (counted in computed_tokens)
     last_position: int
     read: Mapping[str, PendingBlock]  # blocks read straight into the cache, by key (`save_prefix` promotes them)
+    deferred: int = 0  # the prompt's last tokens left to the caller to compute (logits None)
 
     @property
     def pieces(self) -> tuple[Piece, ...]:
@@ -180,10 +182,11 @@ class Assembler:
 
     # ---- build and forward -------------------------------------------------------------------------------------
     def assemble(self, plan: Plan, blocks: Mapping[str, KVBlock | PendingBlock], extra_capacity: int,
-                 recompute: Recompute | None = None, defer_last: bool = False) -> Assembled:
+                 recompute: Recompute | None = None, defer: int = 0) -> Assembled:
         """Carries `plan` out with the `blocks` its lookups found (`lookups().blocks`): encode, build, forward.
-        `defer_last`: where the prompt's last token is the only one to compute, leave it (logits None, the cache
-        one slot short) to the caller, whose batched decode step computes it with other requests' tokens."""
+        `defer`: where the tokens to compute are the prompt's last ones, at most this many, leave them (logits
+        None, `deferred` their count, the cache that many slots short) to the caller, whose batched decode step
+        computes them with other requests' tokens."""
         self._index(plan)
         plan, in_hand = self._encode(plan, blocks)
         ids, positions = plan.ids, plan.positions
@@ -216,8 +219,11 @@ class Assembler:
             fresh.add(total - 1)
             if self._reused(pieces, total - 1):
                 cached -= 1
-        if defer_last and fresh == {total - 1} and (recompute is None or recompute.ratio == 0):
-            cache.length = total - 1
+        deferred = 0
+        if (defer and len(fresh) <= defer and min(fresh) == total - len(fresh)
+                and (recompute is None or recompute.ratio == 0)):
+            deferred = len(fresh)  # a contiguous tail: the slots before it are all filled
+            cache.length = total - deferred
             logits, recomputed = None, set()
         elif recompute is not None and recompute.ratio > 0:
             logits, recomputed = self._blend(pieces, cache, ids, positions, fresh, recompute)
@@ -237,6 +243,7 @@ class Assembler:
             recomputed_tokens=reused_recomputed,
             last_position=positions[-1],
             read={p.key: blocks[p.key] for p in pieces if p.load == READ},
+            deferred=deferred,
         )
 
     def _index(self, plan: Plan) -> None:

@@ -3,9 +3,14 @@
     request thread: prefill (its own SlotCache, Engine._prefill) -> first token -> `BatchDecoder.join`
                     -> `RowTokens.next()` per token -> `close()` -> prefix blocks stored, buffer released
     decode thread:  admit the requests that joined, one `step` over every active request's last token
-                    (`LlamaRunner.decode_batch`: one pass through the weights for all of them, each attending
-                    to its own buffer), sample each row with that request's own Sampler, hand each token to
-                    its request's queue, drop requests that are done (EOS, no steps left, closed)
+                    (`LlamaRunner.step`: one pass through the weights for all of them, each attending to its
+                    own buffer), sample each row with that request's own Sampler, hand each token to its
+                    request's queue, drop requests that are done (EOS, no steps left, closed)
+
+A request may also join before its first token, with the rest of its prompt (at most `max_step_tokens`
+tokens: a question after cached chunks, a chat turn) as its row's tokens for the first step it is in; that step
+computes them with the others' (`LlamaRunner.forward_rows`) and chooses its first token. A burst of new
+questions then costs a step or two where it cost a forward per question between steps (docs/speed.md, 24.).
 
 A request joins or leaves between steps, never during one. Its KV stays in its own buffer: the step writes
 each new token's KV straight into the slot after the request's last one, so joining and leaving copy
@@ -38,6 +43,11 @@ log = logging.getLogger("pc_rag")
 # 16 the per-row attention, which is not shared, grows and each stream's own rate falls below half of a
 # lone stream's. Requests beyond it wait (holding their prefilled buffer) and join as rows leave.
 MAX_BATCH = 16
+
+# The most prompt tokens the newcomers of one step bring (the first newcomer always comes in). The same bound as
+# a prefill's chunk while others decode (model.PREFILL_CHUNK_TOKENS), and the engine hands the loop no longer
+# rest of a prompt: the decoding rows wait for at most about one chunk's forward.
+MAX_STEP_TOKENS = 512
 
 # How long the decode thread waits for a newcomer once nothing decodes, before it exits (the next request
 # starts a new one). Starting a thread per burst was cheap in time, but a server whose batch emptied between
@@ -92,10 +102,11 @@ class _Row:
 
     cache: Any  # the request's own SlotCache
     sampler: Callable[[Any], int]  # [vocab] logits -> token id (its own generator: seeds hold under batching)
-    token: int  # the last token chosen, which the next step feeds
-    position: int  # its position id
-    slot: int  # the buffer slot its KV is written to
+    feed: list[int]  # the tokens the next step feeds: the last token chosen (or the rest of the prompt)
+    positions: list[int]  # their position ids
+    slot: int  # the buffer slot the first one's KV is written to, the others' after it
     steps_left: int  # forward passes still allowed (max_new_tokens and the model's context)
+    prompt: bool  # feed holds the prompt's last tokens: the next step chooses the request's first token
     tokens: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # ints, then _END (or an exception)
     left: threading.Event = field(default_factory=threading.Event)  # set once the loop no longer touches it
     cancelled: bool = False
@@ -130,18 +141,21 @@ class RowTokens:
 class BatchDecoder:
     """The decode loop shared by all of an engine's requests; a background thread runs while any decodes.
 
-    `step(caches, tokens, positions, slots)` runs one forward pass for B requests (each token at its position,
-    its KV written to its slot of its own cache, attending to that cache only) and returns [B, vocab] logits.
+    `step(caches, tokens, positions, slots)` runs one forward pass for B requests (request b's tokens[b] at its
+    positions[b], their KV written from slot slots[b] on in its own cache, attending to that cache only) and
+    returns [B, vocab] logits of each request's last token.
     """
 
-    def __init__(self, step: Callable[[list, list[int], list[int], list[int]], Any], eos_ids: frozenset[int],
-                 max_batch: int = MAX_BATCH, on_idle: Callable[[], None] = lambda: None):
+    def __init__(self, step: Callable[[list, list[list[int]], list[list[int]], list[int]], Any],
+                 eos_ids: frozenset[int], max_batch: int = MAX_BATCH, on_idle: Callable[[], None] = lambda: None,
+                 max_step_tokens: int = MAX_STEP_TOKENS):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self._step = step
         self._on_idle = on_idle  # called on the loop's thread once nothing decodes (the engine frees its OpenMP team)
         self.eos_ids = eos_ids
         self.max_batch = max_batch
+        self.max_step_tokens = max_step_tokens
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # notified when a request joins
         self.idle_exit_s = IDLE_EXIT_S
@@ -152,14 +166,20 @@ class BatchDecoder:
         self.steps = 0
         self.tokens = 0
         self.max_batch_seen = 0
+        self.first_tokens = 0  # of those tokens, requests' first (chosen after their prompt's last tokens)
+        self.prompt_tokens = 0  # prompt tokens the steps computed
 
-    def join(self, cache, sampler: Callable[[Any], int], token: int, position: int, slot: int,
-             steps: int) -> RowTokens:
-        """Decode after `token` (the prompt's first chosen token, at `position`, its KV to go to `slot`) for at
-        most `steps` more tokens, stopping after an EOS token."""
-        if steps <= 0 or token in self.eos_ids:
+    def join(self, cache, sampler: Callable[[Any], int], tokens: list[int], positions: list[int], slot: int,
+             steps: int, prompt: bool = False) -> RowTokens:
+        """Decode after `tokens` (at `positions`, their KV to go to slots from `slot` on) for at most `steps` more
+        tokens, stopping after an EOS token. `tokens`: the request's first token, chosen after its prompt, or with
+        `prompt` the prompt's last tokens, still to compute (the first step chooses the first token)."""
+        if len(tokens) != len(positions) or not tokens:
+            raise ValueError(f"a row needs one position per token, got {len(tokens)} tokens, {len(positions)} "
+                             "positions")
+        if steps <= 0 or tokens[-1] in self.eos_ids:
             return RowTokens(None, None)
-        row = _Row(cache, sampler, token, position, slot, steps)
+        row = _Row(cache, sampler, list(tokens), list(positions), slot, steps, prompt)
         with self._lock:
             self._waiting.append(row)
             if self._thread is None:  # the loop exits after idling; a newcomer starts it again
@@ -179,7 +199,8 @@ class BatchDecoder:
     def stats(self) -> dict:
         with self._lock:
             return {"active": len(self._active), "waiting": len(self._waiting), "steps": self.steps,
-                    "tokens": self.tokens, "max_batch": self.max_batch, "max_batch_seen": self.max_batch_seen}
+                    "tokens": self.tokens, "max_batch": self.max_batch, "max_batch_seen": self.max_batch_seen,
+                    "first_tokens": self.first_tokens, "prompt_tokens": self.prompt_tokens}
 
     # ---- the loop (its own thread) ----------------------------------------------------------------------
     def _cancel(self, row: _Row) -> None:
@@ -201,7 +222,11 @@ class BatchDecoder:
         for row in [r for r in self._active if r.cancelled]:
             self._active.remove(row)
             self._leave(row)
+        fed = 0  # the newcomers' tokens: the first always comes in, the next while they stay within the bound
         while self._waiting and len(self._active) < self.max_batch:
+            if fed and fed + len(self._waiting[0].feed) > self.max_step_tokens:
+                break  # in arrival order: a long newcomer is not overtaken, it comes first in the next step
+            fed += len(self._waiting[0].feed)
             self._active.append(self._waiting.pop(0))
         return list(self._active)
 
@@ -223,8 +248,8 @@ class BatchDecoder:
                             self._thread = None
                             return
             try:
-                logits = self._step([r.cache for r in batch], [r.token for r in batch],
-                                    [r.position for r in batch], [r.slot for r in batch])
+                logits = self._step([r.cache for r in batch], [r.feed for r in batch],
+                                    [r.positions for r in batch], [r.slot for r in batch])
                 chosen = [r.sampler(logits[b]) for b, r in enumerate(batch)]
             except BaseException as error:  # every request of the failed step gets the error; the loop goes on
                 log.exception("pc_rag: a batched decode step over %d requests failed", len(batch))
@@ -237,7 +262,12 @@ class BatchDecoder:
             done = []
             for row, token in zip(batch, chosen, strict=True):
                 row.tokens.put(token)
-                row.token, row.position, row.slot = token, row.position + 1, row.slot + 1
+                if row.prompt:
+                    self.first_tokens += 1
+                    self.prompt_tokens += len(row.feed)
+                    row.prompt = False
+                row.slot += len(row.feed)
+                row.feed, row.positions = [token], [row.positions[-1] + 1]
                 row.steps_left -= 1
                 if row.steps_left == 0 or token in self.eos_ids:
                     done.append(row)

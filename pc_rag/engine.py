@@ -406,13 +406,15 @@ class Engine:
         """Store tiers' counters; scaffolds: groups declared, bytes of their joint KV, automatic builds that
         failed (each logged on the "pc_rag" logger); prefix blocks this process's index knows; texts registered
         as chunks with this engine and replies it remembers; decode: batched decode steps, the tokens they
-        produced, the largest batch seen, requests decoding and waiting for a row now; relocation_check: the
+        produced (first_tokens of them the requests' first, after the prompt_tokens the steps computed for
+        them), the largest batch seen, requests decoding and waiting for a row now; relocation_check: the
         RoPE relocation self-check of this model (run before its first modular or blend request; None before)."""
         groups, failed = self.scaffolds.snapshot()  # background builds may add groups meanwhile
         decoder = self._decoder
         check = self.runner.relocation_check
         decode = decoder.stats() if decoder is not None else {
-            "active": 0, "waiting": 0, "steps": 0, "tokens": 0, "max_batch": self.max_batch, "max_batch_seen": 0}
+            "active": 0, "waiting": 0, "steps": 0, "tokens": 0, "max_batch": self.max_batch, "max_batch_seen": 0,
+            "first_tokens": 0, "prompt_tokens": 0}
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
                 "scaffolds": {"groups": sum(len(g) for g in groups), "bytes": self.assembler.scaffold_bytes,
                               "failed": failed},
@@ -453,7 +455,7 @@ class Engine:
         return segments, extra_capacity
 
     def _prefill(self, prompt: Prompt | str, mode: str, extra_capacity: int, recompute_ratio: float,
-                 namespace: str | None = None, defer_last: bool = False) -> Assembled:
+                 namespace: str | None = None, defer: int = 0) -> Assembled:
         """The request path up to the first logits, step by step: segments, plan (the store asked once, through
         lookups that keep what they found), then encode, build and forward (`Assembler.assemble`); every key in
         the request's cache `namespace`."""
@@ -465,7 +467,7 @@ class Engine:
         plan = self.planner.plan(segments, mode, lookups, namespace)
         if mode in ("modular", "blend"):
             self.scaffolds.observe(segments, namespace)
-        return self.assembler.assemble(plan, lookups.blocks, extra_capacity, recompute, defer_last)
+        return self.assembler.assemble(plan, lookups.blocks, extra_capacity, recompute, defer)
 
     def _describe_group(self, group) -> str:
         def preview(ids):
@@ -496,22 +498,24 @@ class Engine:
         mode, max_new_tokens = options.mode, options.max_new_tokens
         grammar = self.grammars.state(options.grammar) if options.grammar is not None else None
         sampler = Sampler(Sampling.from_options(options), grammar)
-        # While other requests decode, a prompt whose only token to compute is its last (one sent again: n
-        # samples of a prompt, a retry, a burst of repeated requests) leaves that token to the shared decode
-        # step, as one more row: its first token then costs a share of a batched step instead of a forward of
-        # its own between two steps (docs/speed.md, 22.). Not when the batch is full: the first token would wait
-        # for a row to leave.
+        # While other requests decode, a prompt whose tokens to compute are its last ones (a question after
+        # cached chunks, a chat turn, a prompt sent again), at most a chunk of them, leaves them to the shared
+        # decode step, as one more row: its first token then costs a share of a batched step instead of a
+        # forward of its own between two steps, and a burst of new questions is computed in one or two steps
+        # (docs/speed.md, 22. and 24.). Not when the batch is full: the first token would wait for a row to leave.
         decoder = self._decoder
-        defer = self.batch_decoding and self._requests > 1 and (decoder is None or decoder.has_room())
+        defer = (self.runner.prefill_chunk_tokens if self.batch_decoding and self._requests > 1
+                 and (decoder is None or decoder.has_room()) else 0)
         with self._prefill_turn if self.batch_decoding else contextlib.nullcontext():
             asm = self._prefill(prompt, mode, extra_capacity=max_new_tokens, recompute_ratio=options.recompute_ratio,
-                                namespace=options.cache_salt, defer_last=defer)
-        last = asm.plan.ids[-1]
+                                namespace=options.cache_salt, defer=defer)
+        tail = slice(asm.prompt_tokens - asm.deferred, asm.prompt_tokens)  # the tokens left to the step
+        tail_ids, tail_positions = list(asm.plan.ids[tail]), list(asm.plan.positions[tail])
         deferred = asm.logits is None
-        if deferred and last in self.eos_ids:  # the loop takes no row after an EOS token: compute it here
+        if deferred and tail_ids[-1] in self.eos_ids:  # the loop takes no row after an EOS token: compute it here
             asm.cache.length = asm.prompt_tokens
-            asm = replace(asm, logits=self.runner.forward(
-                asm.cache, [last], [asm.last_position], [asm.prompt_tokens - 1]))
+            asm = replace(asm, logits=self.runner.forward(asm.cache, tail_ids, tail_positions,
+                                                          list(range(tail.start, tail.stop))))
             deferred = False
         token = None if deferred else sampler(asm.logits)
         ttft = time.perf_counter() - t0
@@ -524,13 +528,14 @@ class Engine:
         done = False  # the reply ran to its end (not an abandoned stream)
         try:
             needed = decode_steps_needed(max_new_tokens, room)
-            if deferred:  # the prompt's last token as a row of the shared step, which chooses the first token
-                steps = self._join_batch(asm.cache, sampler, last, asm.last_position, asm.prompt_tokens - 1,
-                                         needed + 1)
+            if deferred:  # the prompt's last tokens as a row of the shared step, which chooses the first token
+                steps = self._join_batch(asm.cache, sampler, tail_ids, tail_positions, tail.start, needed + 1,
+                                         prompt=True)
                 token = steps.next()
                 ttft = time.perf_counter() - t0
             elif self.batch_decoding and self._requests > 1:
-                steps = self._join_batch(asm.cache, sampler, token, asm.last_position + 1, asm.prompt_tokens, needed)
+                steps = self._join_batch(asm.cache, sampler, [token], [asm.last_position + 1], asm.prompt_tokens,
+                                         needed)
             for i in range(max_new_tokens):
                 ids.append(token)
                 if token in self.eos_ids:
@@ -548,7 +553,7 @@ class Engine:
                     pos, slot = asm.last_position + 1 + i, asm.prompt_tokens + i
                     token = sampler(self.runner.forward(asm.cache, [token], [pos], [slot]))
                     if self.batch_decoding and self._requests > 1:  # another request came: decode in one loop
-                        steps = self._join_batch(asm.cache, sampler, token, pos + 1, slot + 1, needed - i - 1)
+                        steps = self._join_batch(asm.cache, sampler, [token], [pos + 1], slot + 1, needed - i - 1)
                 else:
                     token = steps.next()
             done = True
@@ -561,7 +566,7 @@ class Engine:
                 # Redis would otherwise stall the stream right after the first token (the benchmark saw it as
                 # slower exact-mode decoding). Every token but the last was fed back, so its KV is in the
                 # cache: the next turn of a chat reuses the prompt and the reply.
-                # A deferred last token with no first token out may never have been computed: nothing to store.
+                # Deferred tokens with no first token out may never have been computed: nothing to store.
                 if ids or not deferred:
                     saved = self.assembler.save_prefix(asm, ids[:-1])
                     self._remember_reply(prompt, text.text, ids, asm if done else None, saved, options.cache_salt)
@@ -584,14 +589,16 @@ class Engine:
             prompt_ids=asm.plan.ids,
         )
 
-    def _join_batch(self, cache, sampler: Sampler, token: int, position: int, slot: int, steps: int) -> RowTokens:
-        """The request's place in the shared decode loop, after `token` (at `position`, its KV to go to `slot`),
-        for at most `steps` more forward passes. The loop starts computing the next token now, while this thread
-        hands out `token`."""
+    def _join_batch(self, cache, sampler: Sampler, tokens: list[int], positions: list[int], slot: int,
+                    steps: int, prompt: bool = False) -> RowTokens:
+        """The request's place in the shared decode loop, after `tokens` (at `positions`, their KV to go to slots
+        from `slot` on: the first token chosen, or the prompt's tokens left to compute), for at most `steps` more
+        forward passes. The loop starts computing the next token now, while this thread hands out the first."""
         with self._decoder_lock:
             if self._decoder is None:
-                self._decoder = BatchDecoder(self.runner.decode_batch, self.eos_ids, self.max_batch, release_team)
-        joined = self._decoder.join(cache, sampler, token, position, slot, steps)
+                self._decoder = BatchDecoder(self.runner.step, self.eos_ids, self.max_batch, release_team,
+                                             self.runner.prefill_chunk_tokens)
+        joined = self._decoder.join(cache, sampler, tokens, positions, slot, steps, prompt)
         release_team()  # this thread now waits for the loop's tokens (pc_rag/model/threads.py)
         return joined
 

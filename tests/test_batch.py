@@ -78,6 +78,7 @@ class FakeStep:
 
     def __init__(self, delay: float = 0.0, fail_at: int | None = None):
         self.sizes: list[int] = []
+        self.feeds: list[list[int]] = []  # each step's rows' token counts
         self.delay, self.fail_at = delay, fail_at
 
     def __call__(self, caches, tokens, positions, slots):
@@ -85,11 +86,12 @@ class FakeStep:
             self.sizes.append(-1)
             raise RuntimeError("step failed")
         assert len(caches) == len(tokens) == len(positions) == len(slots)
-        for cache, slot in zip(caches, slots, strict=True):
-            cache.append(slot)  # the fake "cache" records the slots written
+        for cache, slot, fed in zip(caches, slots, tokens, strict=True):
+            cache.extend(range(slot, slot + len(fed)))  # the fake "cache" records the slots written
         self.sizes.append(len(tokens))
+        self.feeds.append([len(t) for t in tokens])
         time.sleep(self.delay)
-        return [t + 1 for t in tokens]
+        return [t[-1] + 1 for t in tokens]
 
 
 def identity(logits):
@@ -104,10 +106,10 @@ def test_rows_join_and_leave_between_steps():
     step = FakeStep(delay=0.01)
     decoder = BatchDecoder(step, eos_ids=frozenset({999}), max_batch=8)
     caches = [[], [], []]
-    a = decoder.join(caches[0], identity, token=0, position=10, slot=5, steps=6)
-    b = decoder.join(caches[1], identity, token=100, position=0, slot=0, steps=2)
+    a = decoder.join(caches[0], identity, tokens=[0], positions=[10], slot=5, steps=6)
+    b = decoder.join(caches[1], identity, tokens=[100], positions=[0], slot=0, steps=2)
     assert drain(a, 2) == [1, 2]
-    c = decoder.join(caches[2], identity, token=500, position=3, slot=3, steps=3)
+    c = decoder.join(caches[2], identity, tokens=[500], positions=[3], slot=3, steps=3)
     assert drain(b, 2) == [101, 102]
     assert drain(c, 3) == [501, 502, 503]
     assert drain(a, 4) == [3, 4, 5, 6]
@@ -122,20 +124,20 @@ def test_rows_join_and_leave_between_steps():
 
 def test_eos_ends_a_row_and_no_steps_means_no_row():
     decoder = BatchDecoder(FakeStep(), eos_ids=frozenset({3}))
-    s = decoder.join([], identity, token=1, position=0, slot=0, steps=10)
+    s = decoder.join([], identity, tokens=[1], positions=[0], slot=0, steps=10)
     assert drain(s, 2) == [2, 3]  # 3 is EOS: the row leaves
     s.close()
     assert decoder.stats()["steps"] == 2
-    none = decoder.join([], identity, token=3, position=0, slot=0, steps=10)  # starts with EOS
+    none = decoder.join([], identity, tokens=[3], positions=[0], slot=0, steps=10)  # starts with EOS
     none.close()
-    assert decoder.join([], identity, token=1, position=0, slot=0, steps=0)._row is None
+    assert decoder.join([], identity, tokens=[1], positions=[0], slot=0, steps=0)._row is None
 
 
 def test_max_batch_bounds_a_step_and_the_rest_wait():
     step = FakeStep(delay=0.005)
     decoder = BatchDecoder(step, eos_ids=frozenset(), max_batch=2)
     assert decoder.has_room()
-    streams = [decoder.join([], identity, token=10 * i, position=0, slot=0, steps=4) for i in range(5)]
+    streams = [decoder.join([], identity, tokens=[10 * i], positions=[0], slot=0, steps=4) for i in range(5)]
     assert not decoder.has_room()  # a newcomer would wait for a row (the engine then computes its first token)
     for i, s in enumerate(streams):
         assert drain(s, 4) == [10 * i + k for k in range(1, 5)]
@@ -143,13 +145,44 @@ def test_max_batch_bounds_a_step_and_the_rest_wait():
     assert max(step.sizes) == 2 and sum(step.sizes) == 20
 
 
+def test_newcomers_prompt_tokens_join_a_step_within_its_token_bound():
+    """Rows that join with their prompt's last tokens: the step computes them (slots from the row's first on) and
+    chooses the first token after the last of them; newcomers join a step while their tokens stay within
+    `max_step_tokens` (the first always does), in arrival order, and the rest come in the next step."""
+    step = FakeStep(delay=0.02)
+    decoder = BatchDecoder(step, eos_ids=frozenset(), max_batch=8, max_step_tokens=10)
+    caches = [[], [], [], []]
+    busy = decoder.join(caches[0], identity, tokens=[0], positions=[50], slot=50, steps=40)
+    assert busy.next() == 1  # decoding: each later step has one token of it
+    streams = [decoder.join(caches[1], identity, tokens=[10, 11, 12, 13, 14, 15], positions=list(range(6)),
+                            slot=0, steps=3, prompt=True),
+               decoder.join(caches[2], identity, tokens=[20, 21, 22, 23, 24], positions=list(range(5)), slot=7,
+                            steps=2, prompt=True),  # 6 + 5 > 10: a step later
+               decoder.join(caches[3], identity, tokens=list(range(30, 42)), positions=list(range(12)), slot=0,
+                            steps=1, prompt=True)]  # 12 > 10 alone: still computed, as the first of a step
+    assert drain(streams[0], 3) == [16, 17, 18]
+    assert drain(streams[1], 2) == [25, 26]
+    assert drain(streams[2], 1) == [42]
+    for s in (*streams, busy):
+        s.close()
+    assert caches[1] == [0, 1, 2, 3, 4, 5, 6, 7] and caches[2] == [7, 8, 9, 10, 11, 12] and caches[3] == list(range(12))
+    newcomers = [[n for n in step_feeds if n > 1] for step_feeds in step.feeds]  # each step's newcomers' tokens
+    assert all(len(n) <= 1 or sum(n) <= 10 for n in newcomers), step.feeds
+    order = [n for ns in newcomers for n in ns]
+    assert order == [6, 5, 12], step.feeds  # in arrival order
+    assert [6, 5] not in newcomers  # 11 tokens: not in one step
+    stats = decoder.stats()
+    assert stats["first_tokens"] == 3 and stats["prompt_tokens"] == 6 + 5 + 12
+    assert stats["tokens"] == sum(step.sizes)
+
+
 def test_close_mid_stream_frees_the_row_and_the_others_go_on():
     step = FakeStep(delay=0.005)
     decoder = BatchDecoder(step, eos_ids=frozenset(), max_batch=8)
     decoder.idle_exit_s = 0.05
-    keep = decoder.join([], identity, token=0, position=0, slot=0, steps=30)
+    keep = decoder.join([], identity, tokens=[0], positions=[0], slot=0, steps=30)
     drop_cache: list[int] = []
-    drop = decoder.join(drop_cache, identity, token=100, position=0, slot=0, steps=30)
+    drop = decoder.join(drop_cache, identity, tokens=[100], positions=[0], slot=0, steps=30)
     assert drain(drop, 2) == [101, 102]
     drop.close()
     written = len(drop_cache)
@@ -159,18 +192,18 @@ def test_close_mid_stream_frees_the_row_and_the_others_go_on():
     assert decoder.stats()["active"] == 0
     time.sleep(0.3)
     assert decoder._thread is None  # the loop thread exits once idle for idle_exit_s
-    again = decoder.join([], identity, token=7, position=0, slot=0, steps=1)  # and a newcomer starts it again
+    again = decoder.join([], identity, tokens=[7], positions=[0], slot=0, steps=1)  # and a newcomer starts it again
     assert again.next() == 8
 
 
 def test_a_failed_step_reaches_every_request_of_that_step():
     decoder = BatchDecoder(FakeStep(fail_at=1), eos_ids=frozenset())
-    s = decoder.join([], identity, token=0, position=0, slot=0, steps=5)
+    s = decoder.join([], identity, tokens=[0], positions=[0], slot=0, steps=5)
     assert s.next() == 1
     with pytest.raises(RuntimeError, match="step failed"):
         s.next()
     s.close()
-    after = decoder.join([], identity, token=0, position=0, slot=0, steps=2)  # the loop still serves newcomers
+    after = decoder.join([], identity, tokens=[0], positions=[0], slot=0, steps=2)  # the loop still serves newcomers
     assert drain(after, 2) == [1, 2]
 
 
@@ -225,6 +258,48 @@ def test_decode_batch_equals_forward_other_architectures(tmp_path, tiny_path, do
     torch.manual_seed(0)
     engine = pc_rag.Engine.from_pretrained(_save_variant(tmp_path, tiny_path, arch), store=MemoryStore())
     _check_decode_batch(engine, docs)
+
+
+def _check_forward_rows(engine, docs, chars: int = 120):
+    """One step over four requests whose prompts' last 1, 6, 1 and 17 tokens are left to it (the decode loop's
+    step with newcomers in it: `LlamaRunner.step`), against each request's own forward of them; one request
+    placed at positions 3 past its slots. Logits within 1e-4 (fp32: the products run over other row counts),
+    and the KV the step wrote, every layer."""
+    runner = engine.runner
+    prompts = [[Text(f"Q{i}. "), Chunk(docs[i % len(docs)][: chars + 60 * i])] for i in range(4)]
+    tails, shifts = [1, 6, 1, 17], [0, 0, 3, 0]
+    caches, feeds, positions, starts, want = [], [], [], [], []
+    for prompt, k, shift in zip(prompts, tails, shifts, strict=True):
+        ids = prompt_ids(engine, prompt)
+        n = len(ids) - k
+        cache = runner.new_cache(len(ids) + 4)
+        runner.forward(cache, ids[:n], [s + shift for s in range(n)], list(range(n)))
+        tail, pos = ids[n:], [s + shift for s in range(n, len(ids))]
+        ref = _clone(runner, cache)
+        want.append((runner.forward(ref, tail, pos, list(range(n, len(ids)))), ref))
+        caches.append(cache)
+        feeds.append(tail)
+        positions.append(pos)
+        starts.append(n)
+    got = runner.step(caches, feeds, positions, starts)
+    assert got.shape == (4, want[0][0].shape[0]) and got.dtype == torch.float32
+    for b, (logits, ref) in enumerate(want):
+        assert (got[b] - logits).abs().max().item() <= 1e-4, b
+        end = starts[b] + tails[b]
+        assert caches[b].length == ref.length == end
+        for a, r in ((caches[b].keys, ref.keys), (caches[b].values, ref.values)):
+            assert (a[:, :, :, :end] - r[:, :, :, :end]).abs().max().item() <= 1e-4, b
+
+
+def test_a_step_with_newcomers_equals_each_ones_forward(engine, docs):
+    _check_forward_rows(engine, docs)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_a_step_with_newcomers_equals_each_ones_forward_other_architectures(tmp_path, tiny_path, docs, arch):
+    torch.manual_seed(0)
+    engine = pc_rag.Engine.from_pretrained(_save_variant(tmp_path, tiny_path, arch), store=MemoryStore())
+    _check_forward_rows(engine, docs, chars=300)  # past the mistral variant's window
 
 
 def test_chunked_prefill_matches_one_forward(engine, docs):
@@ -333,7 +408,9 @@ def test_concurrent_greedy_requests_batch_and_equal_one_at_a_time(loaded, docs, 
     # (cached_tokens differ: one at a time, each request finds the prefix blocks the previous ones stored)
     decode = batched.stats()["decode"]
     assert decode["max_batch_seen"] >= 2, decode  # the requests shared steps
-    assert decode["tokens"] == sum(len(g.token_ids) - 1 for g in got)
+    # every token after each request's first, and the first tokens of those that left their prompt's last
+    # tokens to the loop
+    assert decode["tokens"] == sum(len(g.token_ids) - 1 for g in got) + decode["first_tokens"]
     assert decode["active"] == 0 and decode["waiting"] == 0
 
 
@@ -392,6 +469,36 @@ def test_a_prompt_sent_again_leaves_its_last_token_to_the_shared_step(loaded, do
         assert (got.cached_tokens, got.computed_tokens) == (want.cached_tokens, want.computed_tokens)
         rest = list(stream)
         assert rest
+
+
+@pytest.mark.parametrize("mode", ["modular", "exact"])
+def test_a_new_question_leaves_its_tokens_to_the_shared_step(loaded, docs, mode):
+    """While another request is in flight, a new question after cached chunks (modular) or after a cached
+    prefix (exact: the same documents asked before) joins the decode loop with the tokens it has to compute,
+    and the loop's step computes them with the other request's token and chooses its first token: the same
+    tokens as the question answered alone (greedy and seeded), the same counts, every computed token computed
+    by the loop."""
+    model, tok = loaded
+    other_prompt, asked, prompt = _questions(docs, 3)
+    prompt = prompt[:1] + asked[1:-1] + prompt[-1:]  # asked's documents, its own question
+
+    def warmed():
+        engine = pc_rag.Engine(model, tok, store=MemoryStore())
+        engine.generate(asked, mode=mode, max_new_tokens=4)  # the documents' blocks (and asked's prefix) stored
+        return engine
+
+    for kwargs in ({}, {"temperature": 0.9, "seed": 3}):
+        want = warmed().generate(prompt, mode=mode, max_new_tokens=16, **kwargs)
+        assert 1 < want.computed_tokens < want.prompt_tokens
+        engine = warmed()
+        stream = engine.stream_generation(other_prompt, max_new_tokens=40)
+        next(stream)  # in flight: the next request finds another one running
+        got = engine.generate(prompt, mode=mode, max_new_tokens=16, **kwargs)
+        decode = engine.stats()["decode"]
+        assert decode["first_tokens"] == 1 and decode["prompt_tokens"] == want.computed_tokens
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert (got.cached_tokens, got.computed_tokens) == (want.cached_tokens, want.computed_tokens)
+        assert list(stream)
 
 
 def test_a_prompt_sent_again_ending_in_an_eos_token_computes_that_token_itself(loaded, docs):

@@ -23,7 +23,7 @@ from pc_rag.store import MemoryStore
 from pc_rag.testing import TINY_FAMILIES, build_tiny
 
 from .conftest import prompt_ids
-from .test_batch import _check_decode_batch
+from .test_batch import _check_decode_batch, _check_forward_rows
 from .test_engine import rag_prompt
 
 FAMILIES = sorted(TINY_FAMILIES)
@@ -112,6 +112,10 @@ def test_blend_at_ratio_one_equals_full(family, docs):
 def test_batched_decoding_equals_one_at_a_time(family, docs):
     # Prompts of 300 to 480 characters (80 to 120 tokens): every decode step reads past the windows.
     _check_decode_batch(fresh(family), docs, chars=300)
+
+
+def test_a_step_with_newcomers_equals_each_ones_forward(family, docs):
+    _check_forward_rows(fresh(family), docs, chars=300)
 
 
 def test_a_disk_round_trip_equals_memory(family, docs, tmp_path):

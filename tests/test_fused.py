@@ -247,6 +247,38 @@ def test_the_fused_prefill_equals_the_module_by_module_prefill(tmp_path, tiny_pa
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_a_forward_over_several_requests_runs_fused(tmp_path, tiny_path, docs, arch, dtype, tol):
+    """`forward_rows` (the decode loop's step with newcomers): three requests' next 1, 9 and 30 tokens after
+    prefixes of 40, 300 and 120, fused (one product over the 40 rows, RoPE and KV writes per request) and module
+    by module, each on its own copies of the caches: every request's logits, and the KV written."""
+    path = tiny_path if arch == "llama" else _save_variant(tmp_path, tiny_path, arch)
+    runner = _engine(path, dtype).runner
+    assert runner._fused is not None
+    ids = runner.tokenizer(" ".join(docs) * 2, add_special_tokens=False)["input_ids"]
+    heads, tails = [40, 300, 120], [1, 9, 30]
+    got_caches, want_caches, feeds, spans = [], [], [], []
+    for b, (n, k) in enumerate(zip(heads, tails, strict=True)):
+        cache = runner.new_cache(n + k)
+        runner.forward_layers(cache, ids[b: b + n], list(range(n)), list(range(n)))
+        got_caches.append(cache)
+        want_caches.append(_clone(runner, cache))
+        feeds.append(ids[b + n: b + n + k])
+        spans.append(list(range(n, n + k)))
+    got = runner.forward_rows(got_caches, feeds, spans, spans)
+    want = runner.forward_rows(want_caches, feeds, spans, spans, fused=False)
+    assert got.shape == want.shape == (3, runner.config.vocab_size)
+    assert (got - want).abs().max().item() <= tol * want.abs().max().item()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    kv_tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, w, span in zip(got_caches, want_caches, spans, strict=True):
+        for a, r in ((g.keys, w.keys), (g.values, w.values)):
+            a, r = a[..., span[0]: span[-1] + 1, :].float(), r[..., span[0]: span[-1] + 1, :].float()
+            assert (a - r).abs().max().item() <= kv_tol * r.abs().max().item()
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,qk_norm", [(64, False), (128, True), (48, False)])
 def test_prefill_rope_equals_hfs_ops(dtype, head_dim, qk_norm):

@@ -251,23 +251,30 @@ class FusedLayers:
                             self.input_norms[0].data_ptr(), self.eps, self.bf16, torch.get_num_threads(), x.data_ptr())
         return x
 
-    def qkv_written(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int):
-        """Layer `i`'s queries, keys and values for a prefill's normed rows x [1, n, hidden] at slots [start, start +
-        n): the keys (RoPE applied) and values written to `cache` there, the queries returned with RoPE applied
-        ([1, H, n, D], contiguous: sdpa's layout), with the keys and values as views of the cache ([1, H_kv, n, D]).
-        runner._qkv's ops and attention.attend's writes in one native call; cos, sin: [1, n, D]."""
+    def qkv_written(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    parts: list[tuple[object, int, int, int]]) -> list[tuple[torch.Tensor, ...]]:
+        """Layer `i`'s queries, keys and values for a prefill's normed rows x [1, n, hidden], in parts: (cache,
+        start, first row, rows) writes rows [first, first + rows) to slots [start, start + rows) of cache. For each
+        part, the keys (RoPE applied) and values written to its cache there, and the queries returned with RoPE
+        applied ([1, H, rows, D], contiguous: sdpa's layout), with the keys and values as views of the cache ([1,
+        H_kv, rows, D]). runner._qkv's ops and attention.attend's writes: one product for every part, then one
+        native call per part; cos, sin: [1, n, D]."""
         lw, n, d = self.runner.weights.layers[i], x.shape[1], self.head_dim
         q, k, v = (t.view(n, -1) for t in lw.qkv(x))  # column ranges of one product
         cos, sin = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()
         if cos.dtype != q.dtype:
             raise RuntimeError(f"fused prefill: RoPE tables in {cos.dtype}, projections in {q.dtype}")
-        out = torch.empty(1, self.kv_heads * self.group, n, d, dtype=q.dtype)
-        keys, values = cache.keys[i, :, :, start: start + n], cache.values[i, :, :, start: start + n]
-        self.k.prefill_rope(n, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                            cos.data_ptr(), sin.data_ptr(), d, _ptr(self.q_norms[i]), _ptr(self.k_norms[i]),
-                            self.qk_eps, out.data_ptr(), keys.data_ptr(), keys.stride(1), values.data_ptr(),
-                            values.stride(1), self.kv_heads, self.group, d, self.bf16, torch.get_num_threads())
-        return out, keys, values
+        out = []
+        for cache, start, a, m in parts:
+            queries = torch.empty(1, self.kv_heads * self.group, m, d, dtype=q.dtype)
+            keys, values = cache.keys[i, :, :, start: start + m], cache.values[i, :, :, start: start + m]
+            self.k.prefill_rope(m, q[a].data_ptr(), q.stride(0), k[a].data_ptr(), k.stride(0), v[a].data_ptr(),
+                                v.stride(0), cos[a].data_ptr(), sin[a].data_ptr(), d, _ptr(self.q_norms[i]),
+                                _ptr(self.k_norms[i]), self.qk_eps, queries.data_ptr(), keys.data_ptr(),
+                                keys.stride(1), values.data_ptr(), values.stride(1), self.kv_heads, self.group, d,
+                                self.bf16, torch.get_num_threads())
+            out.append((queries, keys, values))
+        return out
 
     def after_attention(self, i: int, hidden: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The rest of layer `i` in a prefill, runner._after_attention's ops with the norms and SiLU fused: `hidden`

@@ -376,7 +376,6 @@ class LlamaRunner:
             logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
         return logits
 
-    @torch.inference_mode()
     def forward_layers(self, cache: SlotCache, ids: list[int], positions: list[int], slots: list[int],
                        narrow: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
                        fused: bool = True) -> torch.Tensor:
@@ -398,38 +397,76 @@ class LlamaRunner:
         Where the model's layer is the standard one, its norms and SiLU run fused (fused.py; `fused=False`: module
         by module, what its probe compares with).
         """
+        return self.forward_rows([cache], [ids], [positions], [slots], narrow, fused)[0]
+
+    @torch.inference_mode()
+    def forward_rows(self, caches: list[SlotCache], ids: list[list[int]], positions: list[list[int]],
+                     slots: list[list[int]],
+                     narrow: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
+                     fused: bool = True) -> torch.Tensor:
+        """`forward_layers` for B requests at once: request b's tokens `ids[b]` at `positions[b]`, written to
+        `slots[b]` of `caches[b]`, attending to that cache only. Returns [B, vocab] fp32, each request's last
+        token's logits.
+
+        The products run once over every request's tokens together (a decode step's batching, for tokens still
+        to prefill: the batched step's first tokens of newcomers, BatchDecoder); attention runs per request, in
+        the layout its own writes take. `narrow` takes one request only."""
+        if narrow is not None and len(caches) != 1:
+            raise ValueError("forward_rows: narrow (blend) takes one request")
         self._check_cancelled()
         dev = self.device
-        w = Writes.of(slots, self.dtype, dev)
-        if narrow is not None and w.layout != "slots":  # rows may drop out: attention by mask over the buffer
+        writes = [Writes.of(s, self.dtype, dev) for s in slots]
+        if narrow is not None and writes[0].layout != "slots":  # rows may drop out: attention by mask over the buffer
+            w = writes[0]
             rows = w.rows(dev)
-            w = Writes(w.n, w.kv, "slots", None, rows, _mask(rows, w.kv, self.dtype))
-        cache.length = max(cache.length, w.kv)
+            writes = [Writes(w.n, w.kv, "slots", None, rows, _mask(rows, w.kv, self.dtype))]
+        for cache, w in zip(caches, writes, strict=True):
+            cache.length = max(cache.length, w.kv)
+        spans, a = [], 0  # each request's tokens among the forward's rows
+        for t in ids:
+            spans.append((a, len(t)))
+            a += len(t)
         layers = self.arch.layers
         fused = self._fused if fused else None
         with self._lock:
-            hidden = self._embed(torch.tensor([ids], device=dev))  # [1, n, hidden]
-            rope = self._rope_at(hidden, torch.tensor([positions], device=dev))  # table -> [1, n, D] each
+            hidden = self._embed(torch.tensor([[t for row in ids for t in row]], device=dev))  # [1, n, hidden]
+            rope = self._rope_at(hidden, torch.tensor([[p for row in positions for p in row]], device=dev))
             x = fused.first_norm(hidden) if fused is not None else None  # the next layer's normed input
             # RoPE and the KV writes in one call where the slots are contiguous and every row stays
-            written = fused is not None and narrow is None and w.layout != "slots"
+            written = fused is not None and narrow is None and all(w.layout != "slots" for w in writes)
             for i in range(self.shape.num_layers):
                 if written:
-                    q, k, v = fused.qkv_written(i, x, *rope[DEFAULT_ROPE], cache, w.start)
+                    parts = fused.qkv_written(i, x, *rope[DEFAULT_ROPE],
+                                              [(c, w.start, a, n) for c, w, (a, n) in zip(caches, writes, spans, strict=True)])
                 else:
                     q, k, v = self._qkv(i, hidden, rope, x)  # [1, H, n, D]
-                keep = narrow(i, w.rows(dev), k[0]) if narrow is not None else None
-                if keep is not None:
-                    hidden, q, k, v = hidden[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
-                    rope = {name: (cos[:, keep], sin[:, keep]) for name, (cos, sin) in rope.items()}
-                    w = w.keep(keep, w.rows(dev), self.dtype)
-                o = attend(cache.keys[i], cache.values[i], self.heads, layers[i].window, q, k, v, w, written)
+                    parts = [(q[:, :, a: a + n], k[:, :, a: a + n], v[:, :, a: a + n]) for a, n in spans]
+                if narrow is not None:
+                    (q, k, v), w = parts[0], writes[0]
+                    keep = narrow(i, w.rows(dev), k[0])
+                    if keep is not None:
+                        hidden, q, k, v = hidden[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
+                        rope = {name: (cos[:, keep], sin[:, keep]) for name, (cos, sin) in rope.items()}
+                        writes, parts = [w.keep(keep, w.rows(dev), self.dtype)], [(q, k, v)]
+                outs = [attend(c.keys[i], c.values[i], self.heads, layers[i].window, q, k, v, w, written)
+                        for c, w, (q, k, v) in zip(caches, writes, parts, strict=True)]
+                o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
                 if fused is not None:  # hidden updated in place
                     x = fused.after_attention(i, hidden, o)
                 else:
                     hidden = self._after_attention(i, hidden, o)
-            logits = self._logits(hidden[:, -1:])
-        return logits[0, -1].float()
+            last = hidden[:, -1:] if len(spans) == 1 else hidden[:, [a + n - 1 for a, n in spans]]
+            logits = self._logits(last)
+        return logits[0].float()
+
+    def step(self, caches: list[SlotCache], ids: list[list[int]], positions: list[list[int]],
+             slots: list[int]) -> torch.Tensor:
+        """The batched decode loop's step (BatchDecoder): request b's tokens `ids[b]` at `positions[b]`, written
+        from slot `slots[b]` on. One token each (a decode step): `decode_batch`; where a newcomer brings the rest
+        of its prompt: `forward_rows`. Returns [B, vocab] fp32."""
+        if all(len(t) == 1 for t in ids):
+            return self.decode_batch(caches, [t[0] for t in ids], [p[0] for p in positions], slots)
+        return self.forward_rows(caches, ids, positions, [list(range(s, s + len(t))) for s, t in zip(slots, ids, strict=True)])
 
     @torch.inference_mode()
     def decode_batch(self, caches: list[SlotCache], ids: list[int], positions: list[int],
