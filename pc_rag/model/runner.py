@@ -436,8 +436,8 @@ class LlamaRunner:
             written = fused is not None and narrow is None and all(w.layout != "slots" for w in writes)
             for i in range(self.shape.num_layers):
                 if written:
-                    parts = fused.qkv_written(i, x, *rope[DEFAULT_ROPE],
-                                              [(c, w.start, a, n) for c, w, (a, n) in zip(caches, writes, spans, strict=True)])
+                    where = [(c, w.start, a, n) for c, w, (a, n) in zip(caches, writes, spans, strict=True)]
+                    parts = fused.qkv_written(i, x, *rope[DEFAULT_ROPE], where)
                 else:
                     q, k, v = self._qkv(i, hidden, rope, x)  # [1, H, n, D]
                     parts = [(q[:, :, a: a + n], k[:, :, a: a + n], v[:, :, a: a + n]) for a, n in spans]
@@ -466,7 +466,8 @@ class LlamaRunner:
         of its prompt: `forward_rows`. Returns [B, vocab] fp32."""
         if all(len(t) == 1 for t in ids):
             return self.decode_batch(caches, [t[0] for t in ids], [p[0] for p in positions], slots)
-        return self.forward_rows(caches, ids, positions, [list(range(s, s + len(t))) for s, t in zip(slots, ids, strict=True)])
+        spans = [list(range(s, s + len(t))) for s, t in zip(slots, ids, strict=True)]
+        return self.forward_rows(caches, ids, positions, spans)
 
     @torch.inference_mode()
     def decode_batch(self, caches: list[SlotCache], ids: list[int], positions: list[int],
