@@ -5,7 +5,8 @@
 Workload: N requests start together (one thread each, as LangChain's `abatch` or a server's workers do),
 each a RAG prompt (a system text, two document chunks warm in the store, its own question), greedy, up to
 `--max-new-tokens` tokens. For every N, two engines over the same loaded model, each with a fresh store
-warmed with the same chunks:
+warmed with the same chunks and one question answered before the burst (so its system text is cached, as on
+a server that has been running; each burst then asks new questions):
 - serial:  `batch_decoding=False`, the engine before batching: each request runs its own decode loop and
            the requests take turns at every forward step;
 - batched: the default, continuous batching (pc_rag/batch.py): one forward step for every request decoding.
@@ -139,6 +140,9 @@ def fresh_engine(model, tokenizer, chunks: list[str], batched: bool):
     engine = pc_rag.Engine(model, tokenizer, store=MemoryStore(max_bytes=8 << 30))
     engine.batch_decoding = batched
     engine.warm(chunks, progress=False)
+    # One question answered first: the system text's blocks are then stored, and a burst's prompts each have
+    # their question left to compute (docs/speed.md, 24.).
+    engine.generate(prompts(chunks, 1, burst=-1)[0], mode="modular", max_new_tokens=4)
     return engine
 
 
