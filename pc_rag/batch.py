@@ -7,10 +7,11 @@
                     own buffer), sample each row with that request's own Sampler, hand each token to its
                     request's queue, drop requests that are done (EOS, no steps left, closed)
 
-A request may also join before its first token, with the rest of its prompt (at most `max_step_tokens`
-tokens: a question after cached chunks, a chat turn) as its row's tokens for the first step it is in; that step
-computes them with the others' (`LlamaRunner.forward_rows`) and chooses its first token. A burst of new
-questions then costs a step or two where it cost a forward per question between steps (docs/speed.md, 24.).
+A request may also join before its first token, with the rest of its prompt (a question after cached chunks, a
+chat turn; the engine hands over at most a prefill chunk) as its row's tokens for the first step it is in; that
+step computes them in one forward with the other newcomers' (`LlamaRunner.forward_rows`; the decoding rows take
+their usual step beside it) and chooses its first token. A burst of new questions then costs a step or two
+where it cost a forward per question between steps (docs/speed.md, 24.).
 
 A request joins or leaves between steps, never during one. Its KV stays in its own buffer: the step writes
 each new token's KV straight into the slot after the request's last one, so joining and leaving copy
