@@ -3,7 +3,9 @@
 References: the scheduler against a fake step (plain Python, exact); `decode_batch` with one request against
 `LlamaRunner.forward` bit for bit, with several within 1e-5 (fp32: matrix products over B rows may round
 differently); concurrent greedy requests against the same requests run one at a time by the engine's own
-serial loop (`batch_decoding=False`), token for token; a chunked prefill against the unchunked one within 1e-5.
+serial loop (`batch_decoding=False`), token for token; a chunked prefill against the unchunked one within 1e-5;
+a step with newcomers' prompt tokens (`LlamaRunner.step`) against each request's own forward within 1e-4, and a
+new question joining the loop against the same question answered alone, token for token.
 """
 
 from __future__ import annotations
@@ -254,10 +256,11 @@ def test_decode_batch_equals_forward(engine, docs):
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
-def test_decode_batch_equals_forward_other_architectures(tmp_path, tiny_path, docs, arch):
+def test_batched_steps_equal_one_at_a_time_other_architectures(tmp_path, tiny_path, docs, arch):
     torch.manual_seed(0)
     engine = pc_rag.Engine.from_pretrained(_save_variant(tmp_path, tiny_path, arch), store=MemoryStore())
     _check_decode_batch(engine, docs)
+    _check_forward_rows(engine, docs, chars=300)  # past the mistral variant's window
 
 
 def _check_forward_rows(engine, docs, chars: int = 120):
@@ -293,13 +296,6 @@ def _check_forward_rows(engine, docs, chars: int = 120):
 
 def test_a_step_with_newcomers_equals_each_ones_forward(engine, docs):
     _check_forward_rows(engine, docs)
-
-
-@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
-def test_a_step_with_newcomers_equals_each_ones_forward_other_architectures(tmp_path, tiny_path, docs, arch):
-    torch.manual_seed(0)
-    engine = pc_rag.Engine.from_pretrained(_save_variant(tmp_path, tiny_path, arch), store=MemoryStore())
-    _check_forward_rows(engine, docs, chars=300)  # past the mistral variant's window
 
 
 def test_chunked_prefill_matches_one_forward(engine, docs):
