@@ -15,7 +15,8 @@ round differently; a check also requires the same greedy tokens where it names t
   chunk first in modular against full.
 - disk -> device: blocks written to disk by one engine, read by another (memory over disk): the same modular
   logits as from memory, and the memory tier holds the promoted blocks on the model's device.
-- batched decode: four concurrent greedy requests decode in shared steps to the tokens each gives alone.
+- batched decode: four concurrent greedy requests decode in shared steps to the tokens each gives alone; and four
+  short ones, the later ones' prompts computed by the shared step with the decoding rows (`LlamaRunner.step`).
 - TTFT ~5K: time to the first token's logits for a ~5K-token RAG prompt (the --small run: ~1.5K): HF's plain
   prefill (`model(input_ids)`) against pc_rag full, exact (prefix cached) and modular (chunks cached, in memory),
   medians of 3 after a warm-up. Timings only: no pass/fail.
@@ -144,6 +145,10 @@ def check_model(name: str, model, tok, n_chunks: int) -> list[Row]:
     rows.append(disk_row(name, model, tok, prompt(order[::-1]), docs, tol))
     # batched decode
     rows.append(batch_row(name, model, tok, [prompt([i % len(docs)], f"Question {i}?") for i in range(4)]))
+    # short prompts: the later requests' whole prompts (under a prefill chunk) are computed by the shared step
+    short = [[Text("You answer questions about Python.\n\n"), Chunk(docs[i % len(docs)][:400]),
+              Text(f"\n\nQuestion {i}?")] for i in range(4)]
+    rows.append(batch_row(name, model, tok, short, "newcomers in the step"))
     # TTFT
     rows.append(ttft_row(name, engine, prompt, ids_of, docs))
     return rows
@@ -169,7 +174,7 @@ def disk_row(name, model, tok, p, docs, tol) -> Row:
                                                f"modular vs memory rel diff {e:.1e}")
 
 
-def batch_row(name, model, tok, prompts) -> Row:
+def batch_row(name, model, tok, prompts, check: str = "batched decode") -> Row:
     serial = pc_rag.Engine(model, tok, store=MemoryStore())
     serial.batch_decoding = False
     alone = [serial.generate(p, mode="full", max_new_tokens=24).token_ids for p in prompts]
@@ -184,10 +189,12 @@ def batch_row(name, model, tok, prompts) -> Row:
         t.start()
     for t in threads:
         t.join(300)
-    seen = batched.stats()["decode"]["max_batch_seen"]
-    return Row(name, "batched decode", got == alone,
-               f"{len(prompts)} concurrent requests x 24 tokens, largest batch {seen}, equal to one at a time: "
-               f"{got == alone}")
+    decode = batched.stats()["decode"]
+    ok = got == alone and (check == "batched decode" or decode["first_tokens"] > 0)
+    return Row(name, check, ok,
+               f"{len(prompts)} concurrent requests x 24 tokens, largest batch {decode['max_batch_seen']}, "
+               f"prompts computed by the shared step {decode['first_tokens']} ({decode['prompt_tokens']} tokens), "
+               f"equal to one at a time: {got == alone}")
 
 
 def ttft_row(name, engine, prompt, ids_of, docs) -> Row:

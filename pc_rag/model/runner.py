@@ -475,7 +475,7 @@ class LlamaRunner:
         more = [b for b, t in enumerate(ids) if len(t) > 1]
         logits = self.forward_rows([caches[b] for b in more], [ids[b] for b in more], [positions[b] for b in more],
                                    [list(range(slots[b], slots[b] + len(ids[b]))) for b in more])
-        out = torch.empty(len(ids), logits.shape[-1], dtype=logits.dtype)
+        out = torch.empty(len(ids), logits.shape[-1], dtype=logits.dtype, device=logits.device)
         out[more] = logits
         if one:
             out[one] = self.decode_batch([caches[b] for b in one], [ids[b][0] for b in one],
