@@ -288,7 +288,8 @@ def test_attention_after_a_short_prefix_equals_the_masked_reference(monkeypatch,
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
 @pytest.mark.parametrize("k", [16, 40, 896, 1000])
 def test_linear_rows_equals_a_float64_product(dtype, tol, k):
-    """Rows 1..9 (the kernel takes 4 at a time), segments of 4n and odd row counts, K a multiple of 32 or not, with
+    """Rows 1..17 (the kernel takes up to 8 in one pass over the weights, 4 weight rows at a time up to 4 x rows,
+    fewer above), segments of 4n and odd row counts, K a multiple of 32 or not, with
     and without a bias, x rows a stride apart (column ranges of a wider tensor); large enough to be threaded."""
     fn = kernels.linear_rows_kernel(dtype)
     if fn is None:
@@ -296,7 +297,7 @@ def test_linear_rows_equals_a_float64_product(dtype, tol, k):
     g = torch.Generator().manual_seed(k)
     ws = [torch.randn(n, k, generator=g).to(dtype) for n in (64, 7, 129)]
     bias = torch.randn(200, generator=g).to(dtype)
-    for m in (1, 2, 3, 4, 5, 9):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17):
         x = torch.randn(m, k + 8, generator=g).to(dtype)[:, 3: 3 + k]
         for b in (None, bias):
             want = F.linear(x.double(), torch.cat(ws).double(), None if b is None else b.double())
