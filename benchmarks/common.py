@@ -240,6 +240,15 @@ class StepTimer:
             del obj.__dict__[name]
 
 
+def emptied(engine, tier):
+    """A setup that empties the memory tier `tier` and what the engine's pooled buffers still hold: the next request
+    loads its blocks from the persistent tiers, as a new process would."""
+    def setup():
+        tier.clear()
+        engine.runner.forget_held()
+    return setup
+
+
 def load_steps(engine, tier, fn, reps, clear):
     """Median per-request milliseconds of each step of `fn` (one request, memory emptied before each) served
     by the persistent tier `tier`: ttft, plan (lookups and encodes), `direct` (disk blocks read straight into

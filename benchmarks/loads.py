@@ -96,6 +96,7 @@ def prefetch_chain(engine, chunks, reps):
                 chain.invoke(f"Question {next(counter)}: warm-up")  # the previous condition emptied memory
             else:
                 memory.clear()
+                engine.runner.forget_held()  # nor in the pooled buffers: the blocks come from disk
             question = f"Question {next(counter)}: which statement does the documentation describe?"
             t0 = time.perf_counter()
             msg = (reranked if condition == "disk_prefetch_rerank" else chain).invoke(question,
@@ -144,6 +145,7 @@ def fidelity(engines, sets):
         for name, (e, memory) in engines.items():
             e.warm(chunks, progress=False)  # encodes into this engine's tiers (the int8 one stores int8)
             memory.clear()  # so the request reads the chunks back from the persistent tier
+            e.runner.forget_held()
             e.planner.prefixes.clear()
             logits[name] = e.next_token_logits(prompt, mode="modular")
         ref = logits["none"]

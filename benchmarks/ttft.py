@@ -37,6 +37,7 @@ import pc_rag
 
 from .common import (
     build_prompt,
+    emptied,
     interleaved,
     load_steps,
     local_redis,
@@ -79,7 +80,7 @@ def run_exact_disk(model_path, lengths, reps, dtype="float32", device="cpu", see
 
             def reading(direct):  # setup: empty memory; disk blocks read into the request buffer, or into their own
                 def setup():
-                    memory_tier.clear()
+                    emptied(engine, memory_tier)()
                     release_freed_memory()  # as in a new process: blocks read next get fresh pages
                     engine.assembler.direct_loads = direct
                 return setup
@@ -153,9 +154,9 @@ def _run(model_path, lengths, reps, dtype, device, seed, disk_dir, redis_url=Non
         # A memory case's setup is one untimed run of it: the case before it may have emptied the memory tier.
         cases = {"ideal": w.ideal_case(),
                  "pc_modular_warm_memory": (pc("modular"), pc("modular")),
-                 "pc_modular_warm_disk": (pc("modular"), memory_tier.clear),
+                 "pc_modular_warm_disk": (pc("modular"), emptied(engine, memory_tier)),
                  "pc_exact_warm_memory": (pc("exact"), pc("exact")),
-                 "pc_exact_warm_disk": (pc("exact"), memory_tier.clear)}
+                 "pc_exact_warm_disk": (pc("exact"), emptied(engine, memory_tier))}
         if redis_engine is not None:
             redis_tier.clear()
             mirror_to(disk_tier, redis_tier)  # the same blocks, one tier further
@@ -163,17 +164,18 @@ def _run(model_path, lengths, reps, dtype, device, seed, disk_dir, redis_url=Non
             def pr(mode, prompt=w.prompt):
                 return lambda: redis_engine.generate(prompt, mode=mode, max_new_tokens=1)
 
-            cases["pc_modular_warm_redis"] = (pr("modular"), redis_memory.clear)
-            cases["pc_exact_warm_redis"] = (pr("exact"), redis_memory.clear)
+            cases["pc_modular_warm_redis"] = (pr("modular"), emptied(redis_engine, redis_memory))
+            cases["pc_exact_warm_redis"] = (pr("exact"), emptied(redis_engine, redis_memory))
         row |= interleaved(cases, reps)
         def logits(e, mode, prompt=w.prompt):  # load steps time the request up to its logits, nothing after
             return lambda: e.next_token_logits(prompt, mode=mode)
 
-        steps = {"modular_disk": load_steps(engine, disk_tier, logits(engine, "modular"), reps, memory_tier.clear),
-                 "exact_disk": load_steps(engine, disk_tier, logits(engine, "exact"), reps, memory_tier.clear)}
+        cold = emptied(engine, memory_tier)
+        steps = {"modular_disk": load_steps(engine, disk_tier, logits(engine, "modular"), reps, cold),
+                 "exact_disk": load_steps(engine, disk_tier, logits(engine, "exact"), reps, cold)}
         if redis_engine is not None:
             steps["modular_redis"] = load_steps(redis_engine, redis_tier, logits(redis_engine, "modular"), reps,
-                                                redis_memory.clear)
+                                                emptied(redis_engine, redis_memory))
             redis_tier.clear()
             redis_memory.clear()
         row["load_steps"] = steps

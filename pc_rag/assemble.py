@@ -24,7 +24,7 @@ import torch
 from .blocks import KVBlock
 from .errors import PCRagError
 from .lookups import StoreLookups
-from .model import LlamaRunner, SlotCache
+from .model import HeldBlock, LlamaRunner, SlotCache
 from .options import MODES  # noqa: F401  (pc_rag.assemble.MODES, as before: the serve schema imports it here)
 from .plan import COPY, ENCODE, READ, STORED, Piece, Plan, Planner, Wanted
 from .prefix import EXTENT_BLOCKS, Link, Run, after_link, extents, far_groups, in_groups, run_blocks
@@ -79,6 +79,11 @@ class Assembled:
 
 
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _held(p: Piece) -> HeldBlock:
+    """What piece p's slots hold once its block is in them."""
+    return HeldBlock(p.key, p.slot, p.n, p.position)
 
 
 def _copy_in_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -191,8 +196,14 @@ class Assembler:
         plan, in_hand = self._encode(plan, blocks)
         ids, positions = plan.ids, plan.positions
         total = len(ids)
-        cache = self.runner.acquire_cache(total + extra_capacity)
-        plan = self._read(plan, blocks, cache, in_hand)
+        # Blocks a pooled buffer may still hold in place from its last request (model/cache.py): those found
+        # there are neither read nor copied again (a system text or conversation sent again: 2K tokens of fp32
+        # KV were 22% of such a request's time to first token, bench model).
+        wanted = [_held(p) for p in plan.pieces if p.load in (COPY, READ)]
+        cache = self.runner.acquire_cache(total + extra_capacity, wanted)
+        present = {b.slot for b in wanted if cache.holds(b.key, b.slot, b.n, b.position)}
+        cache.hold(tuple(b for b in wanted if b.slot in present))  # until the copies below are all in
+        plan = self._read(plan, blocks, cache, in_hand, present)
         pieces = plan.pieces
         fresh: set[int] = set()
         cached = 0
@@ -200,7 +211,7 @@ class Assembler:
             if p.source == "fresh":
                 fresh.update(range(p.slot, p.slot + p.n))
                 continue
-            if p.load == READ:  # already in its slots
+            if p.load == READ or (p.slot in present and p.load == COPY):  # already in its slots
                 cached += p.n
                 continue
             block = in_hand[p.slot]
@@ -212,8 +223,10 @@ class Assembler:
             dv.copy_(values)
             if p.origin != "computed":  # encoded by this very request: computed, not reused
                 cached += p.n
-        # Slots already hold the cached blocks; cache.length must cover them before any forward.
+        # Slots already hold the cached blocks; cache.length must cover them before any forward, whose writes
+        # (runner.py) then mark where the blocks recorded here stop being intact.
         cache.length = total
+        cache.hold(tuple(_held(p) for p in pieces if p.load in (COPY, READ, ENCODE)))
         if total - 1 not in fresh:
             # The prompt ends inside a cached block: recompute its last token so we have its logits.
             fresh.add(total - 1)
@@ -257,7 +270,7 @@ class Assembler:
                 prefixes.touch(p.key)
 
     def _read(self, plan: Plan, blocks: Mapping[str, KVBlock | PendingBlock], cache: SlotCache,
-              in_hand: dict[int, KVBlock]) -> Plan:
+              in_hand: dict[int, KVBlock], present: set[int] = frozenset()) -> Plan:
         """Reads the plan's "read" blocks (found on disk or in Redis at planning) straight into their slots of
         `cache`, in the tiers' reader threads: a bit-exact block is read from its file into the slots and checked
         there, any other through a reused staging buffer and copied in; no block gets memory of its own, so a
@@ -267,6 +280,10 @@ class Assembler:
         tokens): the plan as built says what replaced it (`Plan.after_lost_reads`): for a relocated block, the
         block encoded now and stored, as a miss would be (into `in_hand`)."""
         pending = [p for p in plan.pieces if p.load == READ]
+        # A block already in every slot it goes to (`present`) is not read; one that is missing from any of them is
+        # read as usual (its other pieces copy from the first).
+        missing = {p.key for p in pending if p.slot not in present}
+        pending = [p for p in pending if p.key in missing]
         if not pending:
             return plan
         # A block used more than once (the separator between chunks) is read once, into its first piece's slots,
@@ -422,6 +439,7 @@ class Assembler:
                                                  + len(generated)))
         last = plan.layout[-1]
         replied = isinstance(last, Run) and last.end == total  # the reply continues the layout's last run
+        stored: list[HeldBlock] = []  # what the buffer now holds as blocks too: the next turn copies none of it
         parent = planner.root_for(plan.namespace)
         for item in plan.layout:
             if isinstance(item, Link):
@@ -446,6 +464,7 @@ class Assembler:
                     self.store.put_volatile(ref.key, block)
                 planner.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
                 written.add(ref.key)
+                stored.append(HeldBlock(ref.key, ref.start, ref.end - ref.start, positions[ref.start]))
             for i, key in groups:
                 members = refs[i: i + EXTENT_BLOCKS]
                 if key in plan.hits:  # read from it
@@ -459,6 +478,7 @@ class Assembler:
                 self.store.put_persistent(key, block)
                 self._note_extent(key)
                 written.add(key)
+        assembled.cache.hold(assembled.cache.held + tuple(stored))
         return frozenset(written)
 
     def _note_extent(self, key: str) -> None:

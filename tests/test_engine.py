@@ -181,11 +181,11 @@ def _spy_capacities(engine, monkeypatch):
     model's context: the reference is `shape.max_positions`, the most slots a request can ever fill."""
     asked, real, limit = [], engine.runner.acquire_cache, engine.runner.shape.max_positions
 
-    def acquire(capacity):
+    def acquire(capacity, wanted=()):
         asked.append(capacity)
         if capacity > limit:
             raise MemoryError(f"asked for a {capacity}-slot buffer, beyond the context of {limit}")
-        return real(capacity)
+        return real(capacity, wanted)
 
     monkeypatch.setattr(engine.runner, "acquire_cache", acquire)
     return asked

@@ -21,7 +21,7 @@ keyword `past_key_values` to `cache`), this package is the one place to edit. Wh
 
 from .architecture import Architecture, Layer, Norms
 from .attention import SPLIT_MIN_TOKENS, Heads, Writes
-from .cache import ModelShape, SlotCache
+from .cache import HeldBlock, ModelShape, SlotCache
 from .families import FAMILIES, SUPPORTED_MODEL_TYPES, describe
 from .fingerprint import hash_tensor
 from .rope import RELOCATABLE_ROPE_TYPES, RelocationCheck
@@ -30,7 +30,7 @@ from .threads import release_team, releasing_team
 
 __all__ = [
     "DTYPES", "FAMILIES", "POOL_MAX_BYTES", "POOL_SIZE", "PREFILL_CHUNK_TOKENS", "RELOCATABLE_ROPE_TYPES",
-    "SOLO_CHUNK_TOKENS", "SPLIT_MIN_TOKENS", "SUPPORTED_MODEL_TYPES", "Architecture", "Heads", "Layer", "LlamaRunner",
-    "ModelShape", "Norms", "RelocationCheck", "SlotCache", "Writes", "describe", "hash_tensor", "parse_dtype",
-    "release_team", "releasing_team",
+    "SOLO_CHUNK_TOKENS", "SPLIT_MIN_TOKENS", "SUPPORTED_MODEL_TYPES", "Architecture", "Heads", "HeldBlock", "Layer",
+    "LlamaRunner", "ModelShape", "Norms", "RelocationCheck", "SlotCache", "Writes", "describe", "hash_tensor",
+    "parse_dtype", "release_team", "releasing_team",
 ]

@@ -4,13 +4,30 @@ The buffer is one preallocated tensor pair per request for all layers,
     keys, values: [layers, 1, kv_heads, capacity, head_dim],
 indexed by *slot* (a token's index in the prompt). Cached blocks are copied (keys relocated by RoPE rotation,
 rope.py) straight into their slots; fresh tokens are written by pc_rag's own layer loop (runner.py) into theirs.
+
+A buffer back in the pool still holds the blocks its last request copied in (`held`), up to the first slot anything
+wrote over them (`wrote`): the next request that wants the same block in the same slots at the same position (a
+system text or a conversation sent again, the next question on the same documents) finds it there and copies
+nothing (`LlamaRunner.acquire_cache`, `Assembler.assemble`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+
+@dataclass(frozen=True)
+class HeldBlock:
+    """Slots [slot, slot + n) of a buffer hold the first n tokens' KV of the store's block `key`, its keys at
+    position ids from `position` on. Keys name their content (token ids, context, namespace: blocks.py), so that is
+    the same KV whichever copy of the block it came from."""
+
+    key: str
+    slot: int
+    n: int
+    position: int
 
 
 class SlotCache:
@@ -23,6 +40,7 @@ class SlotCache:
         self.keys = torch.empty(num_layers, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.empty_like(self.keys)
         self.length = 0
+        self.hold(())  # `held`: the blocks copied in and not written over since
 
     @property
     def capacity(self) -> int:
@@ -31,6 +49,27 @@ class SlotCache:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+    def hold(self, blocks: tuple[HeldBlock, ...]) -> None:
+        """Record the blocks now in their slots (the assembler, once it has copied them in)."""
+        self.held = blocks
+        self._held_n: dict[tuple[str, int, int], int] = {}  # (key, slot, position) -> tokens held there
+        for b in blocks:
+            at = (b.key, b.slot, b.position)
+            self._held_n[at] = max(b.n, self._held_n.get(at, 0))
+        self._held_end = max((b.slot + b.n for b in blocks), default=0)
+
+    def wrote(self, start: int, stop: int) -> None:
+        """Slots [start, stop) are being written: a held block there holds what it did only up to `start`. Every
+        write of the layer loop calls it (runner.py), before writing."""
+        if start >= self._held_end or stop <= start:  # decoding: after every held block
+            return
+        self.hold(tuple(b if b.slot >= stop or b.slot + b.n <= start else replace(b, n=start - b.slot)
+                        for b in self.held if b.slot >= stop or b.slot < start))
+
+    def holds(self, key: str, slot: int, n: int, position: int) -> bool:
+        """Whether slots [slot, slot + n) hold block `key`'s first n tokens at `position`."""
+        return 0 < n <= self._held_n.get((key, slot, position), 0)
 
     def block_views(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots [a, b) of every layer: ([L, H_kv, b-a, D], same) views."""

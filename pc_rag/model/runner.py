@@ -13,7 +13,7 @@ import contextlib
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ from . import heap, kernels
 from . import rope as rope_check
 from .architecture import DEFAULT_ROPE
 from .attention import Heads, Writes, _mask, _prefill_kernel_runs, attend, attend_decode
-from .cache import ModelShape, SlotCache, _to_device
+from .cache import HeldBlock, ModelShape, SlotCache, _to_device
 from .families import SUPPORTED_MODEL_TYPES, describe
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .fused import FusedLayers
@@ -240,16 +240,20 @@ class LlamaRunner:
         s = self.shape
         return SlotCache(s.num_layers, s.kv_heads, s.head_dim, capacity, self.dtype, self.device)
 
-    def acquire_cache(self, capacity: int) -> SlotCache:
+    def acquire_cache(self, capacity: int, wanted: Sequence[HeldBlock] = ()) -> SlotCache:
         """A request buffer from the pool (or a new one), never larger than the model's context: no request
         writes a slot beyond it (a prompt's slots never outnumber its positions, and decoding stops at the
         context's end). Reusing buffers matters: allocating and first touching a fresh 64 MB buffer cost about
-        as much as relocating every cached chunk (measured, CPU)."""
+        as much as relocating every cached chunk (measured, CPU). Of the buffers that fit, the one that still
+        holds the most of the `wanted` blocks in place (cache.py), then the smallest."""
         capacity = min(capacity, self.shape.max_positions)
         with self._pool_lock:
             fits = [c for c in self._pool if c.capacity >= capacity]
             if fits:
-                cache = min(fits, key=lambda c: c.capacity)
+                def held(c: SlotCache) -> int:
+                    return sum(b.n for b in wanted if c.holds(b.key, b.slot, b.n, b.position))
+
+                cache = min(fits, key=lambda c: (-held(c), c.capacity))
                 self._pool.remove(cache)
                 cache.length = 0
                 return cache
@@ -266,6 +270,13 @@ class LlamaRunner:
                     kept.append(c)
                     total += c.nbytes
             self._pool = kept
+
+    def forget_held(self) -> None:
+        """The pooled buffers keep their memory but no longer offer the blocks they hold: the next requests copy
+        or read every block, as in a new process (benchmarks of loads from disk and Redis)."""
+        with self._pool_lock:
+            for cache in self._pool:
+                cache.hold(())
 
     def place(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A block's keys and values on the model's device (the same tensors when they are there already).
@@ -420,7 +431,9 @@ class LlamaRunner:
             w = writes[0]
             rows = w.rows(dev)
             writes = [Writes(w.n, w.kv, "slots", None, rows, _mask(rows, w.kv, self.dtype))]
-        for cache, w in zip(caches, writes, strict=True):
+        for cache, w, at in zip(caches, writes, slots, strict=True):
+            for a, b in _runs(at):
+                cache.wrote(a, b)
             cache.length = max(cache.length, w.kv)
         spans, a = [], 0  # each request's tokens among the forward's rows
         for t in ids:
@@ -498,6 +511,8 @@ class LlamaRunner:
         Where the model's layer is the standard one, the step runs fused (fused.py; `fused=False`: module by
         module, what its probe compares with).
         """
+        for cache, slot in zip(caches, slots, strict=True):
+            cache.wrote(slot, slot + 1)
         if fused and self._fused is not None:
             with self._lock:
                 return self._fused.step(caches, ids, positions, slots)
@@ -553,3 +568,17 @@ def _check_against_modules(model, arch) -> None:
             raise UnsupportedModelError(
                 f"{arch.model_type}: layer {i}'s attention scales logits by {scaling}, pc_rag's description of the "
                 f"family by {arch.attn_scale} (a transformers version whose modeling code differs?)")
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int]]:
+    """The (distinct) slots as [start, stop) runs of consecutive slots: one for a prefill's or a chunk's tail."""
+    lo, hi = min(slots), max(slots)
+    if hi - lo + 1 == len(slots):
+        return [(lo, hi + 1)]
+    ordered = sorted(slots)
+    runs, start = [], ordered[0]
+    for prev, s in zip(ordered, ordered[1:], strict=False):
+        if s != prev + 1:
+            runs.append((start, prev + 1))
+            start = s
+    return [*runs, (start, ordered[-1] + 1)]
