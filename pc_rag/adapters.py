@@ -19,21 +19,36 @@ Documents registered with `register(engine, texts, public=True)` are shared by e
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from .errors import OptionError, OptionTypeError, PCRagError
+from .decode import Piece, choice_of
+from .errors import OptionError, OptionTypeError, PCRagError, ReplyCutError
 from .grammar import Grammar
 from .options import GenerationOptions
 from .reasoning import CONTENT, ThinkingFilter, ThinkingMarkers
 from .segments import Chunk, Text
 from .text_index import discover, discovery_enabled, index_for
-from .tools import CallFilter, ToolCall, ToolFormat, call_grammar, check_tool_choice, render_messages, tool_specs
+from .tools import (
+    CallFilter,
+    CutCall,
+    ToolCall,
+    ToolFormat,
+    call_grammar,
+    check_tool_choice,
+    render_messages,
+    tool_specs,
+)
 
-__all__ = ["ChatReply", "ChatRequest", "GenerationOptions", "Reasoning", "SamplingOptions", "ToolCall", "chat_prompt",
-           "chat_request", "completion_prompt", "discover", "discovery_enabled", "register", "render_chat",
+__all__ = ["ChatReply", "ChatRequest", "CutCall", "GenerationOptions", "Piece", "Reasoning", "ReplyCutError",
+           "SamplingOptions", "ToolCall", "chat_prompt", "chat_request", "check_reasoning_effort", "choice_of",
+           "completion_prompt", "discover", "discovery_enabled", "openai_logprobs", "register", "render_chat",
            "response_grammar", "shared_engine", "stream_chat", "stream_generation", "usage"]
+
+# OpenAI's values of `reasoning_effort`; a chat template that reads the variable gets it as sent.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 _ENGINES: dict[tuple[str, str, str], Any] = {}
 _ENGINES_LOCK = threading.Lock()
@@ -55,16 +70,36 @@ def shared_engine(path: str, dtype: str = "float32", device: str = "cpu"):
         return engine
 
 
-def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> str:
+def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = (),
+                reasoning_effort: str | None = None) -> str:
     """Messages (with tool calls and tool results, pc_rag.tools) and `tools` (OpenAI function dicts) as the model's
-    chat template writes them, ending with the assistant header."""
+    chat template writes them, ending with the assistant header. `reasoning_effort` goes to a template that reads
+    it (`check_reasoning_effort`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise PCRagError(
             "the model's tokenizer has no chat template; use the completion-style class (PromptCacheLLM) "
             "or set tokenizer.chat_template"
         )
     rendered, kwargs = render_messages(messages, tool_specs(tools), ToolFormat.detect(tokenizer))
+    if check_reasoning_effort(tokenizer, reasoning_effort) is not None:
+        kwargs["reasoning_effort"] = reasoning_effort
     return tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def check_reasoning_effort(tokenizer, effort: str | None) -> str | None:
+    """`effort` (OpenAI's `reasoning_effort`) when the model's chat template reads a `reasoning_effort` variable
+    (gpt-oss's, and templates written for it); an OptionError otherwise: nothing else would act on it."""
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise OptionError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = " ".join(t for t in template.values() if isinstance(t, str))
+    if "reasoning_effort" not in template:
+        raise OptionError("reasoning_effort: this model's chat template does not read it, so it would change "
+                          "nothing; leave it out (a template that reads `reasoning_effort` gets it as sent)")
+    return effort
 
 
 def chat_prompt(engine, messages: Sequence[Mapping[str, Any]], chunk_texts: Sequence[str] = (),
@@ -110,6 +145,7 @@ class ChatRequest:
     tool_choice: str  # auto, none, required or a tool's name
     thinking: ThinkingMarkers = ThinkingMarkers()
     starts_thinking: bool = False  # the template's generation prompt opened the thinking block
+    json_reply: bool = False  # a response_format constrains the reply to JSON
 
     @property
     def forced(self) -> bool:
@@ -129,11 +165,13 @@ class ChatRequest:
 def chat_request(engine, messages: Sequence[Mapping[str, Any]], options: GenerationOptions,
                  tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
                  response_format: Mapping[str, Any] | None = None, parallel_tool_calls: bool = False,
-                 chunk_texts: Sequence[str] = (), discovered: bool = True) -> ChatRequest:
+                 chunk_texts: Sequence[str] = (), discovered: bool = True,
+                 reasoning_effort: str | None = None) -> ChatRequest:
     """A chat request as the engine runs it. `tool_choice` "required" (LangChain's "any") or a tool's name
     constrains the reply to a valid call (`parallel_tool_calls`: one or more); a `response_format` constrains it
     to JSON; both at once is refused (a forced call is already JSON). A reply after a generation prompt that opened
-    the thinking block starts inside it, unless a forced call or a response format makes the whole reply that."""
+    the thinking block starts inside it, unless a forced call or a response format makes the whole reply that.
+    `reasoning_effort` goes to a chat template that reads it (else an OptionError)."""
     specs = tool_specs(tools)
     choice = check_tool_choice(tool_choice, specs)
     fmt = ToolFormat.detect(engine.tokenizer)
@@ -145,11 +183,11 @@ def chat_request(engine, messages: Sequence[Mapping[str, Any]], options: Generat
         grammar = wanted
     if grammar is not None:
         options = dataclasses.replace(options, grammar=grammar)
-    text = render_chat(engine.tokenizer, messages, specs)
+    text = render_chat(engine.tokenizer, messages, specs, reasoning_effort)
     prompt = completion_prompt(engine, text, chunk_texts, discovered, options.cache_salt)
     markers = ThinkingMarkers.detect(engine.tokenizer)
     inside = grammar is None and markers.starts_inside(text)
-    return ChatRequest(prompt, options, fmt, specs, choice, markers, inside)
+    return ChatRequest(prompt, options, fmt, specs, choice, markers, inside, json_reply=wanted is not None)
 
 
 def completion_prompt(engine, prompt_text: str, chunk_texts: Sequence[str] = (),
@@ -174,80 +212,161 @@ SamplingOptions = GenerationOptions
 
 
 def stream_generation(engine, prompt: Sequence[Text | Chunk], options: GenerationOptions) -> Iterator[Any]:
-    """The text pieces of one request (`str`), then the engine's `Generation` as the last item."""
+    """The text pieces of one request (`str`; a `decode.Piece` with logprobs or for a choice but the first), then the
+    engine's `Generation` as the last item."""
     return engine.stream_generation(
         prompt, mode=options.mode, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
         top_p=options.top_p, stop=list(options.stop) or None, seed=options.seed,
         recompute_ratio=options.recompute_ratio, cache_salt=options.cache_salt, grammar=options.grammar,
+        n=options.n, logprobs=options.logprobs, presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty, logit_bias=dict(options.logit_bias) or None,
     )
 
 
 def usage(generation) -> dict[str, int]:
     """Token counts of a finished request: `cached_tokens`, prompt tokens whose KV came from the store (reused);
     `cache_creation_tokens`, prompt tokens whose KV this request newly stored (chunks it encoded, new prefix
-    blocks). `prompt_tokens` counts all prompt tokens, reused ones included (as ChatAnthropic's input_tokens)."""
+    blocks). `prompt_tokens` counts all prompt tokens, reused ones included (as ChatAnthropic's input_tokens);
+    `completion_tokens` every choice's tokens."""
     return {
         "prompt_tokens": int(generation.prompt_tokens),
-        "completion_tokens": len(generation.token_ids),
+        "completion_tokens": sum(len(c.token_ids) for c in generation.choices),
         "cached_tokens": int(generation.cached_tokens),
         "cache_creation_tokens": int(getattr(generation, "stored_tokens", 0)),
     }
 
 
-class Reasoning(str):
-    """A piece of a chat reply's reasoning (the text between the thinking markers); the answer's pieces are `str`."""
+def openai_logprobs(logprobs) -> list[dict[str, Any]]:
+    """TokenLogprob entries (pc_rag.decode) as OpenAI's chat `logprobs.content` writes them: token, logprob, bytes,
+    top_logprobs. A log-probability of -inf (a token no step allowed) is written -9999.0, as OpenAI does."""
 
-    __slots__ = ()
+    def one(e) -> dict[str, Any]:
+        return {"token": e.token, "logprob": max(e.logprob, -9999.0), "bytes": list(e.token_bytes)}
+
+    return [{**one(e), "top_logprobs": [one(t) for t in e.top]} for e in logprobs or ()]
+
+
+class Reasoning(Piece):
+    """A piece of a chat reply's reasoning (the text between the thinking markers); the answer's pieces are `str`
+    (or `Piece`). Test for it first: it is a `str` too."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ChatReply:
-    """A finished chat reply: its text (calls and thinking taken out), its tool calls, the engine's `Generation`,
-    and its reasoning (the text between the thinking markers; "" when there was none)."""
+    """A finished chat reply: its text (calls and thinking taken out), its tool calls (a `CutCall` for one the token
+    budget ended before it was complete), the engine's `Generation`, and its reasoning (the text between the
+    thinking markers; "" when there was none). `choice`: which of the request's replies this is; the first holds
+    the others in `others` (n > 1). `cut`: the token budget ended the reply inside the structure the request asked
+    for (a tool call, or a response_format's JSON)."""
 
     content: str
-    tool_calls: list[ToolCall]
+    tool_calls: list[ToolCall | CutCall]
     generation: Any
     reasoning: str = ""
+    choice: int = 0
+    cut: bool = False
+    others: tuple[ChatReply, ...] = ()
 
     @property
     def finish_reason(self) -> str:
-        return "tool_calls" if self.tool_calls else self.generation.finish_reason
+        """"length" when the budget cut a call (OpenAI's, with the partial call in tool_calls), "tool_calls" when the
+        reply made calls, else the engine's ("stop" or "length")."""
+        if any(isinstance(c, CutCall) for c in self.tool_calls):
+            return "length"
+        return "tool_calls" if self.tool_calls else self.generation.choices[self.choice].finish_reason
+
+    @property
+    def choices(self) -> tuple[ChatReply, ...]:
+        return (self, *self.others)
+
+    @property
+    def logprobs(self):
+        """This reply's TokenLogprob entries (None when not asked)."""
+        return self.generation.choices[self.choice].logprobs
+
+    def check_complete(self, budget: int | None = None) -> None:
+        """Raise `ReplyCutError` when the token budget cut the reply's call or JSON (the adapters whose frameworks
+        have no place for a partial call raise it)."""
+        if not self.cut:
+            return
+        what = "tool call" if any(isinstance(c, CutCall) for c in self.tool_calls) else "JSON reply"
+        limit = f"max_new_tokens={budget}" if budget is not None else "max_new_tokens"
+        raise ReplyCutError(f"the reply was cut by the token budget ({limit}; OpenAI's max_tokens) before its {what} "
+                            f"was complete: raise max_tokens / max_new_tokens")
+
+
+class _ChoiceReader:
+    """One choice's pieces as stream_chat reads them: thinking apart, calls held back, logprobs carried along."""
+
+    def __init__(self, engine, request: ChatRequest, choice: int):
+        self.choice = choice
+        self.calls = request.call_filter(engine.tokenizer)
+        self.thinking = request.thinking_filter()
+        self.text: list[str] = []
+        self.thought: list[str] = []
+        self.pending: tuple = ()  # logprobs of tokens whose text is not out yet
+        self.keep = request.options.logprobs is not None or choice > 0  # pieces as Piece, not plain text
+
+    def feed(self, item: str) -> list[str]:
+        self.pending += getattr(item, "logprobs", ())
+        return list(self.pieces(self.thinking.feed(str(item))))
+
+    def pieces(self, parts):
+        for kind, part in parts:
+            if kind != CONTENT:
+                self.thought.append(part)
+                yield self._out(Reasoning, part)
+                continue
+            piece = self.calls.feed(part) if self.calls is not None else part
+            if piece:
+                self.text.append(piece)
+                yield self._out(Piece, piece)
+
+    def _out(self, cls, text: str) -> str:
+        if not self.keep:
+            return cls(text) if cls is Reasoning else text
+        out, self.pending = cls(text, self.pending, self.choice), ()
+        return out
 
 
 def stream_chat(engine, request: ChatRequest, heartbeat: bool = False) -> Iterator[Any]:
     """The pieces of one chat request: the answer's text (`str`; what may be a tool call is held back) and its
-    reasoning (`Reasoning`, a `str` too: test for it first), then its `ChatReply`. `heartbeat`: an empty piece
-    for each token held back, so that a caller which stops or times out a request between pieces (the server)
-    still can while a call is decoded."""
-    calls = request.call_filter(engine.tokenizer)
-    thinking = request.thinking_filter()
-    text: list[str] = []
-    thought: list[str] = []
+    reasoning (`Reasoning`, a `str` too: test for it first), then its `ChatReply`. With logprobs asked or n > 1,
+    pieces are `decode.Piece`s carrying their tokens' logprobs and their `choice`. `heartbeat`: an empty piece for
+    each token held back, so that a caller which stops or times out a request between pieces (the server) still can
+    while a call is decoded.
 
-    def pieces(parts):
-        for kind, part in parts:
-            if kind != CONTENT:
-                thought.append(part)
-                yield Reasoning(part)
-                continue
-            piece = calls.feed(part) if calls is not None else part
-            if piece:
-                text.append(piece)
-                yield piece
-
+    A reply the token budget cut inside its call or its JSON (`ChatReply.cut`): the calls complete before the cut,
+    then the cut one as a `CutCall` (its name and arguments as far as written), and never the call's markup as
+    text."""
+    readers = [_ChoiceReader(engine, request, i) for i in range(request.options.n)]
     for item in stream_generation(engine, request.prompt, request.options):
         if isinstance(item, str):
-            out = list(pieces(thinking.feed(item)))
+            out = readers[choice_of(item)].feed(item)
             yield from out
             if not out and heartbeat:
                 yield ""
             continue
-        yield from pieces(thinking.finish())
-        found: list[ToolCall] = []
-        if calls is not None:
-            rest, found = calls.finish()
-            if rest:
-                text.append(rest)
-                yield rest
-        yield ChatReply("".join(text), found, item, "".join(thought))
+        replies = []
+        for reader in readers:
+            yield from reader.pieces(reader.thinking.finish())
+            budget_ended = item.choices[reader.choice].finish_reason == "length"
+            found: list[ToolCall | CutCall] = []
+            if reader.calls is not None:
+                rest, found = reader.calls.finish(cut=budget_ended)
+                if rest:
+                    reader.text.append(rest)
+                    yield reader._out(Piece, rest)
+            content = "".join(reader.text)
+            cut = any(isinstance(c, CutCall) for c in found) or (
+                budget_ended and request.json_reply and not _is_json(content))
+            replies.append(ChatReply(content, found, item, "".join(reader.thought), reader.choice, cut))
+        yield dataclasses.replace(replies[0], others=tuple(replies[1:]))
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

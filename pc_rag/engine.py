@@ -19,7 +19,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -27,8 +27,9 @@ import torch
 
 from .assemble import Assembled, Assembler, Recompute
 from .batch import MAX_BATCH, BatchDecoder, RowTokens, TurnLock, decode_steps_needed
-from .decode import Sampler, Sampling, TextStream
-from .errors import PromptError
+from .choices import Choice, run_choices
+from .decode import Sampler, Sampling, TextStream, TokenLogprob, TokenTexts
+from .errors import OptionError, PromptError
 from .grammar import Grammar, Grammars
 from .lookups import WhereLookups
 from .model import LlamaRunner, release_team, releasing_team
@@ -70,6 +71,23 @@ class Generation:
     total_s: float
     sources: tuple[SegmentSource, ...]
     prompt_ids: tuple[int, ...]  # the prompt's token ids, as the model saw them
+    # `logprobs=k`: each generated token's log-probability and the k most likely tokens of its step (decode.py:
+    # TokenLogprob); None when not asked.
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    inter_token_s: tuple[float, ...] = ()  # seconds between each generated token and the one before it
+    # Every reply of the request, choices[0] being this one's text, token_ids, finish_reason and logprobs (n > 1
+    # asks for more; the prompt's counts and times above are the request's, shared by its choices).
+    choices: tuple[Choice, ...] = ()
+
+    def __post_init__(self):
+        if not self.choices:
+            object.__setattr__(self, "choices", (Choice(0, self.text, self.token_ids, self.finish_reason,
+                                                        self.logprobs, self.inter_token_s),))
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated, over every choice."""
+        return sum(len(c.token_ids) for c in self.choices)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -234,37 +252,70 @@ class Engine:
     def generate(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
                  recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, cache_salt: str | None = None,
-                 grammar: Grammar | None = None) -> Generation:
+                 grammar: Grammar | None = None, *, n: int = 1, logprobs: int | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: Mapping[int, float] | None = None) -> Generation:
         """Generate a reply; the arguments are those of `GenerationOptions` (checked before any work).
         `cache_salt`: the request's cache namespace (see the module docstring); `grammar`: constrained
-        decoding (`pc_rag.Grammar`)."""
-        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt,
-                                    grammar)
+        decoding (`pc_rag.Grammar`); `n`: replies to the one prompt (`Generation.choices`); `logprobs=k`: each
+        token's log-probability and the k most likely (`Generation.logprobs`); `presence_penalty`,
+        `frequency_penalty`, `logit_bias`: OpenAI's."""
+        options = self.checked_options(GenerationOptions(
+            mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt, grammar, n, logprobs,
+            presence_penalty, frequency_penalty, logit_bias))
         *_, generation = self._stream_generation(prompt, options)
         return generation
 
     def stream(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
                recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, cache_salt: str | None = None,
-               grammar: Grammar | None = None) -> Iterator[str]:
+               grammar: Grammar | None = None, *, n: int = 1, logprobs: int | None = None,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               logit_bias: Mapping[int, float] | None = None) -> Iterator[str]:
         """Text pieces as they are decoded; never splits a multi-byte character or emits part of a stop string.
+        With `logprobs` or `n` > 1 a piece is a `decode.Piece` (a str) carrying its tokens' logprobs and the
+        `choice` it belongs to (the choices' pieces interleave).
 
         Not a generator function: the options are checked here, at the call, so a bad argument raises before
         the first `next()`."""
-        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt,
-                                    grammar)
+        options = self.checked_options(GenerationOptions(
+            mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt, grammar, n, logprobs,
+            presence_penalty, frequency_penalty, logit_bias))
         return (item for item in self._stream_generation(prompt, options) if isinstance(item, str))
 
     def stream_generation(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32,
                           temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] | None = None,
                           seed: int | None = None, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
-                          cache_salt: str | None = None, grammar: Grammar | None = None
-                          ) -> Iterator[str | Generation]:
+                          cache_salt: str | None = None, grammar: Grammar | None = None, *, n: int = 1,
+                          logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                          logit_bias: Mapping[int, float] | None = None) -> Iterator[str | Generation]:
         """Like `stream`, then the final `Generation` (token counts, TTFT) as the last item; options are
         checked at the call, as in `stream`."""
-        options = GenerationOptions(mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt,
-                                    grammar)
+        options = self.checked_options(GenerationOptions(
+            mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt, grammar, n, logprobs,
+            presence_penalty, frequency_penalty, logit_bias))
         return self._stream_generation(prompt, options)
+
+    def checked_options(self, options: GenerationOptions) -> GenerationOptions:
+        """`options`, once what they cannot check alone fits this engine: logit_bias ids in the vocabulary, n
+        choices in one decode batch (else an OptionError). The server checks a request's options with it before
+        the request waits in line."""
+        vocab = getattr(self.model.config, "vocab_size", None) or len(self.tokenizer)
+        if options.logit_bias and options.logit_bias[-1][0] >= vocab:  # sorted by id
+            raise OptionError(f"logit_bias names token {options.logit_bias[-1][0]}, beyond the vocabulary of "
+                              f"{vocab} tokens (ids 0 to {vocab - 1})")
+        if options.n > self.max_batch:
+            raise OptionError(f"n must be at most the engine's max_batch ({self.max_batch}): the choices decode as "
+                              f"rows of one batch, got {options.n}")
+        return options
+
+    def _sampler(self, options: GenerationOptions, choice: int = 0) -> Sampler:
+        """A sampler for reply `choice` of a request: its grammar state, its seed, the token names of logprobs."""
+        grammar = self.grammars.state(options.grammar) if options.grammar is not None else None
+        texts = None
+        if options.logprobs is not None:
+            texts = self._token_texts = getattr(self, "_token_texts", None) or TokenTexts(self.tokenizer)
+        return Sampler(Sampling.from_options(options, choice), grammar, texts, choice)
 
     def _stream_generation(self, prompt: Prompt, options: GenerationOptions) -> Iterator[str | Generation]:
         steps = self._run(prompt, options)
@@ -491,13 +542,23 @@ class Engine:
 
     def _run(self, prompt, options: GenerationOptions) -> Iterator[str]:
         with self._counted():
+            if options.n > 1:  # one prefill, n rows (choices.py)
+                run = yield from run_choices(self, prompt, options)
+                asm, first = run.asm, run.choices[0]
+                return Generation(
+                    text=first.text, token_ids=first.token_ids, mode=options.mode, finish_reason=first.finish_reason,
+                    prompt_tokens=asm.prompt_tokens, cached_tokens=asm.cached_tokens,
+                    computed_tokens=asm.computed_tokens, stored_tokens=asm.plan.stored_tokens,
+                    recomputed_tokens=asm.recomputed_tokens, ttft_s=run.ttft_s, total_s=run.total_s,
+                    sources=tuple(SegmentSource(p.kind, p.n, p.source, p.origin) for p in asm.pieces),
+                    prompt_ids=asm.plan.ids, logprobs=first.logprobs, inter_token_s=first.inter_token_s,
+                    choices=run.choices)
             return (yield from self._run_counted(prompt, options))
 
     def _run_counted(self, prompt, options: GenerationOptions) -> Iterator[str]:
         t0 = time.perf_counter()
         mode, max_new_tokens = options.mode, options.max_new_tokens
-        grammar = self.grammars.state(options.grammar) if options.grammar is not None else None
-        sampler = Sampler(Sampling.from_options(options), grammar)
+        sampler = self._sampler(options)
         # While other requests decode, a prompt whose tokens to compute are its last ones (a question after
         # cached chunks, a chat turn, a prompt sent again), at most a chunk of them, leaves them to the shared
         # decode step, as one more row: its first token then costs a share of a batched step instead of a
@@ -540,14 +601,14 @@ class Engine:
                 ids.append(token)
                 if token in self.eos_ids:
                     finish = "stop"
-                    yield text.finish()
+                    yield sampler.piece(text.finish(), len(ids))
                     break
-                yield text.push(token)
+                yield sampler.piece(text.push(token), len(ids))
                 if text.stopped:
                     finish = "stop"
                     break
                 if i + 1 == max_new_tokens or i + 1 > room:
-                    yield text.finish()
+                    yield sampler.piece(text.finish(), len(ids))
                     break
                 if steps is None:
                     pos, slot = asm.last_position + 1 + i, asm.prompt_tokens + i
@@ -587,6 +648,8 @@ class Engine:
             total_s=total,
             sources=tuple(SegmentSource(p.kind, p.n, p.source, p.origin) for p in asm.pieces),
             prompt_ids=asm.plan.ids,
+            logprobs=sampler.logprobs(len(ids)),
+            inter_token_s=sampler.gaps(len(ids)),
         )
 
     def _join_batch(self, cache, sampler: Sampler, tokens: list[int], positions: list[int], slot: int,

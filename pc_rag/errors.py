@@ -35,3 +35,8 @@ class OptionTypeError(OptionError, TypeError):
 class Cancelled(PCRagError):
     """A request stopped by its caller before its first token (`LlamaRunner.cancellable`): a server's client
     that disconnected, or a deadline that passed."""
+
+
+class ReplyCutError(PCRagError, ValueError):
+    """The token budget (max_new_tokens; OpenAI's max_tokens) ended a reply inside the tool call or the JSON it was
+    asked for: raised where a framework has no place for a partial call (LlamaIndex)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .errors import OptionError, OptionTypeError, PromptError
@@ -28,6 +28,11 @@ DEFAULT_RECOMPUTE_RATIO = 0.2
 
 MAX_CACHE_SALT_CHARS = 256  # vLLM's field has no bound; ours keeps a key derivation's input small
 
+# OpenAI's bounds: top_logprobs 0 to 20, penalties -2 to 2, a logit bias -100 to 100.
+MAX_TOP_LOGPROBS = 20
+PENALTY_BOUND = 2.0
+LOGIT_BIAS_BOUND = 100.0
+
 
 @dataclass(frozen=True)
 class GenerationOptions:
@@ -44,6 +49,17 @@ class GenerationOptions:
     cache_salt:      None, or the request's cache namespace (1 to 256 characters; vLLM's name): the request
                      reuses only KV that requests with the same salt stored, and public chunks (blocks.py).
     grammar:         None, or a `pc_rag.Grammar` every generated token must keep to (constrained decoding).
+    n:               how many replies (choices) to the one prompt, >= 1: its prefill runs once and the n replies
+                     decode from its KV as n rows of the batched step (each its own sampler; a seed s gives
+                     choice 0 the seed s and the others seeds derived from s).
+    logprobs:        None (none recorded), or k in [0, 20]: each generated token's log-probability and the k most
+                     likely tokens of its step, from the logits the sampler chose from (logit_bias, penalties
+                     and a grammar's mask applied; before temperature and top_p).
+    presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: a token's logit is lowered by
+                     `presence_penalty` once it was generated, and by `frequency_penalty` per time it was (the
+                     reply's tokens so far; the prompt's are not counted).
+    logit_bias:      None, or {token id: bias in [-100, 100]} added to those logits at every step (OpenAI's);
+                     stored as sorted (id, bias) pairs. The engine checks the ids against its vocabulary.
     """
 
     mode: str = "modular"
@@ -55,6 +71,11 @@ class GenerationOptions:
     recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
     cache_salt: str | None = None
     grammar: Grammar | None = None
+    n: int = 1
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         check_mode(self.mode)
@@ -70,6 +91,11 @@ class GenerationOptions:
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise OptionTypeError(f"grammar must be None or a pc_rag.Grammar (Grammar.json_schema(...), ...), got "
                                   f"{_shown(self.grammar)}")
+        set_(self, "n", checked_int("n", self.n, low=1, hint="replies to the prompt"))
+        for name, value in zip(("logprobs", "presence_penalty", "frequency_penalty", "logit_bias"),
+                               checked_token_options(self.logprobs, self.presence_penalty, self.frequency_penalty,
+                                                     self.logit_bias), strict=True):
+            set_(self, name, value)
 
 
 def check_mode(mode) -> str:
@@ -117,6 +143,43 @@ def checked_sampling(temperature, top_p, seed) -> tuple[float, float, int | None
         if not SEED_MIN <= seed <= SEED_MAX:
             raise OptionError(f"seed must fit in 64 bits (-2**63 to 2**64 - 1), got {seed}")
     return temperature, top_p, seed
+
+
+def checked_token_options(logprobs, presence_penalty, frequency_penalty, logit_bias
+                          ) -> tuple[int | None, float, float, tuple[tuple[int, float], ...]]:
+    """logprobs, the two penalties and logit_bias, checked and normalised (GenerationOptions and decode.Sampling)."""
+    if logprobs is not None:
+        logprobs = checked_int("logprobs", logprobs, low=0, hint="how many most likely tokens, or None")
+        if logprobs > MAX_TOP_LOGPROBS:
+            raise OptionError(f"logprobs must be at most {MAX_TOP_LOGPROBS} (most likely tokens per step), got "
+                              f"{logprobs}")
+    penalties = [checked_number(name, value, -PENALTY_BOUND, PENALTY_BOUND, hint="0 = none")
+                 for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty))]
+    return (logprobs, *penalties, checked_logit_bias(logit_bias))
+
+
+def checked_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """None, a mapping {token id: bias} or (id, bias) pairs, as sorted (id, bias) pairs; ids may be given as strings
+    of digits (OpenAI's JSON keys)."""
+    if bias is None:
+        return ()
+    if isinstance(bias, Mapping):
+        items = list(bias.items())
+    elif isinstance(bias, (str, bytes)) or not isinstance(bias, Iterable):
+        raise OptionTypeError(f"logit_bias must be None or a dict {{token id: bias}}, got {_shown(bias)}")
+    else:
+        items = list(bias)
+    out: dict[int, float] = {}
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise OptionTypeError(f"logit_bias must be a dict {{token id: bias}}, got the entry {_shown(item)}")
+        token, value = item
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        token = checked_int(f"logit_bias key {token!r}", token, low=0, hint="a token id")
+        out[token] = checked_number(f"logit_bias[{token}]", value, -LOGIT_BIAS_BOUND, LOGIT_BIAS_BOUND,
+                                    hint="added to the token's logit; -100 bans it")
+    return tuple(sorted(out.items()))
 
 
 def checked_int(name: str, value, low: int | None = None, hint: str = "") -> int:

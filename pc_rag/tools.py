@@ -52,6 +52,20 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
 
 
+@dataclass(frozen=True)
+class CutCall:
+    """A call the token budget ended before it was complete: the tool's name and the arguments' JSON text, as far as
+    the model wrote them (either may be empty or cut short). OpenAI answers such a reply with `finish_reason:
+    "length"` and the partial call in `tool_calls`; LangChain keeps it in `invalid_tool_calls`."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
 def tool_spec(tool: Mapping[str, Any]) -> dict[str, Any]:
     """A tool as an OpenAI function dict `{"type": "function", "function": {name, description, parameters}}`;
     takes that dict or its bare `function` part."""
@@ -176,6 +190,55 @@ def parse_reply(text: str, fmt: ToolFormat, specs: Sequence[Mapping[str, Any]] =
         if found is not None:
             return found
     return text, []
+
+
+def parse_cut(text: str, fmt: ToolFormat, specs: Sequence[Mapping[str, Any]] = (),
+              forced: bool = False) -> tuple[str, list[ToolCall | CutCall]] | None:
+    """A reply the token budget ended inside its calls: the text before them, the calls complete before the cut, and
+    the one it cut (`CutCall`); None when no call was begun (`forced`: the whole reply is calls, as a forced
+    tool_choice's grammar makes it). Each call is a JSON object in every format, so the objects are read one after
+    the other, whatever markers are between them."""
+    names = {s["function"]["name"] for s in specs}
+    starts = [at for at in (text.find(m) for m in _MARKERS) if at >= 0]
+    if fmt.name == "llama3_json" and text.lstrip().startswith("{"):
+        starts.append(len(text) - len(text.lstrip()))
+    if not starts and not forced:
+        return None
+    start = 0 if forced else min(starts)
+    head, body = text[:start].rstrip(), text[start:]
+    calls: list[ToolCall | CutCall] = []
+    decoder = json.JSONDecoder()
+    pos = 0
+    while (at := body.find("{", pos)) >= 0:
+        try:
+            obj, pos = decoder.raw_decode(body, at)
+        except ValueError:
+            calls.append(_cut_call(body[at:]))
+            return head, calls
+        call = _call(obj, names)
+        calls.append(call if call is not None else _cut_call(body[at:pos]))
+    if not calls:  # cut before the first object began (inside an opening marker)
+        calls.append(CutCall("", ""))
+    return head, calls
+
+
+_CUT_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)')
+_CUT_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+
+def _cut_call(text: str) -> CutCall:
+    """A call's object as far as it was written: the name (cut short if the cut fell inside it) and the arguments'
+    text from their start."""
+    name = _CUT_NAME.search(text)
+    arguments = _CUT_ARGUMENTS.search(text)
+    return CutCall(_unescaped(name.group(1)) if name else "", text[arguments.end():].rstrip() if arguments else "")
+
+
+def _unescaped(partial: str) -> str:
+    try:
+        return json.loads(f'"{partial}"')
+    except ValueError:  # cut inside an escape
+        return partial
 
 
 def _call(obj, names, key=None) -> ToolCall | None:
@@ -360,9 +423,14 @@ class CallFilter:
         self.sent = max(self.sent, hold)
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The text not yet sent, and the reply's calls."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall | CutCall]]:
+        """The text not yet sent, and the reply's calls. `cut`: the token budget ended the reply; a call it ended
+        inside is a `CutCall`, and its markup never comes out as text."""
         content, calls = parse_reply(self.text, self.fmt, self.specs, self.tokenizer)
+        if not calls and cut:
+            found = parse_cut(self.text, self.fmt, self.specs, self.forced)
+            if found is not None:
+                content, calls = found
         if not calls:
             return self.text[self.sent:], []
         return content[self.sent:] if content.startswith(self.text[: self.sent]) else "", calls

@@ -1,13 +1,15 @@
 """The OpenAI-compatible HTTP app over one Engine (FastAPI): routes, the request path, errors.
 
     POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not), GET /v1/models,
+    GET /metrics (Prometheus' text format, metrics.py; the same keys as /v1),
     GET /health (no auth, for load balancers: liveness only, unless the request carries a key),
     GET /ready (no auth: 200 while a request would be taken, 503 + Retry-After while the line is full or the
     server is shutting down: readiness for a load balancer or a router)
 
 One path per request, as in the drop-in classes (pc_rag/adapters.py):
     connection, Host, body size and read time (limits.py) -> API key -> tenant (auth.py; 401)
-    -> request JSON -> pydantic schema (schema.py; refused fields -> 400) -> GenerationOptions (checked -> 400),
+    -> request JSON -> pydantic schema (schema.py; refused and unknown fields -> 400) -> GenerationOptions (checked,
+       and against the engine: `Engine.checked_options` -> 400),
        their `cache_salt` the request's cache namespace: its tenant's, narrowed by its `cache_salt`
        (`blocks.tenant_namespace`; with `--shared-cache` the salt's alone)
     -> prompt parts and characters bounded (limits.check_prompt_size; 400), nothing tokenized yet
@@ -16,8 +18,9 @@ One path per request, as in the drop-in classes (pc_rag/adapters.py):
        parts as chunks; a forced tool_choice or a response_format is the request's grammar) or the prompt string
        (`completion_prompt`) -> `Engine.stream_generation` -> text pieces (a tool call held back: `stream_chat`)
     -> the event loop: SSE chunks (tool calls as one delta at the end; a reasoning model's thinking as
-       `delta.reasoning_content`, pc_rag.reasoning), or one JSON body once the reply is in (`message.
-       reasoning_content` beside `content`) -> usage with cached_tokens.
+       `delta.reasoning_content`, pc_rag.reasoning; each choice's pieces under its index, n > 1; logprobs with the
+       pieces they complete), or one JSON body once the reply is in (`message.reasoning_content` beside `content`)
+    -> usage with cached_tokens; the request counted in /metrics (`ServerMetrics.finished`).
 
 The engine call is blocking, so it runs in a worker thread per request; concurrent requests meet in the
 engine's batched decode loop (pc_rag/batch.py), one forward pass per step for all of them. The response
@@ -46,19 +49,22 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..adapters import (
     ChatReply,
     Reasoning,
     chat_request,
+    check_reasoning_effort,
     completion_prompt,
+    openai_logprobs,
     response_grammar,
     stream_chat,
     stream_generation,
 )
 from ..blocks import tenant_namespace
+from ..decode import choice_of, joined
 from ..errors import OptionError, PCRagError, PMLError, PromptError, UnsupportedModelError
 from ..options import GenerationOptions
 from ..tools import ToolFormat, call_grammar, check_tool_choice, tool_specs
@@ -72,6 +78,7 @@ from .limits import (
     RequestGuard,
     check_prompt_size,
 )
+from .metrics import ServerMetrics, StatusCounter
 from .schema import ChatCompletionRequest, CompletionRequest, chat_messages, error_body, usage
 
 log = logging.getLogger("pc_rag.serve")
@@ -142,6 +149,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     app.state.engine, app.state.admission, app.state.settings = engine, admission, settings
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s,
                        allowed_hosts=settings.allowed_hosts)
+    metrics = app.state.metrics = ServerMetrics(engine, admission)
+    app.add_middleware(StatusCounter, metrics=metrics)  # outermost: it sees RequestGuard's answers too
 
     @app.exception_handler(APIError)
     async def _api_error(_request, e: APIError):
@@ -203,6 +212,13 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
                                 headers={"Retry-After": str(admission.retry_after_s())})
         return {"status": "ready"}
 
+    @app.get("/metrics", dependencies=[Depends(authorized)])
+    async def metrics_text():
+        """Prometheus' text format (metrics.py). Read off the event loop: the store's counters take their locks."""
+        running, waiting = admission.running, admission.waiting  # the line is the event loop's to read
+        body = await asyncio.to_thread(metrics.exposition, running, waiting)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
         return {"object": "list", "data": [_model_card(settings.model_id, created, engine)]}
@@ -219,7 +235,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         if not getattr(engine.tokenizer, "chat_template", None):
             raise APIError(400, f"{settings.model_id} has no chat template (its tokenizer defines none): send the "
                                 f"prompt as a string to /v1/completions")
-        options = _checked(body, settings, max_chars, request)
+        options = _checked(body, settings, max_chars, request, engine)
         messages, marked = chat_messages(body)
         chunks = marked + body.chunks
         await asyncio.to_thread(_check_tools, engine, body)  # a bad tool, choice or schema: a 400 before the line
@@ -228,22 +244,23 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             return stream_chat(engine, chat_request(
                 engine, messages, options, tools=body.tools, tool_choice=body.tool_choice,
                 response_format=body.response_format, parallel_tool_calls=bool(body.parallel_tool_calls),
-                chunk_texts=chunks), heartbeat=True)
+                chunk_texts=chunks, reasoning_effort=body.reasoning_effort), heartbeat=True)
 
-        return await _respond(request, body, make, _ChatFormat(settings.model_id))
+        return await _respond(request, body, make, _ChatFormat(settings.model_id, body))
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request):
-        options = _checked(body, settings, max_chars, request)
+        options = _checked(body, settings, max_chars, request, engine)
         text, chunks = body.prompt_text, body.chunks
 
         def make():
             prompt = completion_prompt(engine, text, chunk_texts=chunks, cache_salt=options.cache_salt)
             return stream_generation(engine, prompt, options)
 
-        return await _respond(request, body, make, _CompletionFormat(settings.model_id))
+        return await _respond(request, body, make, _CompletionFormat(settings.model_id, body))
 
     async def _respond(request: Request, body, make: Callable[[], Iterator], fmt):
+        arrived = time.perf_counter()
         disconnect = asyncio.create_task(_disconnected(request))
         try:
             await _admitted(admission, settings.queue_timeout_s, disconnect)
@@ -259,6 +276,13 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             raise APIError(503, f"waited {settings.queue_timeout_s:g} s in line without starting; retry later",
                            "server_overloaded", code="queue_timeout",
                            headers={"Retry-After": str(admission.retry_after_s())}) from None
+        started = time.perf_counter()
+        metrics.queue_time.observe(started - arrived)
+
+        def finished(final) -> None:  # the reply is out: counted in /metrics
+            reason = final.finish_reason if isinstance(final, ChatReply) else _generation(final).finish_reason
+            metrics.finished(_generation(final), reason, arrived, started)
+
         worker = _Worker(make, engine.runner.cancellable)
         worker.start(executor, admission)
         streaming = False
@@ -269,7 +293,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
                                     f"the request was stopped", "server_overloaded", code="prefill_timeout")
             if kind == "piece" and body.stream:
                 streaming = True  # from here Starlette's StreamingResponse watches for the disconnect
-                return StreamingResponse(_sse(fmt, body, worker, (kind, value)), media_type="text/event-stream",
+                return StreamingResponse(_sse(fmt, body, worker, (kind, value), finished),
+                                         media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             pieces = []
             while kind == "piece":
@@ -281,8 +306,10 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
                 raise _as_api_error(value)
             if body.stream:  # the whole reply held back (a stop string's prefix) or empty: one stream at once
                 streaming = True
-                return StreamingResponse(_sse(fmt, body, worker, (kind, value)), media_type="text/event-stream",
+                return StreamingResponse(_sse(fmt, body, worker, (kind, value), finished),
+                                         media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            finished(value)
             return JSONResponse(fmt.whole(value, usage(_generation(value))))
         finally:
             disconnect.cancel()
@@ -303,7 +330,7 @@ def _model_card(model_id: str, created: int, engine) -> dict[str, Any]:
             "max_model_len": engine.runner.shape.max_positions}
 
 
-def _checked(body, settings: ServerSettings, max_chars: int, request: Request) -> GenerationOptions:
+def _checked(body, settings: ServerSettings, max_chars: int, request: Request, engine) -> GenerationOptions:
     """The request's options, once its fields are known to be usable and its prompt small enough to tokenize.
     Their `cache_salt` is the request's cache namespace, never the client's salt as sent: the tenant's namespace
     narrowed by it (`tenant_namespace`), so no value a client sends reaches another tenant's blocks."""
@@ -311,15 +338,16 @@ def _checked(body, settings: ServerSettings, max_chars: int, request: Request) -
     if too_large:
         raise APIError(400, too_large, code="prompt_too_large")
     tenant = None if settings.shared_cache else request.state.tenant
-    return _options(body, settings, tenant_namespace(tenant, body.cache_salt))
+    return _options(body, settings, engine, tenant_namespace(tenant, body.cache_salt))
 
 
-def _options(body, settings: ServerSettings, namespace: str | None = None) -> GenerationOptions:
+def _options(body, settings: ServerSettings, engine, namespace: str | None = None) -> GenerationOptions:
     refused = body.refused()
     if refused:
-        raise APIError(400, "not supported by pc-rag serve: " + "; ".join(refused), param=refused[0].split(":")[0])
+        raise APIError(400, "not supported by pc-rag serve: " + "; ".join(refused),
+                       param=refused[0].split(":")[0].split("=")[0].split(" ")[0])
     try:
-        return GenerationOptions(
+        return engine.checked_options(GenerationOptions(
             mode=body.mode,
             max_new_tokens=body.limit or settings.default_max_tokens,
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
@@ -328,14 +356,24 @@ def _options(body, settings: ServerSettings, namespace: str | None = None) -> Ge
             seed=body.seed,
             recompute_ratio=body.recompute_ratio,
             cache_salt=namespace,
-        )
+            n=body.choices_decoded,
+            logprobs=body.logprobs_asked,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=body.logit_bias,
+        ))
     except PCRagError as e:
         raise APIError(400, str(e)) from None
 
 
 def _check_tools(engine, body: ChatCompletionRequest) -> None:
     """The request's tools, tool_choice and response_format as the engine will use them, with the grammar they
-    ask for compiled (kept: the request uses it), so that anything unusable is a 400 naming it."""
+    ask for compiled (kept: the request uses it), and its reasoning_effort against the chat template, so that
+    anything unusable is a 400 naming it."""
+    try:
+        check_reasoning_effort(engine.tokenizer, body.reasoning_effort)
+    except PCRagError as e:
+        raise APIError(400, str(e), param="reasoning_effort") from None
     try:
         specs = tool_specs(body.tools)
         choice = check_tool_choice(body.tool_choice, specs)
@@ -450,10 +488,12 @@ class _Worker:
             entry = self._queue.get_nowait()
             if entry[0] == "piece" and not entry[1]:
                 continue  # a heartbeat (stream_chat): it has done its work in the worker
-            if entry[0] != "piece" or (isinstance(entry[1], Reasoning) != isinstance(value, Reasoning) and value):
-                self._held = entry  # an answer's piece is not joined to the reasoning's, nor the other way round
+            if entry[0] != "piece" or choice_of(entry[1]) != choice_of(value) or (
+                    isinstance(entry[1], Reasoning) != isinstance(value, Reasoning) and value):
+                # an answer's piece is not joined to the reasoning's, nor the other way round, nor two choices'
+                self._held = entry
                 break
-            value = Reasoning(value + entry[1]) if isinstance(entry[1], Reasoning) else value + entry[1]
+            value = joined(value, entry[1])
         return kind, value
 
     async def next_or(self, disconnect: asyncio.Task, timeout_s: float | None = None) -> tuple[str, Any]:
@@ -471,70 +511,121 @@ class _Worker:
 
 
 class _ChatFormat:
-    """chat.completion and chat.completion.chunk objects."""
+    """chat.completion and chat.completion.chunk objects: a choice per reply (n), logprobs when asked."""
 
-    def __init__(self, model_id: str):
+    def __init__(self, model_id: str, body: ChatCompletionRequest):
         self.model_id, self.id, self.created = model_id, f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        self.logprobs = bool(body.logprobs)
+        self.n = body.n or 1
+        self._sent = [0] * self.n  # per choice, tokens whose logprobs a chunk carried
 
-    def _chunk(self, delta: dict, finish: str | None) -> dict:
+    def _chunk(self, delta: dict, finish: str | None, choice: int = 0, logprobs=None) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def _logprobs(self, entries) -> dict | None:
+        return {"content": openai_logprobs(entries), "refusal": None} if self.logprobs else None
 
     def opening(self) -> list[dict]:
-        return [self._chunk({"role": "assistant", "content": ""}, None)]
+        return [self._chunk({"role": "assistant", "content": ""}, None, i) for i in range(self.n)]
 
     def piece(self, text: str) -> dict:
+        choice, entries = choice_of(text), getattr(text, "logprobs", ())
+        self._sent[choice] += len(entries)
         if isinstance(text, Reasoning):  # the thinking of a reasoning model, as vLLM and Ollama send it
-            return self._chunk({"reasoning_content": str(text)}, None)
-        return self._chunk({"content": text}, None)
+            return self._chunk({"reasoning_content": str(text)}, None, choice, self._logprobs(entries))
+        return self._chunk({"content": str(text)}, None, choice, self._logprobs(entries))
 
-    def closing(self, reply) -> list[dict]:
-        if not isinstance(reply, ChatReply) or not reply.tool_calls:
-            return [self._chunk({}, _generation(reply).finish_reason)]
-        calls = [{"index": i, **c.openai()} for i, c in enumerate(reply.tool_calls)]
-        return [self._chunk({"tool_calls": calls}, None), self._chunk({}, reply.finish_reason)]
+    def closing(self, reply: ChatReply) -> list[dict]:
+        """Per choice: its calls as one delta (a call the budget cut included), then its finish, with the logprobs
+        of its tokens no piece carried (a held-back call's, the end-of-turn token's)."""
+        out = []
+        for r in reply.choices:
+            rest = tuple(r.logprobs or ())[self._sent[r.choice]:]
+            if r.tool_calls:
+                calls = [{"index": i, **c.openai()} for i, c in enumerate(r.tool_calls)]
+                out.append(self._chunk({"tool_calls": calls}, None, r.choice, self._logprobs(rest) if rest else None))
+                rest = ()
+            out.append(self._chunk({}, r.finish_reason, r.choice, self._logprobs(rest) if rest else None))
+        return out
 
     def usage_chunk(self, counts: dict) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
                 "choices": [], "usage": counts}
 
-    def whole(self, reply, counts: dict) -> dict:
-        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-        if reply.reasoning:
-            message["reasoning_content"] = reply.reasoning
-        if reply.tool_calls:
-            message["content"] = reply.content or None  # as OpenAI: no text beside the calls is null
-            message["tool_calls"] = [c.openai() for c in reply.tool_calls]
+    def whole(self, reply: ChatReply, counts: dict) -> dict:
+        choices = []
+        for r in reply.choices:
+            message: dict[str, Any] = {"role": "assistant", "content": r.content}
+            if r.reasoning:
+                message["reasoning_content"] = r.reasoning
+            if r.tool_calls:
+                message["content"] = r.content or None  # as OpenAI: no text beside the calls is null
+                message["tool_calls"] = [c.openai() for c in r.tool_calls]
+            choices.append({"index": r.choice, "message": message, "logprobs": self._logprobs(r.logprobs),
+                            "finish_reason": r.finish_reason})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_id,
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reply.finish_reason}],
-                "usage": counts}
+                "choices": choices, "usage": counts}
 
 
 class _CompletionFormat:
-    """text_completion objects (streamed chunks have the same object name, as OpenAI's)."""
+    """text_completion objects (streamed chunks have the same object name, as OpenAI's): a choice per reply (n; the
+    n best of best_of by mean token log-probability), the prompt before each with echo, the legacy logprobs object
+    (tokens, token_logprobs, top_logprobs with the chosen token among them, text_offset) when asked."""
 
-    def __init__(self, model_id: str):
+    def __init__(self, model_id: str, body: CompletionRequest):
         self.model_id, self.id, self.created = model_id, f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.logprobs = body.logprobs is not None
+        self.n = body.n or 1
+        self.echo = body.prompt_text if body.echo else ""
+        self._sent = [0] * self.n
+        self._offset = [len(self.echo)] * self.n  # per choice, the characters of text before its next token
 
-    def _chunk(self, text: str, finish: str | None) -> dict:
+    def _chunk(self, text: str, finish: str | None, choice: int = 0, logprobs=None) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": choice, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def _logprobs(self, choice: int, entries) -> dict | None:
+        if not self.logprobs:
+            return None
+        offsets = []
+        for e in entries:
+            offsets.append(self._offset[choice])
+            self._offset[choice] += len(e.token)
+        return {"tokens": [e.token for e in entries],
+                "token_logprobs": [max(e.logprob, -9999.0) for e in entries],
+                "top_logprobs": [{t.token: max(t.logprob, -9999.0) for t in (*e.top, e)} for e in entries],
+                "text_offset": offsets}
 
     def opening(self) -> list[dict]:
-        return []
+        return [self._chunk(self.echo, None, i) for i in range(self.n)] if self.echo else []
 
     def piece(self, text: str) -> dict:
-        return self._chunk(text, None)
+        choice, entries = choice_of(text), getattr(text, "logprobs", ())
+        self._sent[choice] += len(entries)
+        return self._chunk(str(text), None, choice, self._logprobs(choice, entries))
 
     def closing(self, generation) -> list[dict]:
-        return [self._chunk("", generation.finish_reason)]
+        return [self._chunk("", c.finish_reason, c.index,
+                            self._logprobs(c.index, tuple(c.logprobs or ())[self._sent[c.index]:]))
+                for c in generation.choices]
 
     def usage_chunk(self, counts: dict) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
                 "choices": [], "usage": counts}
 
     def whole(self, generation, counts: dict) -> dict:
-        return {**self._chunk(generation.text, generation.finish_reason), "usage": counts}
+        choices = list(generation.choices)
+        if len(choices) > self.n:  # best_of: the n whose tokens are likeliest on average, best first
+            choices = sorted(choices, key=lambda c: -sum(e.logprob for e in c.logprobs) / max(1, len(c.logprobs)))
+            choices = choices[: self.n]
+        out = []
+        for i, c in enumerate(choices):
+            self._offset[i] = len(self.echo)
+            out.append({"index": i, "text": self.echo + c.text, "logprobs": self._logprobs(i, c.logprobs or ()),
+                        "finish_reason": c.finish_reason})
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
+                "choices": out, "usage": counts}
 
 
 def _event(data: dict | str) -> bytes:
@@ -542,8 +633,10 @@ def _event(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-async def _sse(fmt, body, worker: _Worker, first: tuple[str, Any]) -> AsyncIterator[bytes]:
-    """The stream's events; when the client disconnects Starlette cancels this generator and the worker stops."""
+async def _sse(fmt, body, worker: _Worker, first: tuple[str, Any], finished: Callable[[Any], None]
+               ) -> AsyncIterator[bytes]:
+    """The stream's events; when the client disconnects Starlette cancels this generator and the worker stops.
+    `finished` is called with the final reply once its last events are out."""
     try:
         for opening in fmt.opening():
             yield _event(opening)
@@ -561,5 +654,6 @@ async def _sse(fmt, body, worker: _Worker, first: tuple[str, Any]) -> AsyncItera
         if body.include_usage:
             yield _event(fmt.usage_chunk(usage(_generation(value))))
         yield _event("[DONE]")
+        finished(value)
     finally:
         worker.stop.set()

@@ -91,15 +91,24 @@ def read_keys_file(path: str | os.PathLike) -> list[APIKey]:
 def gather_keys(cli_keys: Sequence[str] = (), keys_file: str | os.PathLike | None = None,
                 environ: dict | None = None) -> list[APIKey]:
     """Every key the server accepts: `--api-key` values, else $PC_RAG_API_KEY; the `--api-keys` file;
-    $PC_RAG_API_KEYS. A key given twice with two tenants is an error naming both places."""
+    $PC_RAG_API_KEYS. A key given twice with two tenants is an error naming both places; either variable set but
+    holding no key is an error (unset, it means no key)."""
     environ = os.environ if environ is None else environ
     keys = [APIKey.of(k.strip(), None, "--api-key") for k in cli_keys]
-    if not cli_keys and environ.get("PC_RAG_API_KEY"):
+    # A variable that is set but holds no key is a deployment whose secret did not arrive: refused as `--api-key ""`
+    # is, rather than read as "no auth" (which would serve anyone).
+    if not cli_keys and "PC_RAG_API_KEY" in environ:
+        if not environ["PC_RAG_API_KEY"].strip():
+            raise KeyFileError("$PC_RAG_API_KEY is set but empty; give it a key, or unset it for no auth")
         keys.append(APIKey.of(environ["PC_RAG_API_KEY"].strip(), None, "$PC_RAG_API_KEY"))
     if keys_file is not None:
         keys += read_keys_file(keys_file)
-    if environ.get("PC_RAG_API_KEYS", "").strip():
-        keys += parse_keys(environ["PC_RAG_API_KEYS"], "$PC_RAG_API_KEYS", commas=True)
+    if "PC_RAG_API_KEYS" in environ:
+        found = parse_keys(environ["PC_RAG_API_KEYS"], "$PC_RAG_API_KEYS", commas=True)
+        if not found:
+            raise KeyFileError("$PC_RAG_API_KEYS is set but holds no key ('KEY [TENANT]' entries); give it keys, or "
+                               "unset it for no auth")
+        keys += found
     seen: dict[str, APIKey] = {}
     for k in keys:
         if k.key in seen and seen[k.key].tenant != k.tenant:

@@ -1,11 +1,12 @@
 """The OpenAI request and response shapes `pc-rag serve` speaks (pydantic), and what it adds to them.
 
-Requests: the fields pc_rag implements are declared and checked here (tools, tool_choice, parallel_tool_calls,
-response_format, tool messages and assistant tool_calls included: pc_rag.tools; an assistant message's
-`reasoning_content` goes to the chat template, which may write it back or drop it); fields that would change the
-output and that pc_rag cannot honour (the legacy functions/function_call, logprobs, n > 1, penalties) are
-refused with a 400 naming them, rather than ignored; any other field (`user`, `metadata`, `store`, ...) is
-accepted and ignored, as OpenAI clients add new ones every release.
+Requests: every field of OpenAI's chat completions and completions requests is declared here, and each either
+works, or is refused with a 400 naming it (`refused()`) when pc_rag does not do what it asks; the few that by
+their definition change nothing in the reply (`user`, `metadata`, `safety_identifier`, `prompt_cache_key`, ...)
+are taken as they are. A field that is neither OpenAI's nor one of the extensions below is refused too: ignoring
+it would give the client something it did not ask for (docs/serve.md, "Every request field"). An assistant
+message's `reasoning_content` goes to the chat template, which may write it back or drop it; tools, tool_choice,
+parallel_tool_calls, response_format, tool messages and assistant tool_calls: pc_rag.tools.
 
 Extensions (the `openai` client sends them with `extra_body={...}`):
 - `mode`: "modular" (default), "exact", "blend" or "full" (see the README's "Modes").
@@ -33,6 +34,7 @@ from ..assemble import MODES
 from ..options import DEFAULT_RECOMPUTE_RATIO
 
 MAX_CACHE_SALT_CHARS = 256
+EXTENSIONS = ("mode", "recompute_ratio", "chunks", "cache_salt")
 
 
 def _unicode_text(text: str) -> str:
@@ -51,7 +53,8 @@ PromptText = Annotated[str, AfterValidator(_unicode_text)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Fields beyond the declared ones are kept (model_extra) to be refused by name, not dropped unseen.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(default=None, description="Echoed; the server answers with the one model it serves.")
     max_tokens: int | None = Field(default=None, ge=1)
@@ -59,13 +62,13 @@ class _Request(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: PromptText | list[PromptText] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: dict[str, Any] | None = None
-    n: int | None = None
-    logprobs: bool | int | None = None
+    n: int | None = Field(default=None, ge=1)
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    user: str | None = None  # OpenAI's end-user id for abuse monitoring: nothing to do with the reply
     # pc_rag extensions
     mode: str = "modular"
     recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0.0, le=1.0)
@@ -81,18 +84,25 @@ class _Request(BaseModel):
         return mode
 
     def refused(self) -> list[str]:
-        """Fields set to something pc_rag cannot do (each: what was asked and why it is refused)."""
-        out = []
-        if self.n not in (None, 1):
-            out.append(f"n={self.n}: one choice per request (send the request n times)")
-        if self.logprobs not in (None, False, 0):
-            out.append("logprobs: not reported")
-        if self.logit_bias:
-            out.append("logit_bias: not supported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                out.append(f"{name}: not supported (use 0)")
+        """Fields set to something pc_rag does not do (each: the field, what was asked and why it is refused)."""
+        out = [f"{name}: not a field of OpenAI's API that pc-rag serve knows, nor one of its extensions "
+               f"({', '.join(EXTENSIONS)})" for name in sorted(self.model_extra or {})]
+        for key in sorted(set(self.stream_options or {}) - {"include_usage", "include_obfuscation"}):
+            out.append(f"stream_options.{key}: not an option pc-rag serve knows (include_usage)")
+        if (self.stream_options or {}).get("include_obfuscation"):
+            out.append("stream_options.include_obfuscation: pc-rag serve does not pad streamed events; send false "
+                       "or leave it out")
         return out
+
+    @property
+    def choices_decoded(self) -> int:
+        """How many replies the engine decodes (n, or completions' best_of)."""
+        return self.n or 1
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        """The engine's `logprobs` (k most likely per token; None: none)."""
+        return None
 
     def prompt_texts(self) -> list[str]:
         """Every text of the request that is tokenized or searched (for the bounds on parts and characters,
@@ -138,9 +148,12 @@ class Message(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: PromptText | list[ContentPart] | None = None
+    name: PromptText | None = None  # given to the chat template (templates that read it write it)
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     reasoning_content: PromptText | None = None  # an assistant's thinking, for templates that write it back
+    audio: dict[str, Any] | None = None  # an earlier audio reply's id: refused
+    function_call: Any = None  # the legacy function calling: refused
 
 
 class ChatCompletionRequest(_Request):
@@ -152,21 +165,55 @@ class ChatCompletionRequest(_Request):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    reasoning_effort: str | None = None  # given to chat templates that read it (adapters.check_reasoning_effort)
+    # Refused when set to what pc_rag does not do (see `refused`).
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # Taken and left as they are: by OpenAI's definition they do not change the reply.
+    metadata: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
 
     def refused(self) -> list[str]:
         out = super().refused()
         if self.functions or self.function_call not in (None, "none"):
             out.append("functions/function_call: the legacy function calling (send tools and tool_choice)")
-        if self.top_logprobs:
-            out.append("top_logprobs: not reported")
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append("top_logprobs: needs logprobs: true")
+        if self.audio is not None or any(m != "text" for m in self.modalities or ()):
+            field = "audio" if self.audio is not None else "modalities"
+            out.append(f"{field}: pc_rag replies in text only (modalities [\"text\"])")
+        if self.prediction is not None:
+            out.append("prediction: no predicted outputs (leave it out; the reply is the same without it)")
+        if self.web_search_options is not None:
+            out.append("web_search_options: pc_rag does not search the web")
+        if self.verbosity not in (None, "medium"):
+            out.append(f"verbosity={self.verbosity!r}: not done (only the model's own, medium)")
+        if self.store:
+            out.append("store: pc-rag serve keeps no completions to list or retrieve later (send false)")
+        if self.service_tier not in (None, "auto", "default"):
+            out.append(f"service_tier={self.service_tier!r}: one tier here (auto or default)")
         for i, m in enumerate(self.messages):
-            if m.role == "function":
-                out.append(f"messages[{i}]: role function, the legacy function calling (send role tool)")
+            if m.role == "function" or m.function_call is not None:
+                out.append(f"messages[{i}]: the legacy function calling (send role tool and tool_calls)")
+            if m.audio is not None:
+                out.append(f"messages[{i}].audio: no audio")
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
                 if part.type != "text" or part.text is None:
                     out.append(f"messages[{i}].content[{j}]: type {part.type!r} (text parts only)")
         return out
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt_texts(self) -> list[str]:
         texts = super().prompt_texts()
@@ -186,21 +233,36 @@ class ChatCompletionRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: PromptText | list[PromptText]
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def refused(self) -> list[str]:
         out = super().refused()
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             out.append(f"prompt: one prompt string per request (got a list of {len(self.prompt)})")
-        if self.echo:
-            out.append("echo: not supported")
+        if self.echo and self.logprobs is not None:
+            out.append("echo with logprobs: the prompt's tokens have no logprobs here (their KV comes from the "
+                       "cache, not from a forward that scores them)")
         if self.suffix:
             out.append("suffix: no fill-in-the-middle")
-        if self.best_of not in (None, 1):
-            out.append("best_of: one candidate per request")
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            out.append(f"best_of={self.best_of}: must be at least n ({self.n})")
+        if self.best_of not in (None, self.n or 1) and self.stream:
+            out.append("best_of: not with stream (the best replies are known only once all are done)")
         return out
+
+    @property
+    def choices_decoded(self) -> int:
+        return max(self.best_of or 1, self.n or 1)
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        # best_of ranks the replies by their tokens' log-probabilities: recorded even when not asked for.
+        if self.logprobs is None and self.choices_decoded > (self.n or 1):
+            return 0
+        return self.logprobs
 
     def prompt_texts(self) -> list[str]:
         return [*super().prompt_texts(), *([self.prompt] if isinstance(self.prompt, str) else self.prompt)]
@@ -229,6 +291,8 @@ def chat_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, Any]],
         else:
             content = m.content or ""
         message: dict[str, Any] = {"role": role, "content": content}
+        if m.name is not None:
+            message["name"] = m.name
         if m.tool_calls:
             message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id is not None:
@@ -241,7 +305,7 @@ def chat_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, Any]],
 
 def usage(generation) -> dict[str, Any]:
     """OpenAI's usage object for a finished request, with pc_rag's counts under `pc_rag`."""
-    completion = len(generation.token_ids)
+    completion = generation.completion_tokens  # every choice's (n, best_of), as OpenAI counts them
     return {
         "prompt_tokens": generation.prompt_tokens,  # cached ones included, as OpenAI counts them
         "completion_tokens": completion,

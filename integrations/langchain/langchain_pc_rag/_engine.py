@@ -34,6 +34,15 @@ class EngineFields(BaseModel):
     top_p: float = Field(default=1.0, description="Nucleus sampling mass.")
     stop: list[str] | None = Field(default=None, description="Strings that end generation (not returned).")
     seed: int | None = Field(default=None, description="Sampling seed.")
+    logprobs: bool | None = Field(
+        default=None, description="Report each generated token's log-probability (ChatOpenAI's field): "
+        "response_metadata['logprobs'] (the completion class: generation_info['logprobs']).")
+    top_logprobs: int | None = Field(
+        default=None, description="With logprobs: also the this many most likely tokens of each step (0 to 20).")
+    presence_penalty: float | None = Field(default=None, description="OpenAI's presence penalty, -2 to 2.")
+    frequency_penalty: float | None = Field(default=None, description="OpenAI's frequency penalty, -2 to 2.")
+    logit_bias: dict[int, float] | None = Field(
+        default=None, description="{token id: bias in -100..100} added to the logits at every step (OpenAI's).")
     cache_salt: str | None = Field(
         default=None,
         description="Cache namespace (1 to 256 characters; also a per-call keyword): requests reuse only the KV "
@@ -88,4 +97,9 @@ class EngineFields(BaseModel):
             stop=tuple(stop) if stop else None,
             seed=kwargs.get("seed", self.seed),
             cache_salt=kwargs.get("cache_salt", self.cache_salt),
+            logprobs=(kwargs.get("top_logprobs", self.top_logprobs) or 0)
+            if kwargs.get("logprobs", self.logprobs) else None,
+            presence_penalty=kwargs.get("presence_penalty", self.presence_penalty) or 0.0,
+            frequency_penalty=kwargs.get("frequency_penalty", self.frequency_penalty) or 0.0,
+            logit_bias=kwargs.get("logit_bias", self.logit_bias),
         )

@@ -13,9 +13,19 @@ and parses its calls out of the reply. `with_structured_output(schema)` constrai
 history (`AIMessage.tool_calls`, `ToolMessage`) is written back as the model wrote it, so the next agent step
 reuses the previous step's prompt and reply.
 
+A forced call or a JSON reply that the token budget (`max_tokens`) cut is reported as such, never as markup in
+the content: `response_metadata["finish_reason"]` is "length" and the cut call is in `invalid_tool_calls` with the
+reason (streamed, its `args` are a JSON string of the partial arguments: LangChain's chunk merging would otherwise
+complete the partial JSON into a call); `with_structured_output` raises an OutputParserException naming
+max_tokens.
+
 Reasoning models: the text between the thinking markers (`<think>...</think>`, pc_rag.reasoning) is
 `AIMessage.additional_kwargs["reasoning_content"]` (streamed chunks carry their part of it there), not content;
 written back to templates that read it (an AIMessage's `reasoning_content`), dropped by those that do not.
+`reasoning_effort` goes to a chat template that reads it (else a ValueError).
+
+Logprobs (`logprobs=True`, `top_logprobs=k`, as ChatOpenAI's): `response_metadata["logprobs"]["content"]`, OpenAI's
+entries (token, logprob, bytes, top_logprobs); each streamed chunk carries those of its tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from operator import itemgetter
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
@@ -37,16 +48,16 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
-from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.messages.tool import invalid_tool_call, tool_call_chunk
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from pc_rag.adapters import ChatReply, Reasoning, chat_request, stream_chat, usage
+from pc_rag.adapters import ChatReply, CutCall, Reasoning, chat_request, openai_logprobs, stream_chat, usage
 
 from ._engine import EngineFields
 
@@ -113,6 +124,9 @@ class ChatPromptCache(EngineFields, BaseChatModel):
     `structured` extra).
     """
 
+    reasoning_effort: str | None = None
+    """OpenAI's `reasoning_effort`, for a chat template that reads it (gpt-oss's); refused by one that does not."""
+
     @property
     def _llm_type(self) -> str:
         return "pc-rag-chat"
@@ -169,6 +183,7 @@ class ChatPromptCache(EngineFields, BaseChatModel):
             parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
         else:
             raise ValueError(f"method must be json_schema, json_mode or function_calling, got {method!r}")
+        parser = RunnableLambda(_not_cut) | parser  # a reply cut by max_tokens: an error that says so
         if not include_raw:
             return llm | parser
         parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
@@ -186,41 +201,62 @@ class ChatPromptCache(EngineFields, BaseChatModel):
         engine = self._engine()
         parts = [_message_dict(m) for m in messages]
         marked = [text for _, texts in parts for text in texts]
+        options = self._options(stop, kwargs)
         request = chat_request(
-            engine, [d for d, _ in parts], self._options(stop, kwargs), tools=kwargs.get("tools"),
+            engine, [d for d, _ in parts], options, tools=kwargs.get("tools"),
             tool_choice=kwargs.get("tool_choice"), response_format=kwargs.get("response_format"),
             parallel_tool_calls=bool(kwargs.get("parallel_tool_calls", False)), chunk_texts=marked,
-            discovered=self.auto_chunks,
+            discovered=self.auto_chunks, reasoning_effort=kwargs.get("reasoning_effort", self.reasoning_effort),
         )
+        logprobs = options.logprobs is not None
+        sent = 0  # tokens whose logprobs a chunk carried
         for item in stream_chat(engine, request):
-            if isinstance(item, Reasoning):
-                yield ChatGenerationChunk(
-                    message=AIMessageChunk(content="", additional_kwargs={"reasoning_content": str(item)}))
-                continue
             if isinstance(item, str):
-                yield ChatGenerationChunk(message=AIMessageChunk(content=item))
+                entries = getattr(item, "logprobs", ())
+                sent += len(entries)
+                meta = {"logprobs": {"content": openai_logprobs(entries)}} if logprobs and entries else {}
+                if isinstance(item, Reasoning):
+                    message = AIMessageChunk(content="", additional_kwargs={"reasoning_content": str(item)},
+                                             response_metadata=meta)
+                else:
+                    message = AIMessageChunk(content=str(item), response_metadata=meta)
+                yield ChatGenerationChunk(message=message)
                 continue
             reply: ChatReply = item
             generation = reply.generation
-            calls = [
-                tool_call_chunk(name=c.name, args=json.dumps(c.arguments, ensure_ascii=False), id=c.id, index=i)
-                for i, c in enumerate(reply.tool_calls)
-            ]
+            calls, invalid = [], []
+            for i, c in enumerate(reply.tool_calls):
+                # A cut call's arguments are partial JSON text, sent as a JSON string: LangChain's merging of
+                # streamed chunks completes partial JSON into a call, a string it keeps as an invalid one.
+                # `_generate` gives them as written, with why the call is invalid.
+                calls.append(tool_call_chunk(name=c.name, args=json.dumps(c.arguments, ensure_ascii=False), id=c.id,
+                                             index=i))
+                if isinstance(c, CutCall):
+                    invalid.append(invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=(
+                        f"cut by the token budget (max_tokens={options.max_new_tokens}) before the call was "
+                        f"complete: raise max_tokens")))
+            metadata = {
+                "model_name": self.model_name,
+                "finish_reason": reply.finish_reason,
+                "mode": generation.mode,
+                "ttft_s": generation.ttft_s,
+                "model_provider": "pc_rag",
+            }
+            rest = tuple(reply.logprobs or ())[sent:]
+            if logprobs:
+                metadata["logprobs"] = {"content": openai_logprobs(rest)}
+            info: dict[str, Any] = {"finish_reason": reply.finish_reason}
+            if invalid:
+                info["invalid_tool_calls"] = invalid
             yield ChatGenerationChunk(
                 message=AIMessageChunk(
                     content="",
                     tool_call_chunks=calls,
                     usage_metadata=usage_metadata(usage(generation)),
-                    response_metadata={
-                        "model_name": self.model_name,
-                        "finish_reason": reply.finish_reason,
-                        "mode": generation.mode,
-                        "ttft_s": generation.ttft_s,
-                        "model_provider": "pc_rag",
-                    },
+                    response_metadata=metadata,
                     chunk_position="last",
                 ),
-                generation_info={"finish_reason": reply.finish_reason},
+                generation_info=info,
             )
 
     def _generate(
@@ -241,11 +277,34 @@ class ChatPromptCache(EngineFields, BaseChatModel):
                         content=message.content,
                         additional_kwargs=message.additional_kwargs,
                         tool_calls=message.tool_calls,
-                        invalid_tool_calls=message.invalid_tool_calls,
+                        # a cut call as written, with why it is invalid (the merged chunks hold it as a string)
+                        invalid_tool_calls=(full.generation_info or {}).get("invalid_tool_calls",
+                                                                            message.invalid_tool_calls),
                         usage_metadata=message.usage_metadata,
                         response_metadata=message.response_metadata,
                     ),
-                    generation_info=full.generation_info,
+                    generation_info={k: v for k, v in (full.generation_info or {}).items()
+                                     if k != "invalid_tool_calls"},
                 )
             ]
         )
+
+
+def _not_cut(message: BaseMessage) -> BaseMessage:
+    """with_structured_output's reply, unless the token budget cut it (a forced call in invalid_tool_calls, or
+    JSON that does not parse, with finish_reason "length"): then an OutputParserException naming max_tokens, as
+    ChatOpenAI's structured output raises LengthFinishReasonError."""
+    metadata = getattr(message, "response_metadata", {}) or {}
+    if metadata.get("finish_reason") != "length":
+        return message
+    cut = bool(getattr(message, "invalid_tool_calls", None))
+    if not cut and not getattr(message, "tool_calls", None):
+        try:
+            json.loads(message.text)
+        except ValueError:
+            cut = True
+    if cut:
+        raise OutputParserException(
+            "the reply was cut by the token budget (max_tokens) before its structured output was complete: raise "
+            "max_tokens", llm_output=message.text)
+    return message

@@ -29,9 +29,22 @@ def token_usage(usages: list[dict[str, int]]) -> dict:
     }
 
 
+def legacy_logprobs(entries) -> dict[str, Any]:
+    """TokenLogprob entries in OpenAI's completions shape (what langchain-openai's OpenAI class puts in
+    `generation_info["logprobs"]`): tokens, token_logprobs, top_logprobs (the chosen token among them) and
+    text_offset."""
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in (*e.top, e)} for e in entries], "text_offset": offsets}
+
+
 class PromptCacheLLM(EngineFields, LLM):
     """Completion model: the prompt string is split at documents (discovered or registered) and continued as
-    it is. `generation_info["usage"]` holds each prompt's counts; `llm_output["token_usage"]` their sum."""
+    it is. `generation_info["usage"]` holds each prompt's counts; `llm_output["token_usage"]` their sum;
+    `generation_info["logprobs"]` (with `logprobs=True`) OpenAI's completions logprobs."""
 
     @property
     def _llm_type(self) -> str:
@@ -61,14 +74,11 @@ class PromptCacheLLM(EngineFields, LLM):
                 yield GenerationChunk(text=item)
             else:
                 generation = item
-                yield GenerationChunk(
-                    text="",
-                    generation_info={
-                        "finish_reason": generation.finish_reason,
-                        "usage": usage(generation),
-                        "model_name": self.model_name,
-                    },
-                )
+                info = {"finish_reason": generation.finish_reason, "usage": usage(generation),
+                        "model_name": self.model_name}
+                if generation.logprobs is not None:
+                    info["logprobs"] = legacy_logprobs(generation.logprobs)
+                yield GenerationChunk(text="", generation_info=info)
 
     def _generate(
         self,

@@ -15,6 +15,13 @@ Reasoning models: the text between the thinking markers (`<think>...</think>`, p
 `message.additional_kwargs["reasoning_content"]`, not content (streamed: the reasoning so far, and each response's
 `additional_kwargs["reasoning_delta"]`); a message's `reasoning_content` goes back to templates that read it.
 
+A forced call or a `response_format` reply that the token budget (`max_new_tokens`) cut raises
+`pc_rag.errors.ReplyCutError` naming it: LlamaIndex has no place for a partial call, and the call's markup never
+comes back as text. Logprobs (`logprobs=True`, `top_logprobs=k`): `CompletionResponse.logprobs` and
+`ChatResponse.logprobs`, one list per generated token, the token itself first, then the k most likely (streamed:
+each response those of the tokens it completes, the last one those no delta carried).
+`reasoning_effort` goes to a chat template that reads it.
+
 Usage of every request: `raw["usage"]` in OpenAI's shape (`prompt_tokens`, `completion_tokens`,
 `total_tokens`, `prompt_tokens_details.cached_tokens`: what LlamaIndex's TokenCountingHandler reads) plus
 `cached_tokens` and `cache_creation_tokens`; `llm.last_usage`; and `track_usage()` around any query or chat.
@@ -42,6 +49,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    LogProb,
     MessageRole,
     TextBlock,
 )
@@ -203,6 +211,23 @@ async def _iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T
         stop.set()
 
 
+def _logprobs(entries) -> list[list[LogProb]] | None:
+    """pc_rag's TokenLogprob entries as LlamaIndex's: per token, the token itself, then the most likely of its step
+    (the token not repeated among them). None when there are none (not asked)."""
+    if not entries:
+        return None
+
+    def one(e) -> LogProb:
+        return LogProb(token=e.token, logprob=e.logprob, bytes=list(e.token_bytes))
+
+    return [[one(e), *(one(t) for t in e.top if t.token_id != e.token_id)] for e in entries]
+
+
+def _all(responses) -> list[list[LogProb]] | None:
+    """The logprobs of a stream's responses, together (each carries those of the tokens it completes)."""
+    return [per_token for r in responses for per_token in r.logprobs or ()] or None
+
+
 def _context_from_config(model: str) -> int | None:
     """`max_position_embeddings` from a local checkpoint's config.json, without loading anything else."""
     try:
@@ -230,6 +255,14 @@ class PromptCacheLLM(FunctionCallingLLM):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     stop: list[str] | None = Field(default=None, description="Strings that end generation (not returned).")
     seed: int | None = Field(default=None, description="Sampling seed.")
+    logprobs: bool | None = Field(default=None, description="Report each generated token's log-probability.")
+    top_logprobs: int = Field(default=0, ge=0, le=20, description="With logprobs: the most likely tokens per step.")
+    presence_penalty: float | None = Field(default=None, description="OpenAI's presence penalty, -2 to 2.")
+    frequency_penalty: float | None = Field(default=None, description="OpenAI's frequency penalty, -2 to 2.")
+    logit_bias: dict[int, float] | None = Field(
+        default=None, description="{token id: bias in -100..100} added to the logits at every step (OpenAI's).")
+    reasoning_effort: str | None = Field(
+        default=None, description="OpenAI's reasoning_effort, for a chat template that reads it (refused else).")
     cache_salt: str | None = Field(
         default=None,
         description="Cache namespace (1 to 256 characters; also a per-call keyword): requests reuse only the KV "
@@ -353,6 +386,10 @@ class PromptCacheLLM(FunctionCallingLLM):
             stop=tuple(stop) if stop else None,
             seed=kwargs.get("seed", self.seed),
             cache_salt=kwargs.get("cache_salt", self.cache_salt),
+            logprobs=kwargs.get("top_logprobs", self.top_logprobs) if kwargs.get("logprobs", self.logprobs) else None,
+            presence_penalty=kwargs.get("presence_penalty", self.presence_penalty) or 0.0,
+            frequency_penalty=kwargs.get("frequency_penalty", self.frequency_penalty) or 0.0,
+            logit_bias=kwargs.get("logit_bias", self.logit_bias),
         )
 
     def _chat_request(self, messages: Sequence[ChatMessage], parts: Iterable[tuple[dict, list[str]]], kwargs):
@@ -365,7 +402,7 @@ class PromptCacheLLM(FunctionCallingLLM):
                 engine, [d for d, _ in parts], self._options(kwargs), tools=kwargs.get("tools"),
                 tool_choice=kwargs.get("tool_choice"), response_format=kwargs.get("response_format"),
                 parallel_tool_calls=bool(kwargs.get("parallel_tool_calls", False)), chunk_texts=marked,
-                discovered=self.auto_chunks,
+                discovered=self.auto_chunks, reasoning_effort=kwargs.get("reasoning_effort", self.reasoning_effort),
             )
         if kwargs.get("tools") or kwargs.get("response_format"):
             raise ValueError("tools and response_format need a model with a chat template")
@@ -388,50 +425,58 @@ class PromptCacheLLM(FunctionCallingLLM):
 
     def _completions(self, segments, kwargs) -> Iterator[CompletionResponse]:
         self._sent(segments)
-        text = ""
+        text, sent = "", 0
         for item in stream_generation(self.get_engine(), segments, self._options(kwargs)):
             if isinstance(item, str):
                 text += item
-                yield CompletionResponse(text=text, delta=item)
+                sent += len(getattr(item, "logprobs", ()))
+                yield CompletionResponse(text=text, delta=str(item), logprobs=_logprobs(getattr(item, "logprobs", ())))
             else:
-                yield CompletionResponse(text=text, delta="", raw=self._raw(item, item.finish_reason))
+                yield CompletionResponse(text=text, delta="", raw=self._raw(item, item.finish_reason),
+                                         logprobs=_logprobs(tuple(item.logprobs or ())[sent:]))
 
     def _chats(self, request, kwargs) -> Iterator[ChatResponse]:
         """The chat's responses as they stream; the last holds the tool calls and the usage."""
         if isinstance(request, list):  # no chat template: segments from messages_to_prompt
             for response in self._completions(request, kwargs):
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
-                                   delta=response.delta, raw=response.raw or {})
+                                   delta=response.delta, raw=response.raw or {}, logprobs=response.logprobs)
             return
         self._sent(request.prompt)
         text = thought = ""
+        sent = 0
         for item in stream_chat(self.get_engine(), request):
+            logprobs = _logprobs(getattr(item, "logprobs", ())) if isinstance(item, str) else None
+            sent += len(getattr(item, "logprobs", ())) if isinstance(item, str) else 0
             if isinstance(item, Reasoning):
                 thought += item
                 message = ChatMessage(role=MessageRole.ASSISTANT, content=text,
                                       additional_kwargs={"reasoning_content": thought})
-                yield ChatResponse(message=message, delta="", additional_kwargs={"reasoning_delta": str(item)})
+                yield ChatResponse(message=message, delta="", additional_kwargs={"reasoning_delta": str(item)},
+                                   logprobs=logprobs)
                 continue
             if isinstance(item, str):
                 extra = {"reasoning_content": thought} if thought else {}
                 message = ChatMessage(role=MessageRole.ASSISTANT, content=text + item, additional_kwargs=extra)
                 text += item
-                yield ChatResponse(message=message, delta=item)
+                yield ChatResponse(message=message, delta=str(item), logprobs=logprobs)
                 continue
             reply: ChatReply = item
+            reply.check_complete(request.options.max_new_tokens)  # a cut call or JSON: ReplyCutError, not markup
             extra = {"tool_calls": [c.openai() for c in reply.tool_calls]} if reply.tool_calls else {}
             if reply.reasoning:
                 extra["reasoning_content"] = reply.reasoning
             message = ChatMessage(role=MessageRole.ASSISTANT, content=reply.content, additional_kwargs=extra)
-            yield ChatResponse(message=message, delta="", raw=self._raw(reply.generation, reply.finish_reason))
+            yield ChatResponse(message=message, delta="", raw=self._raw(reply.generation, reply.finish_reason),
+                               logprobs=_logprobs(tuple(reply.logprobs or ())[sent:]))
 
     def _complete(self, prompt: str, kwargs) -> CompletionResponse:
-        *_, last = self._completions(self._completion_segments(prompt, kwargs), kwargs)
-        return CompletionResponse(text=last.text, raw=last.raw)
+        responses = list(self._completions(self._completion_segments(prompt, kwargs), kwargs))
+        return CompletionResponse(text=responses[-1].text, raw=responses[-1].raw, logprobs=_all(responses))
 
     def _chat(self, messages: Sequence[ChatMessage], parts, kwargs) -> ChatResponse:
-        *_, last = self._chats(self._chat_request(messages, parts, kwargs), kwargs)
-        return ChatResponse(message=last.message, raw=last.raw)
+        responses = list(self._chats(self._chat_request(messages, parts, kwargs), kwargs))
+        return ChatResponse(message=responses[-1].message, raw=responses[-1].raw, logprobs=_all(responses))
 
     # ---- function calling ----------------------------------------------------------------------------------
     def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
