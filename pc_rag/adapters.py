@@ -48,7 +48,7 @@ __all__ = ["ChatReply", "ChatRequest", "CutCall", "GenerationOptions", "Piece", 
            "response_grammar", "shared_engine", "stream_chat", "stream_generation", "usage"]
 
 # OpenAI's values of `reasoning_effort`; a chat template that reads the variable gets it as sent.
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 _ENGINES: dict[tuple[str, str, str], Any] = {}
 _ENGINES_LOCK = threading.Lock()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -536,3 +537,26 @@ def test_a_cancelled_prefill_raises_on_its_thread_only(engine, docs):
         t.start()
         t.join(60)
     assert engine.generate(prompt, max_new_tokens=4).text == other["g"].text
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"PC_RAG_API_KEY": ""}, "$PC_RAG_API_KEY is set but empty"),
+    ({"PC_RAG_API_KEY": "  "}, "$PC_RAG_API_KEY is set but empty"),
+    ({"PC_RAG_API_KEYS": ""}, "$PC_RAG_API_KEYS is set but holds no key"),
+    ({"PC_RAG_API_KEYS": "# the secret did not arrive\n"}, "$PC_RAG_API_KEYS is set but holds no key"),
+])
+def test_a_key_variable_set_but_empty_is_refused_like_an_empty_api_key(env, words, monkeypatch, capsys):
+    """A deployment whose secret did not arrive: set, empty, it once meant "no auth" (a server open to anyone).
+    Refused by gather_keys and by `pc-rag serve` before any model loads (exit status 2, the message on stderr);
+    unset, it means no key, as before."""
+    from pc_rag.cli import main
+
+    with pytest.raises(KeyFileError, match=re.escape(words)):
+        gather_keys([], None, env)
+    for name in ("PC_RAG_API_KEY", "PC_RAG_API_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--port", "1"]) == 2
+    assert words in capsys.readouterr().err
+    assert gather_keys([], None, {}) == []

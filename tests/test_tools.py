@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 
 from pc_rag.adapters import ChatReply, GenerationOptions, chat_request, render_chat, stream_chat
-from pc_rag.errors import OptionError
-from pc_rag.tools import CallFilter, ToolCall, ToolFormat, parse_reply, tool_specs
+from pc_rag.errors import OptionError, ReplyCutError
+from pc_rag.tools import CallFilter, CutCall, ToolCall, ToolFormat, parse_cut, parse_reply, tool_specs
 
 # Bounded strings: a random model never closes a free string by itself (test_grammar.py).
 SEARCH = {"type": "function", "function": {
@@ -197,3 +197,62 @@ def test_response_format_json_schema(engine):
         reply = _chat(engine, [{"role": "user", "content": "Well?"}], temperature=1.0, seed=seed,
                       response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
         jsonschema.validate(json.loads(reply.content), schema)
+
+
+# ---- a reply the token budget cut inside its call ---------------------------------------------------------------
+HERMES, LLAMA3, MISTRAL = ToolFormat("hermes", False), ToolFormat("llama3_json", True), ToolFormat("mistral", True)
+
+
+@pytest.mark.parametrize("fmt, text, forced, content, complete, cut", [
+    # (format, the reply as cut, forced?, the text before the calls, complete calls' names, the cut call)
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', True, "", [],
+     ("get_weather", '{"city": "Pa')),
+    (HERMES, '<tool_call>\n{"name": "get_wea', True, "", [], ("get_wea", "")),
+    (HERMES, "<tool_c", True, "", [], ("", "")),
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n<tool_call>\n'
+             '{"name": "search_docs", "arguments": {"query": "de', True, "", ["get_weather"],
+     ("search_docs", '{"query": "de')),
+    (HERMES, 'Let me look.\n<tool_call>\n{"name": "search_docs", "arg', False, "Let me look.\n", [],
+     ("search_docs", "")),
+    (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Li', True, "", [], ("get_weather", '{"city": "Li')),
+    (MISTRAL, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_', True, "", ["get_weather"],
+     ("get_", "")),
+])
+def test_a_cut_call_is_a_cut_call_never_text(fmt, text, forced, content, complete, cut):
+    """Reference: the reply's own text, cut where the budget cut it; what was complete is a call, what was not a
+    CutCall with the name and the arguments as far as written, and no markup is left as text."""
+    calls = CallFilter(fmt, tool_specs(TOOLS), forced=forced)
+    sent = calls.feed(text)
+    rest, found = calls.finish(cut=True)
+    assert sent + rest == content
+    assert [c.name for c in found if isinstance(c, ToolCall)] == complete
+    assert isinstance(found[-1], CutCall) and (found[-1].name, found[-1].arguments) == cut
+    assert found[-1].openai()["function"] == {"name": cut[0], "arguments": cut[1]}
+
+
+def test_text_cut_by_the_budget_with_no_call_stays_text():
+    calls = CallFilter(HERMES, tool_specs(TOOLS))
+    assert calls.feed("Plain words, cut") == "Plain words, cut"
+    assert calls.finish(cut=True) == ("", [])
+    assert parse_cut("Plain words", HERMES, tool_specs(TOOLS)) is None
+
+
+def test_a_forced_call_cut_by_max_new_tokens_is_reported_as_cut(engine):
+    """End to end on the tiny model: a forced call with room for a few tokens only. The reply is a CutCall with
+    finish_reason "length", `cut` set and no text; `check_complete` raises naming max_new_tokens. With room, the
+    same call is complete (reference: the first tokens of the complete call are the cut call's)."""
+    pytest.importorskip("xgrammar")
+    messages = [{"role": "user", "content": "Weather?"}]
+    whole = _chat(engine, messages, tools=[WEATHER], tool_choice="required")
+    (call,) = whole.tool_calls
+    assert isinstance(call, ToolCall) and whole.finish_reason == "tool_calls" and not whole.cut
+    for budget in (2, 6, 10):
+        reply = _chat(engine, messages, tools=[WEATHER], tool_choice="required", max_new_tokens=budget)
+        assert reply.content == "" and reply.finish_reason == "length" and reply.cut
+        (cut,) = reply.tool_calls
+        assert isinstance(cut, CutCall) and "get_weather".startswith(cut.name)
+        assert json.dumps(call.arguments).startswith(cut.arguments)  # greedy: the complete call's beginning
+        with pytest.raises(ReplyCutError, match=f"max_new_tokens={budget}"):
+            reply.check_complete(budget)
+    json_reply = _chat(engine, messages, response_format={"type": "json_object"}, max_new_tokens=3)
+    assert json_reply.cut and json_reply.finish_reason == "length"

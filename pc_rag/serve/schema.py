@@ -173,6 +173,7 @@ class ChatCompletionRequest(_Request):
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
     verbosity: str | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -181,6 +182,7 @@ class ChatCompletionRequest(_Request):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
     def refused(self) -> list[str]:
         out = super().refused()
@@ -195,6 +197,8 @@ class ChatCompletionRequest(_Request):
             out.append("prediction: no predicted outputs (leave it out; the reply is the same without it)")
         if self.web_search_options is not None:
             out.append("web_search_options: pc_rag does not search the web")
+        if self.moderation is not None:
+            out.append("moderation: pc_rag runs no moderation model on the request or the reply")
         if self.verbosity not in (None, "medium"):
             out.append(f"verbosity={self.verbosity!r}: not done (only the model's own, medium)")
         if self.store:
