@@ -78,6 +78,31 @@ class TestChatPromptCacheIntegration(ChatModelIntegrationTests):
     def test_unicode_tool_call_integration(self, model, *, tool_choice=None, force_tool_call=True) -> None:
         super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)
 
+    # The joke's strings are free text: the random model does not close them within max_tokens (it loops), so the
+    # reply is cut inside its JSON. LangChain's lenient parser used to complete the partial JSON into a joke (a
+    # truncated answer taken for a whole one); a cut reply now raises an OutputParserException naming max_tokens,
+    # as ChatOpenAI's structured output raises LengthFinishReasonError (test_openai_options.py tests it).
+    CUT_JSON = ("needs a model that closes its strings: the random model's joke runs past max_tokens, and a reply "
+                "cut inside its JSON raises (test_openai_options.py)")
+
+    @pytest.mark.xfail(reason=CUT_JSON)
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    def test_structured_output(self, model, schema_type) -> None:
+        super().test_structured_output(model, schema_type)
+
+    @pytest.mark.xfail(reason=CUT_JSON)
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    async def test_structured_output_async(self, model, schema_type) -> None:
+        await super().test_structured_output_async(model, schema_type)
+
+    @pytest.mark.xfail(reason=CUT_JSON)
+    def test_structured_output_pydantic_2_v1(self, model) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(reason=CUT_JSON)
+    def test_structured_output_optional_param(self, model) -> None:
+        super().test_structured_output_optional_param(model)
+
     def invoke_with_cache_creation_input(self, *, stream: bool = False) -> AIMessage:
         # A document no earlier request sent, on an engine with an empty store: encoding it stores its KV.
         llm = ChatPromptCache(engine=fresh_engine(), max_tokens=12)

@@ -42,6 +42,12 @@ class FakeGeneration:
     ttft_s: float
     mode: str
     finish_reason: str
+    logprobs: tuple | None = None
+
+    @property
+    def choices(self) -> tuple:
+        """As Generation.choices: one reply, this one."""
+        return (self,)
 
 
 class FakeEngine:
