@@ -334,6 +334,8 @@ def test_every_openai_parameter_has_a_row():
 @pytest.mark.parametrize("fields, name", [
     ({"top_k": 40}, "top_k"),  # vLLM's, not OpenAI's: ignoring it would sample without the cut asked for
     ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"ignore_eos": True}, "ignore_eos"),
+    ({"tempreature": 0.5}, "tempreature"),
     ({"logit_bias": {"99999": 5}}, "logit_bias"),  # beyond the vocabulary
     ({"logit_bias": {"the": 5}}, "logit_bias"),
     ({"logit_bias": {"5": 500}}, "logit_bias"),
@@ -343,6 +345,17 @@ def test_every_openai_parameter_has_a_row():
 ])
 def test_unknown_fields_and_bad_values_are_400_naming_them(http, endpoint, fields, name):
     refused(http, endpoint, post(http, endpoint, **fields), None, name)
+
+
+def test_the_fields_a_router_adds_at_their_defaults_are_taken(http, reference):
+    """SGLang's router forwards every request with its own fields at their defaults (recorded from sglang-router
+    0.3.2): they ask for what pc_rag does, so the reply is the plain one."""
+    router = {"continue_final_message": False, "ignore_eos": False, "logprobs": False, "no_stop_trim": False,
+              "return_hidden_states": False, "separate_reasoning": True, "skip_special_tokens": True,
+              "stream_reasoning": True}
+    same_as_plain(http, "chat", post(http, "chat", **router), reference, "router")
+    completions = {k: router[k] for k in ("ignore_eos", "no_stop_trim", "return_hidden_states", "skip_special_tokens")}
+    same_as_plain(http, "completions", post(http, "completions", echo=False, **completions), reference, "router")
 
 
 def test_reasoning_effort_reaches_a_template_that_reads_it(loaded, tiny_path):

@@ -35,6 +35,15 @@ from ..options import DEFAULT_RECOMPUTE_RATIO
 
 MAX_CACHE_SALT_CHARS = 256
 EXTENSIONS = ("mode", "recompute_ratio", "chunks", "cache_salt")
+# vLLM's and SGLang's own request fields, at the values that ask for what pc_rag does anyway (SGLang's router adds
+# the first seven to every request it forwards, at these values): taken at them, refused at any other.
+NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
+    "continue_final_message": (False,), "ignore_eos": (False,), "no_stop_trim": (False,),
+    "return_hidden_states": (False,), "separate_reasoning": (True,), "stream_reasoning": (True,),
+    "skip_special_tokens": (True,), "echo": (False,), "add_generation_prompt": (True,),
+    "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,), "top_k": (-1, 0),
+    "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,), "use_beam_search": (False,),
+}
 
 
 def _unicode_text(text: str) -> str:
@@ -85,8 +94,15 @@ class _Request(BaseModel):
 
     def refused(self) -> list[str]:
         """Fields set to something pc_rag does not do (each: the field, what was asked and why it is refused)."""
-        out = [f"{name}: not a field of OpenAI's API that pc-rag serve knows, nor one of its extensions "
-               f"({', '.join(EXTENSIONS)})" for name in sorted(self.model_extra or {})]
+        out = []
+        for name, value in sorted((self.model_extra or {}).items()):
+            if name in NEUTRAL_FIELDS:
+                if value is not None and value not in NEUTRAL_FIELDS[name]:
+                    taken = " or ".join(repr(v) for v in NEUTRAL_FIELDS[name])
+                    out.append(f"{name}={value!r}: not done by pc_rag (taken only as {taken}, what it does anyway)")
+                continue
+            out.append(f"{name}: not a field of OpenAI's API that pc-rag serve knows, nor one of its extensions "
+                       f"({', '.join(EXTENSIONS)})")
         for key in sorted(set(self.stream_options or {}) - {"include_usage", "include_obfuscation"}):
             out.append(f"stream_options.{key}: not an option pc-rag serve knows (include_usage)")
         if (self.stream_options or {}).get("include_obfuscation"):
@@ -188,7 +204,7 @@ class ChatCompletionRequest(_Request):
         out = super().refused()
         if self.functions or self.function_call not in (None, "none"):
             out.append("functions/function_call: the legacy function calling (send tools and tool_choice)")
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             out.append("top_logprobs: needs logprobs: true")
         if self.audio is not None or any(m != "text" for m in self.modalities or ()):
             field = "audio" if self.audio is not None else "modalities"
