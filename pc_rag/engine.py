@@ -273,8 +273,8 @@ class Engine:
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                logit_bias: Mapping[int, float] | None = None) -> Iterator[str]:
         """Text pieces as they are decoded; never splits a multi-byte character or emits part of a stop string.
-        With `logprobs` or `n` > 1 a piece is a `decode.Piece` (a str) carrying its tokens' logprobs and the
-        `choice` it belongs to (the choices' pieces interleave).
+        With `logprobs`, every piece is a `decode.Piece` (a str) carrying its tokens' logprobs; with `n` > 1 the
+        choices' pieces interleave, and `decode.choice_of(piece)` says which each belongs to.
 
         Not a generator function: the options are checked here, at the call, so a bad argument raises before
         the first `next()`."""
