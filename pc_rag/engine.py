@@ -33,6 +33,7 @@ from .grammar import Grammar, Grammars
 from .lookups import WhereLookups
 from .model import LlamaRunner, release_team, releasing_team
 from .options import DEFAULT_RECOMPUTE_RATIO, MODES, GenerationOptions, check_device, checked_cache_salt
+from .passages import marker_pattern
 from .plan import COMPUTE, COPY, ENCODE, READ, REUSING_CHUNKS, STORED, Plan, Planner
 from .pml import PML, Schema, SchemaRegistry
 from .prefetch import PREFETCHER, Prefetcher
@@ -206,6 +207,10 @@ class Engine:
         # generated (given back their generated tokens), and the documents the framework hooks discovered.
         self.chunks = ChunkIndex()
         self.replies = ReplyIndex()
+        # Chat templates' message bounds (special tokens) are seams between passages wherever they stand.
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._passage_markers = marker_pattern([*getattr(tokenizer, "all_special_tokens", ()),
+                                                *(t.content for t in added.values() if getattr(t, "special", False))])
         self.scaffolds = ScaffoldBuilder(self.planner, self.assembler, self._describe_group, auto_scaffold_after)
         # Handed in or the process's own: the documents the framework hooks discovered (this engine splits prompts
         # at them and prefetches them), and the worker that loads their KV in the background.
@@ -349,7 +354,7 @@ class Engine:
             found += self.discovery.candidates(text)
         spans = resolve(found)
         if self.reuse_passages and getattr(self.tokenizer, "is_fast", False):  # passages need the token offsets
-            spans = with_passages(text, spans)
+            spans = with_passages(text, spans, self._passage_markers)
         return self.segmenter.split(text, spans)
 
     def pml(self, prompt: str) -> list[Text | Chunk]:

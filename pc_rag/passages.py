@@ -7,7 +7,8 @@ from its own cached encoding, as a registered chunk, where that is known to pay 
 ended; `PassageIndex` remembers which passages each cache namespace has sent.
 
 The rule (docs/design.md, "Passages"), line by line over the text between known chunks and replies:
-- Seams: a blank line; a line of separator marks only (`---`, `***`, `===`, `___`, `###`, `~~~`, `+++`);
+- Seams: the tokenizer's special tokens (`<|eot_id|>`, `<start_of_turn>`: chat templates' message bounds), and
+  `<|...|>` anywhere; a blank line; a line of separator marks only (`---`, `***`, `===`, `___`, `###`, `~~~`, `+++`);
   a line of tags only (`<doc id=3>`, `</doc>`, `<|eot_id|>`, `<document_content>`).
 - Labels that number or wrap a document are not part of it: at a line's start, an opening tag, `[3]`, `(3)`,
   `3:` or `Document 3:` (Doc, Source, Passage, Context, Chunk, Excerpt, Result, Reference, Snippet) are cut
@@ -51,6 +52,7 @@ _LABEL = re.compile(
     r"[ \t]*[:.)\]-])[ \t]*",
     re.IGNORECASE,
 )
+_SPECIAL = re.compile(r"<\|[^<>|\n]{1,100}\|>")  # `<|eot_id|>`-like markers: seams wherever they are
 _CLOSING = re.compile(r"</[^<>\n]{1,200}>|<\|[^<>\n]{1,200}\|>")
 
 
@@ -68,10 +70,39 @@ def _closing(line: str, a: int, b: int) -> int:
         cut = lt
 
 
-def passage_spans(text: str, start: int = 0, end: int | None = None) -> list[tuple[int, int]]:
+def marker_pattern(markers: Iterable[str]) -> re.Pattern | None:
+    """A pattern matching any of `markers`: the texts of a tokenizer's special tokens (`<|eot_id|>`,
+    `<start_of_turn>`, `[INST]`), which chat templates put between messages, in the middle of a line too."""
+    texts = sorted({m for m in markers if isinstance(m, str) and m.strip()}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+def passage_spans(text: str, start: int = 0, end: int | None = None,
+                  markers: re.Pattern | None = None) -> list[tuple[int, int]]:
     """The passages of text[start:end] as (start, end) character spans of `text`, in order, not overlapping, each
-    at least MIN_PASSAGE_CHARS long and stripped of surrounding whitespace. Linear in the length of the text."""
+    at least MIN_PASSAGE_CHARS long and stripped of surrounding whitespace. `markers` (`marker_pattern`): texts
+    that are seams wherever they occur, as `<|...|>` always is. Linear in the length of the text."""
     end = len(text) if end is None else end
+    spans: list[tuple[int, int]] = []
+    for a, b in _between(text, start, end, markers):
+        for c, d in _between(text, a, b, _SPECIAL):
+            spans += _passages(text, c, d)
+    return spans
+
+
+def _between(text: str, start: int, end: int, markers: re.Pattern | None) -> list[tuple[int, int]]:
+    """The stretches of text[start:end] between occurrences of `markers`."""
+    if markers is None:
+        return [(start, end)]
+    out, cursor = [], start
+    for m in markers.finditer(text, start, end):
+        out.append((cursor, m.start()))
+        cursor = m.end()
+    return [*out, (cursor, end)]
+
+
+def _passages(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """`passage_spans` within one stretch with no marker: the line rule of the module docstring."""
     spans: list[tuple[int, int]] = []
     first = last = -1  # the open passage's first and last content characters (last exclusive)
 
@@ -152,7 +183,7 @@ class PassageIndex:
     @staticmethod
     def _digest(key: str) -> bytes:
         # Keys are "chunk-" + 40 hex digits (blocks.chunk_key); 16 bytes of it keep collisions out of reach.
-        return bytes.fromhex(key.rpartition("-")[2][:32])
+        return bytes.fromhex(key.rpartition("-")[2][-32:])
 
     def seen(self, namespace: str | None, key: str) -> bool:
         """Whether `namespace` sent the passage keyed `key` before (and it is still remembered)."""

@@ -36,6 +36,7 @@ Built automata are never modified, only replaced, so a split can run while anoth
 from __future__ import annotations
 
 import os
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -317,14 +318,15 @@ def resolve(candidates: Iterable[Span]) -> list[Span]:
     return spans
 
 
-def with_passages(prompt_text: str, spans: Sequence[Span]) -> list[Span]:
-    """`spans` (resolved: sorted, not overlapping) with the passages of the text between them (pc_rag.passages)
-    added, in order. A reply is a hard cut and a chunk is known already: passages are only looked for around them."""
+def with_passages(prompt_text: str, spans: Sequence[Span], markers: re.Pattern | None = None) -> list[Span]:
+    """`spans` (resolved: sorted, not overlapping) with the passages of the text between them (pc_rag.passages;
+    `markers`: the tokenizer's special tokens) added, in order. A reply is a hard cut and a chunk is known already:
+    passages are only looked for around them."""
     out: list[Span] = []
     cursor = 0
     for span in [*spans, None]:
         end = len(prompt_text) if span is None else span.start
-        out += [Span(a, b, "passage") for a, b in passage_spans(prompt_text, cursor, end)]
+        out += [Span(a, b, "passage") for a, b in passage_spans(prompt_text, cursor, end, markers)]
         if span is not None:
             out.append(span)
             cursor = span.end
