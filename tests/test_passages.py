@@ -10,10 +10,10 @@ with passages off (equal logits); token ids against the tokenizer's own ids for 
 
 import random
 import time
+from pydoc_data.topics import topics
 
 import pytest
 import torch
-from pydoc_data.topics import topics
 
 import pc_rag
 from pc_rag import Chunk, Text
