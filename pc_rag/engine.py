@@ -421,6 +421,7 @@ class Engine:
                 "prefix": {"blocks_indexed": len(self.planner.prefixes), "block_tokens": self.planner.block_tokens},
                 "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
                 "decode": decode,
+                "backends": self.runner.backends.as_dict(),
                 "relocation_check": check.as_dict() if check is not None else None}
 
     def wait_for_background(self, timeout: float | None = None) -> None:
