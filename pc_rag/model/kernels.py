@@ -73,8 +73,8 @@ _MISSING = object()
 _loaded: object = _MISSING
 
 # What the kernels save, for the warning where they do not build (docs/speed.md#native-cpu-kernels).
-COST = ("decode steps and long prefills run through torch's sdpa and oneDNN instead, each kernel's operation "
-        "1.1-3x slower (decoding about 1.5-2x slower in all on the benchmark model)")
+COST = ("attention runs through torch's sdpa and every op of a decode step through torch: decode steps took 2-4x "
+        "and a cold prefill about 1.5x the kernels' time on the benchmark model")
 FIX = ("install a C++ compiler with OpenMP (g++: `apt-get install g++`, or set $CXX to one) and start again; the "
        "build is cached in {folder}, so later processes load it without a compiler")
 
