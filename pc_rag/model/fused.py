@@ -15,7 +15,7 @@ SiLU, the residual adds), each a dispatch of 3-10 us, plus the Python between th
 
 Where every product of the step goes to linear_rows (a few rows, weights.Packed.few_rows), that loop over the
 layers runs as one native call (csrc/decode_layers.cpp: the same kernels in the same order, so the same sums), and
-a step lets go of the GIL once instead of at each of ~20 ops per layer (docs/speed.md, 18.).
+a step lets go of the GIL once instead of at each of ~20 ops per layer (docs/speed.md#decode).
 
 A prefill (runner.forward_layers) takes the same norm and SiLU calls, threaded over its rows, and RoPE with the KV
 writes in one call (pc_rag_prefill_rope): in bf16 torch ran them as fp32 round trips (to, pow, mean, rsqrt, mul, to,
@@ -292,7 +292,7 @@ class FusedLayers:
         after = None if i + 1 == len(self.input_norms) else self.input_norms[i + 1]
         # A power of two: at the large shape in bf16 (AMX), oneDNN's down product (4864 -> 896) ran at 1,551
         # GFLOP/s over 512 rows and 1,747 over 2,048, but 811 over 768 (1,024: 803); a 4K prefill took 2.94-3.57
-        # against 3.19-3.51 s with 512-row blocks instead of 768 (docs/speed.md, 23.). Measured at that shape only.
+        # against 3.19-3.51 s with 512-row blocks instead of 768 (docs/speed.md#prefill). Measured at that shape only.
         budget = MLP_BYTES // (2 * self.mlp_width * hidden.element_size())
         rows = max(256, 1 << max(0, budget.bit_length() - 1))
         for a in range(0, hidden.shape[0], rows):

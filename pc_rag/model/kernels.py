@@ -13,7 +13,7 @@
 - prefill_attention.cpp: causal attention of many query rows (a cold prefill, the fresh tokens after a cached
   prefix). sdpa's CPU kernel ran its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench
   machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster. In bf16 on
-  CPUs with AMX, sdpa runs its products on AMX tiles, and so does the kernel (faster again: docs/speed.md, 21.).
+  CPUs with AMX, sdpa runs its products on AMX tiles, and so does the kernel (faster again: docs/speed.md#prefill).
 
 Where they run: Linux on x86-64 with AVX-512 (what servers have: Intel since Skylake-SP, AMD since Zen 4), keys in
 fp32 or bf16, head_dim a multiple of 16 up to 256. The bf16 prefill multiplies in bf16: on AMX tiles where the
@@ -73,8 +73,8 @@ _MISSING = object()
 _loaded: object = _MISSING
 
 # What the kernels save, for the warning where they do not build (docs/speed.md#native-cpu-kernels).
-COST = ("attention runs through torch's sdpa and every op of a decode step through torch: decode steps took 2-4x "
-        "and a cold prefill about 1.5x the kernels' time on the benchmark model")
+COST = ("attention runs through torch's sdpa and every op of a decode step through torch: decode steps took 1.3-4x "
+        "and a cold prefill 1.4-1.6x the kernels' time on the benchmark model")
 FIX = ("install a C++ compiler with OpenMP (g++: `apt-get install g++`, or set $CXX to one) and start again; the "
        "build is cached in {folder}, so later processes load it without a compiler")
 

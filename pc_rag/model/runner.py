@@ -532,7 +532,7 @@ class LlamaRunner:
         (newcomers) take one `forward_rows` together. Not one forward over all rows: beside 7 decoding rows one
         newcomer of 10 tokens took as long that way as a step and its own forward (bench model, fp32 32.2 against
         31.1 ms; bf16 26.4 against 21.6), while newcomers together gain over forwards of their own (3 and 7 of 26
-        tokens: fp32 62 and 106 ms against 83 and 177; docs/speed.md, 24.)."""
+        tokens: fp32 62 and 106 ms against 83 and 177; docs/speed.md#batching-and-concurrent-streams)."""
         one = [b for b, t in enumerate(ids) if len(t) == 1]
         if len(one) == len(ids):
             return self.decode_batch(caches, [t[0] for t in ids], [p[0] for p in positions], slots)
