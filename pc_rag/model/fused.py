@@ -60,7 +60,7 @@ def _is_silu(act) -> bool:
 
 
 class FusedLayers:
-    """One runner's fused ops (see the module docstring); `of(runner)` returns None where they do not apply."""
+    """One runner's fused ops (see the module docstring); `of(runner)` builds them, or says why they do not apply."""
 
     def __init__(self, runner, k: kernels.Kernels):
         self.runner = runner
@@ -104,8 +104,9 @@ class FusedLayers:
                 runner._fused = None
         if why is not None:
             return None, Choice(MODULES, why), None
-        native = "one native call per step" if fused._layers is not None else "native calls per op"
-        return fused, Choice(FUSED, f"the standard layer: norms, RoPE, KV writes, attention and SiLU as {native}, "
+        native = ("one native call per step where linear_rows takes every product, else native calls per op"
+                  if fused._layers is not None else "native calls per op")
+        return fused, Choice(FUSED, f"the standard layer: norms, RoPE, KV writes, attention and SiLU as {native}; "
                              "checked against the module-by-module layers at load"), batches
 
     @staticmethod
