@@ -437,6 +437,7 @@ class Engine:
                 "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
                 "passages": self.planner.passages.stats(),
                 "decode": decode,
+                "backends": self.runner.backends.as_dict(),
                 "relocation_check": check.as_dict() if check is not None else None}
 
     def wait_for_background(self, timeout: float | None = None) -> None:
