@@ -31,7 +31,7 @@ from .segments import Chunk, Text
 from .text_index import discover, discovery_enabled, index_for
 from .tools import CallFilter, ToolCall, ToolFormat, call_grammar, check_tool_choice, render_messages, tool_specs
 
-__all__ = ["ChatReply", "ChatRequest", "GenerationOptions", "Reasoning", "SamplingOptions", "ToolCall", "chat_prompt",
+__all__ = ["ChatReply", "ChatRequest", "GenerationOptions", "Reasoning", "ToolCall", "chat_prompt",
            "chat_request", "completion_prompt", "discover", "discovery_enabled", "register", "render_chat",
            "response_grammar", "shared_engine", "stream_chat", "stream_generation", "usage"]
 
@@ -166,11 +166,6 @@ def register(engine, texts, public: bool = False) -> int:
     """Register document texts as chunks of `engine`'s prompts; return how many were new. `public=True`: shared
     by every cache namespace (`Engine.register`): only for documents any user may know are in use."""
     return index_for(engine).add_many(texts, public=bool(public))
-
-
-# The earlier name of the options the adapters build: the engine's own checked GenerationOptions (one definition;
-# the adapters use that name now).
-SamplingOptions = GenerationOptions
 
 
 def stream_generation(engine, prompt: Sequence[Text | Chunk], options: GenerationOptions) -> Iterator[Any]:

@@ -519,7 +519,8 @@ class Engine:
         # cached chunks, a chat turn, a prompt sent again), at most a chunk of them, leaves them to the shared
         # decode step, as one more row: its first token then costs a share of a batched step instead of a
         # forward of its own between two steps, and a burst of new questions is computed in one or two steps
-        # (docs/speed.md, 22. and 24.). Not when the batch is full: the first token would wait for a row to leave.
+        # (docs/speed.md#batching-and-concurrent-streams). Not when the batch is full: the first token would wait
+        # for a row to leave.
         decoder = self._decoder
         defer = (self.runner.prefill_chunk_tokens if self.batch_decoding and self._requests > 1
                  and (decoder is None or decoder.has_room()) else 0)
