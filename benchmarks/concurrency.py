@@ -141,7 +141,7 @@ def fresh_engine(model, tokenizer, chunks: list[str], batched: bool):
     engine.batch_decoding = batched
     engine.warm(chunks, progress=False)
     # One question answered first: the system text's blocks are then stored, and a burst's prompts each have
-    # their question left to compute (docs/speed.md, 24.).
+    # their question left to compute (docs/speed.md#batching-and-concurrent-streams).
     engine.generate(prompts(chunks, 1, burst=-1)[0], mode="modular", max_new_tokens=4)
     return engine
 

@@ -43,8 +43,8 @@ from .tools import (
 )
 
 __all__ = ["ChatReply", "ChatRequest", "CutCall", "GenerationOptions", "Piece", "Reasoning", "ReplyCutError",
-           "SamplingOptions", "ToolCall", "chat_prompt", "chat_request", "check_reasoning_effort", "choice_of",
-           "completion_prompt", "discover", "discovery_enabled", "openai_logprobs", "register", "render_chat",
+           "ToolCall", "chat_prompt", "chat_request", "check_reasoning_effort", "choice_of", "completion_prompt",
+           "discover", "discovery_enabled", "openai_logprobs", "register", "render_chat",
            "response_grammar", "shared_engine", "stream_chat", "stream_generation", "usage"]
 
 # OpenAI's values of `reasoning_effort`; a chat template that reads the variable gets it as sent.
@@ -204,11 +204,6 @@ def register(engine, texts, public: bool = False) -> int:
     """Register document texts as chunks of `engine`'s prompts; return how many were new. `public=True`: shared
     by every cache namespace (`Engine.register`): only for documents any user may know are in use."""
     return index_for(engine).add_many(texts, public=bool(public))
-
-
-# The earlier name of the options the adapters build: the engine's own checked GenerationOptions (one definition;
-# the adapters use that name now).
-SamplingOptions = GenerationOptions
 
 
 def stream_generation(engine, prompt: Sequence[Text | Chunk], options: GenerationOptions) -> Iterator[Any]:

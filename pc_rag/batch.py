@@ -11,7 +11,7 @@ A request may also join before its first token, with the rest of its prompt (a q
 chat turn; the engine hands over at most a prefill chunk) as its row's tokens for the first step it is in; that
 step computes them in one forward with the other newcomers' (`LlamaRunner.forward_rows`; the decoding rows take
 their usual step beside it) and chooses its first token. A burst of new questions then costs a step or two
-where it cost a forward per question between steps (docs/speed.md, 24.).
+where it cost a forward per question between steps (docs/speed.md#batching-and-concurrent-streams).
 
 A request joins or leaves between steps, never during one. Its KV stays in its own buffer: the step writes
 each new token's KV straight into the slot after the request's last one, so joining and leaving copy

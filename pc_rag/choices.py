@@ -121,6 +121,8 @@ def run_choices(engine, prompt, options: GenerationOptions) -> Generator[str, No
                                                           ids[i][:-1], skip=saved)
                     engine._remember_reply(prompt, texts[i].text, ids[i], asm if done and i == 0 else None, saved,
                                            options.cache_salt)
+            if any(ids):
+                engine._remember_passages(asm.plan)
         finally:
             for cache in caches:
                 engine.runner.release_cache(cache)

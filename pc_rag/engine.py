@@ -34,6 +34,7 @@ from .grammar import Grammar, Grammars
 from .lookups import WhereLookups
 from .model import LlamaRunner, release_team, releasing_team
 from .options import DEFAULT_RECOMPUTE_RATIO, MODES, GenerationOptions, check_device, checked_cache_salt
+from .passages import marker_pattern
 from .plan import COMPUTE, COPY, ENCODE, READ, REUSING_CHUNKS, STORED, Plan, Planner
 from .pml import PML, Schema, SchemaRegistry
 from .prefetch import PREFETCHER, Prefetcher
@@ -41,7 +42,7 @@ from .reasoning import ThinkingMarkers
 from .scaffolds import ScaffoldBuilder
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment
 from .store import open_store
-from .text_index import DISCOVERY, ChunkIndex, Discovery, ReplyIndex, marked, resolve
+from .text_index import DISCOVERY, ChunkIndex, Discovery, ReplyIndex, marked, resolve, with_passages
 
 log = logging.getLogger("pc_rag")
 
@@ -179,6 +180,10 @@ class Engine:
     batch_decoding = True
     max_batch = MAX_BATCH  # requests per decode step; more wait for a row to free up
 
+    # Passages of plain-string prompts (pc_rag.passages) are reused like chunks once sent (modular, blend; plan.py).
+    # False: a plain string reuses only what was registered, discovered or marked, and its exact prefix.
+    reuse_passages = True
+
     def __init__(self, model, tokenizer, store=None, auto_scaffold_after: int | None = None,
                  discovery: Discovery | None = None, prefetcher: Prefetcher | None = None):
         """`store`: a store object or spec (see `pc_rag.store.open_store`): "memory", "disk:PATH",
@@ -205,6 +210,7 @@ class Engine:
         self.planner = Planner(self.runner.fingerprint, (bos,) if bos is not None else (),
                                rope_type=self.runner.rope_type, relocatable=self.runner.relocatable)
         self.assembler = Assembler(self.runner, self.store, self.planner)
+        self.planner.passages.kv_bytes_per_token = self.runner.shape.kv_bytes_per_token(self.runner.dtype)
         # Blocks read from disk or Redis go to the model's device once, when promoted (a TieredStore; a store of one
         # tier places nothing, and lookups place what it returns).
         self.store.set_placement(self.assembler.place)
@@ -219,6 +225,10 @@ class Engine:
         # generated (given back their generated tokens), and the documents the framework hooks discovered.
         self.chunks = ChunkIndex()
         self.replies = ReplyIndex()
+        # Chat templates' message bounds (special tokens) are seams between passages wherever they stand.
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._passage_markers = marker_pattern([*getattr(tokenizer, "all_special_tokens", ()),
+                                                *(t.content for t in added.values() if getattr(t, "special", False))])
         self.scaffolds = ScaffoldBuilder(self.planner, self.assembler, self._describe_group, auto_scaffold_after)
         # Handed in or the process's own: the documents the framework hooks discovered (this engine splits prompts
         # at them and prefetches them), and the worker that loads their KV in the background.
@@ -385,15 +395,18 @@ class Engine:
         """A plain-string prompt as segments: registered chunks (public ones as public `Chunk`s), `chunk_texts`
         (marked for this request) and, unless `discovered=False` or PC_RAG_DISCOVERY=0, documents the framework
         hooks discovered become `Chunk`s; replies this engine generated in namespace `cache_salt` (pass the
-        request's) keep their generated tokens; the rest is `Text`. The tokens are those of the whole string
-        (see `SegmentTokenizer.split`)."""
+        request's) keep their generated tokens; the rest is `Text`, its passages (pc_rag.passages) marked
+        `Text(passage=True)`. The tokens are those of the whole string (see `SegmentTokenizer.split`)."""
         if not isinstance(text, str):
             raise PromptError(f"split takes the prompt as a str, got {type(text).__name__}")
         namespace = checked_cache_salt(cache_salt)
         found = self.chunks.candidates(text) + self.replies.candidates(text, namespace) + marked(text, chunk_texts)
         if discovered:
             found += self.discovery.candidates(text)
-        return self.segmenter.split(text, resolve(found))
+        spans = resolve(found)
+        if self.reuse_passages and getattr(self.tokenizer, "is_fast", False):  # passages need the token offsets
+            spans = with_passages(text, spans, self._passage_markers)
+        return self.segmenter.split(text, spans)
 
     def pml(self, prompt: str) -> list[Text | Chunk]:
         """A PML prompt resolved against the registered schemas (same as passing `PML(prompt)`)."""
@@ -428,6 +441,7 @@ class Engine:
             self.assembler.save_prefix(asm)
         finally:
             self.runner.release_cache(asm.cache)
+        self._remember_passages(asm.plan)
         return asm.logits
 
     @releasing_team
@@ -456,7 +470,8 @@ class Engine:
     def stats(self) -> dict:
         """Store tiers' counters; scaffolds: groups declared, bytes of their joint KV, automatic builds that
         failed (each logged on the "pc_rag" logger); prefix blocks this process's index knows; texts registered
-        as chunks with this engine and replies it remembers; decode: batched decode steps, the tokens they
+        as chunks with this engine and replies it remembers; passages: passages of plain-string prompts remembered
+        (`indexed`, in `namespaces`), and what they did (`PassageCounts`); decode: batched decode steps, the tokens they
         produced (first_tokens of them the requests' first, after the prompt_tokens the steps computed for
         them), the largest batch seen, requests decoding and waiting for a row now; relocation_check: the
         RoPE relocation self-check of this model (run before its first modular or blend request; None before)."""
@@ -471,7 +486,9 @@ class Engine:
                               "failed": failed},
                 "prefix": {"blocks_indexed": len(self.planner.prefixes), "block_tokens": self.planner.block_tokens},
                 "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
+                "passages": self.planner.passages.stats(),
                 "decode": decode,
+                "backends": self.runner.backends.as_dict(),
                 "relocation_check": check.as_dict() if check is not None else None}
 
     def wait_for_background(self, timeout: float | None = None) -> None:
@@ -563,7 +580,8 @@ class Engine:
         # cached chunks, a chat turn, a prompt sent again), at most a chunk of them, leaves them to the shared
         # decode step, as one more row: its first token then costs a share of a batched step instead of a
         # forward of its own between two steps, and a burst of new questions is computed in one or two steps
-        # (docs/speed.md, 22. and 24.). Not when the batch is full: the first token would wait for a row to leave.
+        # (docs/speed.md#batching-and-concurrent-streams). Not when the batch is full: the first token would wait
+        # for a row to leave.
         decoder = self._decoder
         defer = (self.runner.prefill_chunk_tokens if self.batch_decoding and self._requests > 1
                  and (decoder is None or decoder.has_room()) else 0)
@@ -631,6 +649,7 @@ class Engine:
                 if ids or not deferred:
                     saved = self.assembler.save_prefix(asm, ids[:-1])
                     self._remember_reply(prompt, text.text, ids, asm if done else None, saved, options.cache_salt)
+                    self._remember_passages(asm.plan)
             finally:
                 self.runner.release_cache(asm.cache)
                 release_team()  # a server's request thread waits for its next request (pc_rag/model/threads.py)
@@ -734,6 +753,31 @@ class Engine:
             slots = list(range(asm.prompt_tokens, asm.prompt_tokens + len(alt)))
             self.runner.forward(asm.cache, list(alt), list(range(first, first + len(alt))), slots)
             self.assembler.save_prefix(asm, alt, skip=saved)
+
+    def _remember_passages(self, plan: Plan) -> None:
+        """After the reply: count what the prompt's passages did, remember them as sent in the request's namespace
+        and, while no other request runs, encode and store the ones whose own encoding is not stored, so that the
+        next request finds them wherever they land (docs/design.md, "Passages"). The encodes cost about one
+        prefill of the new passages, after the reply, never before the first token; a busy engine skips them (the
+        passages are then encoded by the first request that reuses them). Best effort: a failure is logged."""
+        if not plan.passages:
+            return
+        index = self.planner.passages
+        reused = [p for p in plan.pieces if p.kind == "passage"]
+        encoded = {p.key for p in reused if p.origin == "computed"}
+        index.count(requests=1, reused=sum(p.key not in encoded for p in reused),
+                    reused_tokens=sum(p.n for p in reused if p.key not in encoded), encoded=len(encoded))
+        index.add(plan.namespace, ((w.key, len(w.token_ids)) for w in plan.passages))
+        if self._requests > 1:  # this request is counted until it returns
+            return
+        todo = {w.key: w for w in plan.passages if w.key not in plan.passages_held and w.key not in encoded}
+        try:
+            for want in todo.values():
+                if self._requests > 1:
+                    break
+                index.count(encoded_after_reply=self.assembler.ensure_stored(want) == "computed")
+        except Exception:  # speculative work: the reply is out and must stay a success
+            log.warning("encoding a prompt's passages after the reply failed", exc_info=True)
 
     @staticmethod
     def _continues_layout(asm: Assembled) -> bool:

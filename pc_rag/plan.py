@@ -19,6 +19,13 @@ and how the engine obtains it (`Piece.load`):
 - "encode":  a chunk or scaffold no tier holds: encoded on its own, stored, then copied in;
 - "stored":  the block an earlier piece of this prompt encodes: taken from the store once that piece stored it.
 
+Passages (`TokenSegment.passage`: pieces of a plain-string prompt, pc_rag.passages) are text unless planning
+chooses to reuse one as a chunk (segment kind "passage", relocated like a chunk): in modular and blend, a passage
+whose own encoding is stored, or that an earlier request of the namespace sent (`Planner.passages`; then it is
+encoded now and stored, as a chunk's miss), and that starts where the exact cached prefix has ended. The exact
+prefix is found first on the prompt as text (`_with_passages`), so a passage never replaces exact reuse with an
+approximation, and a prompt with no passage seen before is planned exactly as it would be without passages.
+
 Keys carry the request's cache namespace (`Plan.namespace`; blocks.py): chunk and scaffold keys, and the root the
 prefix chain starts from, so no piece is ever found in another namespace's blocks, nor through the prefix index
 (its entries hang under namespaced parents); public chunks (`TokenSegment.public`) are keyed in no namespace.
@@ -41,6 +48,7 @@ from typing import Protocol
 from .blocks import chunk_key, root_key, scaffold_key
 from .errors import PCRagError, PromptError, UnsupportedModelError
 from .options import MODES
+from .passages import PassageIndex
 from .prefix import (
     BLOCK_TOKENS,
     EXTENT_BLOCKS,
@@ -57,6 +65,7 @@ from .prefix import (
 from .segments import TokenSegment
 
 REUSING_CHUNKS = ("modular", "blend")
+RELOCATED_KINDS = ("chunk", "passage")  # segment kinds whose KV is a block of their own, relocated to their place
 
 # How a piece's KV is obtained (see the module docstring).
 COMPUTE, COPY, READ, ENCODE, STORED = "compute", "copy", "read", "encode", "stored"
@@ -142,6 +151,11 @@ class Plan:
     # a later prompt leaving this one inside a block still finds their first tokens.
     found_blocks: tuple[BlockRef, ...] = field(default=(), repr=False)
     namespace: str | None = None  # the request's cache namespace: its keys and prefix root (`Planner.root_for`)
+    # The prompt's passages (modular, blend): each as the chunk it would be, reused or not, and the keys of those
+    # whose own encoding the store held at planning. After the reply the engine remembers them as sent and, while
+    # no other request runs, encodes and stores the others, so the next request can reuse them.
+    passages: tuple[Wanted, ...] = field(default=(), repr=False)
+    passages_held: frozenset[str] = frozenset()
 
     def after_lost_reads(self, lost: Sequence[Piece], redone: Mapping[int, Piece]) -> Plan:
         """The plan as built when the blocks of `lost` (pieces to "read") could not be used after all (gone, corrupt,
@@ -180,6 +194,7 @@ class Planner:
         # its own plans (else another's would show, by encoding it, that the group was retrieved elsewhere).
         self.auto_scaffolds: dict[str | None, dict[tuple[int, ...], frozenset[tuple[tuple[int, ...], ...]]]] = {}
         self.reuse_separators = True  # whitespace-only text after a chunk is reused like a chunk (see `_layout`)
+        self.passages = PassageIndex()  # the passages each namespace has sent (`_with_passages`)
 
     def add_scaffold(self, chunks: Sequence[tuple[int, ...]], namespace: str | None = None,
                      automatic: bool = False) -> None:
@@ -204,6 +219,39 @@ class Planner:
                 f"rope_type {self.rope_type!r} rescales with sequence length, so relocating cached keys "
                 f"by rotation is not exact; use mode='exact' or mode='full' with this model"
             )
+        if mode in REUSING_CHUNKS and any(s.passage for s in segments):
+            return self._with_passages(segments, mode, _Asked(lookups), namespace)
+        return self._plan(segments, mode, lookups, namespace)
+
+    def _with_passages(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups,
+                       namespace: str | None) -> Plan:
+        """The plan of a prompt with passages: those worth reusing (stored, or sent before in `namespace`) and
+        lying mostly past the end of the exact cached prefix become relocated chunks; the rest stay text. The
+        prefix is what the plan of the prompt as text reuses before its first fresh slot; when no passage is
+        worth reusing, that plan is the plan. `lookups` answers each key once (`_Asked`), so the second plan asks
+        the store nothing new for the prefix."""
+        slots, slot = [], 0
+        for seg in segments:
+            slots.append(slot)
+            slot += len(seg)
+        candidates = [(i, self.chunk_wanted(replace(seg, kind="passage"), slots[i], namespace))
+                      for i, seg in enumerate(segments) if seg.passage]
+        keys = list(dict.fromkeys(w.key for _, w in candidates))
+        answers = dict(zip(keys, lookups.find(keys), strict=True))
+        held = frozenset(k for k, found in answers.items() if found is not None)
+        worth = [(i, w) for i, w in candidates if w.key in held or self.passages.seen(namespace, w.key)]
+        plan = self._plan(segments, mode, lookups, namespace)
+        if worth:
+            # A passage the exact prefix runs into stays text unless most of it lies past the prefix's end (a few
+            # exact tokens are not worth recomputing the rest: two passages may begin with the same words).
+            exact_end = next((p.slot for p in plan.pieces if p.source == "fresh"), len(plan.ids))
+            promoted = {i for i, w in worth if exact_end - w.slot < w.slot + len(w.token_ids) - exact_end}
+            if promoted:
+                segments = [replace(s, kind="passage") if i in promoted else s for i, s in enumerate(segments)]
+                plan = self._plan(segments, mode, lookups, namespace)
+        return replace(plan, passages=tuple(w for _, w in candidates), passages_held=held)
+
+    def _plan(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups, namespace: str | None) -> Plan:
         ids = tuple(t for s in segments for t in s.token_ids)
         positions = tuple(q for s in segments for q in range(s.start, s.end))
         pieces: list[Piece] = []
@@ -260,7 +308,7 @@ class Planner:
         while j < len(segments):
             seg = segments[j]
             want = None
-            if mode in REUSING_CHUNKS and seg.kind == "chunk":
+            if mode in REUSING_CHUNKS and seg.kind in RELOCATED_KINDS:
                 end = self._scaffold_end(segments, j, namespace)
                 if end is not None:
                     want = self.scaffold_wanted(segments[j:end], slot, namespace)
@@ -434,7 +482,7 @@ class Planner:
                 seg = segments[end]
                 if end > j and seg.start != segments[end - 1].end:
                     break
-                if seg.kind == "chunk":
+                if seg.kind in RELOCATED_KINDS:
                     if seg.token_ids != group[k]:
                         break
                     k += 1
@@ -442,6 +490,27 @@ class Planner:
             if k == len(group) and (best is None or end > best):
                 best = end
         return best
+
+
+class _Asked:
+    """`Lookups` that ask the store about each key (and tier set) once: a passage plan asks about the prompt twice
+    (as text, then with passages reused), and the store's counters should count a request's lookups once."""
+
+    def __init__(self, lookups: Lookups):
+        self.lookups = lookups
+        self.has_persistent = lookups.has_persistent
+        self._found: dict[tuple[str, str], Found | None] = {}
+
+    def find(self, keys: Sequence[str], tiers: str = "all") -> list[Found | None]:
+        new = [k for k in dict.fromkeys(keys) if (k, tiers) not in self._found]
+        if new:
+            self._found.update(((k, tiers), a) for k, a in zip(new, self.lookups.find(new, tiers), strict=True))
+        return [self._found[k, tiers] for k in keys]
+
+    def get(self, key: str) -> Found | None:
+        if (key, "get") not in self._found:
+            self._found[key, "get"] = self.lookups.get(key)
+        return self._found[key, "get"]
 
 
 def stored_tokens(pieces: Sequence[Piece], layout: Sequence[Run | Link]) -> int:

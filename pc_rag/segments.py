@@ -17,6 +17,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from .errors import PromptError
+from .passages import MIN_PASSAGE_TOKENS
 
 
 @dataclass(frozen=True)
@@ -27,14 +28,21 @@ class Text:
     `position`: the position id of its first token; None places it right after the previous segment.
     `token_ids`: its tokens, when they are already known (`Engine.split` keeps the tokens of the joined
     prompt string); None tokenizes `text` on its own.
+    `passage`: a passage of a plain-string prompt (pc_rag.passages, `Engine.split`): in `modular` and `blend`,
+    after the exact cached prefix ends, it is reused like a chunk where its own encoding is stored or an
+    earlier request of the namespace sent it (plan.py); otherwise it is text like any other.
     """
 
     text: str
     position: int | None = None
     token_ids: tuple[int, ...] | None = None
+    passage: bool = False
 
     def __post_init__(self):
         _check_segment(self, self.text, position=self.position)
+        if not isinstance(self.passage, bool):
+            raise PromptError(f"Text({_preview(self.text)}): passage must be True or False, got "
+                              f"{type(self.passage).__name__}")
 
 
 @dataclass(frozen=True)
@@ -96,11 +104,14 @@ def _preview(text: str, n: int = 30) -> str:
 class TokenSegment:
     """One segment after tokenization: its ids and the position id of each token."""
 
-    kind: str  # "bos" | "text" | "sep" (whitespace-only text) | "chunk"
+    # "bos" | "text" | "sep" (whitespace-only text) | "chunk" | "passage" (a passage text that planning chose to
+    # reuse as a chunk: plan.py; `Text(passage=True)` arrives as "text" with `passage` set)
+    kind: str
     token_ids: tuple[int, ...]
     start: int  # position id of the first token; a segment's tokens have consecutive position ids
     encode_start: int | None = None  # chunks only: position the chunk's KV is encoded at
     public: bool = False  # chunks only: keyed in no namespace (`Chunk.public`)
+    passage: bool = False  # text that may be reused as a chunk (`Text.passage`)
 
     @property
     def end(self) -> int:
@@ -160,8 +171,9 @@ class SegmentTokenizer:
         return ids
 
     def split(self, text: str, spans: Sequence) -> list[Text | Chunk]:
-        """A prompt string as segments, cut at `spans` (find.Span, leftmost first, not overlapping): chunks, and
-        replies this engine generated.
+        """A prompt string as segments, cut at `spans` (text_index.Span, leftmost first, not overlapping): chunks,
+        passages (`Text(passage=True)`; those under MIN_PASSAGE_TOKENS tokens stay plain text) and replies this
+        engine generated.
 
         Tokenizing pieces on their own can give tokens the joined text would not have ("Context: The" cut
         before "The" gives ':', ' ', 'The' instead of ':', ' The'), so the text is tokenized whole and each
@@ -169,14 +181,14 @@ class SegmentTokenizer:
         included). The model sees the joined string's tokens, in every mode, and a chunk's tokens are the same
         in every prompt where the same characters surround it.
 
-        A reply is a hard cut (see find.ReplyIndex): the text before it is tokenized as the string the model
+        A reply is a hard cut (see text_index.ReplyIndex): the text before it is tokenized as the string the model
         answered after, and the reply gets the ids it was generated as (or is tokenized on its own when they
         are not known). Tokenizers without offsets (slow, Python ones) tokenize each piece on its own.
         """
         out: list[Text | Chunk] = []
         cursor, chunks = 0, []
         for span in [*spans, None]:
-            if span is not None and span.kind == "chunk":
+            if span is not None and span.kind in ("chunk", "passage"):
                 chunks.append(span)
                 continue
             end = span.start if span is not None else len(text)
@@ -198,6 +210,11 @@ class SegmentTokenizer:
         except NotImplementedError:  # a slow tokenizer: no offsets
             enc = None
         if enc is None or "offset_mapping" not in enc:
+            # Each piece tokenized on its own (the tokens differ from the joined string's): passages, which must
+            # never change what the model sees, stay in the text.
+            chunks = [s for s in chunks if s.kind == "chunk"]
+            if not chunks:
+                return [Text(text)]
             return cut_at(text, [(s.start - a, s.end - a) for s in chunks], {s.start - a for s in chunks if s.public})
         ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
         starts, ends = [o[0] for o in offsets], [o[1] for o in offsets]
@@ -212,9 +229,15 @@ class SegmentTokenizer:
             last = bisect.bisect_left(starts, span.end - a)  # one past the last token starting before its end
             if first < cut or first >= last:
                 continue  # shares a token with the previous chunk, or covers none: stays text
+            if span.kind == "passage" and last - first < MIN_PASSAGE_TOKENS:
+                continue  # too short to be worth a lookup: stays in the text around it
             if first > cut:
                 out.append(Text(text[char(cut): char(first)], token_ids=tuple(ids[cut:first])))
-            out.append(Chunk(text[char(first): char(last)], token_ids=tuple(ids[first:last]), public=span.public))
+            piece = text[char(first): char(last)]
+            if span.kind == "passage":
+                out.append(Text(piece, token_ids=tuple(ids[first:last]), passage=True))
+            else:
+                out.append(Chunk(piece, token_ids=tuple(ids[first:last]), public=span.public))
             cut = last
         if cut < len(ids):
             out.append(Text(text[char(cut):], token_ids=tuple(ids[cut:])))
@@ -251,7 +274,7 @@ class SegmentTokenizer:
                 enc = seg.encode_position
                 out.append(TokenSegment("chunk", ids, start, encode_start=enc, public=seg.public))
             else:
-                out.append(TokenSegment("text" if seg.text.strip() else "sep", ids, start))
+                out.append(TokenSegment("text" if seg.text.strip() else "sep", ids, start, passage=seg.passage))
             pos = start + len(ids)
         if not any(s.kind != "bos" for s in out):
             raise PromptError("the prompt has no tokens: every segment's text is empty")

@@ -36,6 +36,7 @@ Built automata are never modified, only replaced, so a split can run while anoth
 from __future__ import annotations
 
 import os
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 import ahocorasick
 
 from .errors import PCRagError
+from .passages import passage_spans
 from .segments import Chunk, Text, cut_at
 
 _RECENT_MIN = 256  # the recent automaton is folded into the main one past max(_RECENT_MIN, keys // 8)
@@ -69,8 +71,9 @@ def _glued(text: str, start: int, end: int) -> bool:
 
 @dataclass(frozen=True)
 class Span:
-    """Characters [start, end) of a prompt string: a "chunk", or a "reply" this engine generated (`reply_ids`:
-    the token ids it generated for exactly that text, when known); `public`: a chunk registered as public."""
+    """Characters [start, end) of a prompt string: a "chunk", a "passage" (pc_rag.passages), or a "reply" this
+    engine generated (`reply_ids`: the token ids it generated for exactly that text, when known); `public`: a chunk
+    registered as public."""
 
     start: int
     end: int
@@ -313,6 +316,21 @@ def resolve(candidates: Iterable[Span]) -> list[Span]:
             spans.append(span)
             cursor = span.end
     return spans
+
+
+def with_passages(prompt_text: str, spans: Sequence[Span], markers: re.Pattern | None = None) -> list[Span]:
+    """`spans` (resolved: sorted, not overlapping) with the passages of the text between them (pc_rag.passages;
+    `markers`: the tokenizer's special tokens) added, in order. A reply is a hard cut and a chunk is known already:
+    passages are only looked for around them."""
+    out: list[Span] = []
+    cursor = 0
+    for span in [*spans, None]:
+        end = len(prompt_text) if span is None else span.start
+        out += [Span(a, b, "passage") for a, b in passage_spans(prompt_text, cursor, end, markers)]
+        if span is not None:
+            out.append(span)
+            cursor = span.end
+    return out
 
 
 # ---- documents discovered by the framework hooks ----------------------------------------------------------

@@ -20,10 +20,10 @@ from pc_rag.store import (
     DiskStore,
     MemoryStore,
     PendingBlock,
+    ReadTarget,
     RedisStore,
-    Sink,
     TieredStore,
-    find_many_with_source,
+    as_store,
 )
 from pc_rag.store import disk as disk_module
 from pc_rag.store import tier as tier_module
@@ -188,7 +188,7 @@ def test_a_sink_naming_slots_gets_the_block_read_into_them(tmp_path, monkeypatch
             return True
         return take
 
-    assert disk.read_into(keys, [Sink(taker(dk), dk, dv) for dk, dv in views]) == [True] * 5
+    assert disk.read_into(keys, [ReadTarget(taker(dk), dk, dv) for dk, dv in views]) == [True] * 5
     assert sorted(handed, key=lambda h: h[1]) == [(True, block(i).token_ids, 3) for i in range(5)]
     for key, (dk, dv) in zip(keys, views, strict=True):
         ref = disk.get(key)
@@ -202,7 +202,7 @@ def test_a_block_of_more_planes_than_one_preadv_takes(tmp_path, monkeypatch):
     disk = DiskStore(tmp_path)
     disk.put("prefix-a", block(7))
     _, _, [(dk, dv)] = slots(1)
-    assert disk.read_into(["prefix-a"], [Sink(lambda b: True, dk, dv)]) == [True]
+    assert disk.read_into(["prefix-a"], [ReadTarget(lambda b: True, dk, dv)]) == [True]
     assert torch.equal(dk, block(7).keys) and torch.equal(dv, block(7).values)
 
 
@@ -213,7 +213,8 @@ def test_a_damaged_file_read_in_place_is_refused_removed_and_counted(tmp_path):
         f.truncate(300)
     taken = []
     _, _, views = slots(3)
-    sinks = [Sink(lambda b, k=k: taken.append(k) or True, dk, dv) for k, (dk, dv) in zip(keys, views, strict=True)]
+    sinks = [ReadTarget(lambda b, k=k: taken.append(k) or True, dk, dv)
+             for k, (dk, dv) in zip(keys, views, strict=True)]
     assert disk.read_into(keys, sinks) == [True, False, False]
     assert taken == [keys[0]]  # never handed a block that failed its checks
     s = disk.tier_stats()[0]
@@ -235,7 +236,7 @@ def test_a_file_shrinking_while_read_in_place_is_read_again_staged(tmp_path, mon
     monkeypatch.setattr(disk_module.os, "preadv", short)
     _, _, [(dk, dv)] = slots(1)
     got: dict[str, KVBlock] = {}
-    assert disk.read_into(["prefix-a"], [Sink(copier(got, "prefix-a"), dk, dv)]) == [True]
+    assert disk.read_into(["prefix-a"], [ReadTarget(copier(got, "prefix-a"), dk, dv)]) == [True]
     assert torch.equal(got["prefix-a"].keys, block(3).keys) and got["prefix-a"].keys is not dk
 
 
@@ -249,7 +250,7 @@ def test_blocks_that_cannot_be_read_in_place_are_staged(tmp_path, case):
     if case == "planes not contiguous":
         dk, dv = dk.transpose(2, 3).contiguous().transpose(2, 3), dv  # [T, D] planes with stride 1 along T
     got: dict[str, KVBlock] = {}
-    assert disk.read_into(["chunk-a"], [Sink(copier(got, "chunk-a"), dk, dv)]) == [True]
+    assert disk.read_into(["chunk-a"], [ReadTarget(copier(got, "chunk-a"), dk, dv)]) == [True]
     ref = disk.get("chunk-a")
     assert torch.equal(got["chunk-a"].keys, ref.keys) and torch.equal(got["chunk-a"].values, ref.values)
     assert torch.isnan(dk).all()  # nothing was written into the slots by the tier
@@ -285,8 +286,8 @@ def test_compressed_blocks_are_dequantized_into_the_slots(tmp_path, kind, dtype)
         return take
 
     assert tier.locate(["chunk-a", "chunk-b", "chunk-c"]) == [True, True, False]
-    assert tier.read_into(["chunk-a", "chunk-b"], [Sink(keep("chunk-a"), dk, dv),
-                                                  Sink(keep("chunk-b"), small_k, small_v)]) == [True, True]
+    assert tier.read_into(["chunk-a", "chunk-b"], [ReadTarget(keep("chunk-a"), dk, dv),
+                                                  ReadTarget(keep("chunk-b"), small_k, small_v)]) == [True, True]
     assert handed["chunk-a"].keys is dk and handed["chunk-a"].values is dv
     assert torch.equal(dk, ref.keys) and torch.equal(dv, ref.values)
     assert handed["chunk-b"].keys is not small_k and torch.isnan(ek.float()).all()
@@ -300,11 +301,11 @@ def test_compressed_blocks_are_dequantized_into_the_slots(tmp_path, kind, dtype)
 def test_other_stores_answer_as_get_many_with_source(tmp_path):
     plain = PlainStore()
     plain.put("prefix-a", block(1))
-    assert find_many_with_source(plain, ["prefix-a", "prefix-b"]) == [(plain.blocks["prefix-a"], "plain"),
-                                                                       (None, None)]
+    assert as_store(plain).find_many_with_source(["prefix-a", "prefix-b"]) == [(plain.blocks["prefix-a"], "plain"),
+                                                                                (None, None)]
     disk = DiskStore(tmp_path)  # a disk tier used on its own (not in a TieredStore) is read as before
     disk.put("prefix-a", block(1))
-    b, origin = find_many_with_source(disk, ["prefix-a"])[0]
+    b, origin = disk.find_many_with_source(["prefix-a"])[0]
     assert isinstance(b, KVBlock) and origin == "disk"
 
 

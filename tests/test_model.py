@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import pc_rag
-from pc_rag.model import kernels
+from pc_rag.model import backends, kernels
 from pc_rag.model.attention import SPLIT_MIN_TOKENS, Heads, Writes, _attend_after, _attend_one, _mask
 from pc_rag.model.weights import Packed, Plain, _packs, weights_of
 
@@ -26,26 +26,27 @@ def masked(q, keys, values, slots, groups):
                                           enable_gqa=groups > 1)
 
 
-def test_writes_pick_the_layout_from_the_slots(monkeypatch):
+def test_writes_pick_the_layout_from_the_slots():
     dt = torch.float32
-    if kernels.prefill_attention_kernel(dt) is not None:  # the kernel takes few rows after a prefix: no mask
-        assert Writes.of([5, 6, 7], dt, "cpu").mask is None
-    monkeypatch.setattr(kernels, "_kernel", None)  # what follows is without pc_rag's kernels
-    cold = Writes.of([0, 1, 2, 3], dt, "cpu")
+    if kernels.loaded() is not None:  # the prefill kernel takes few rows after a prefix: no mask
+        chosen = backends.choose(dt, False, kernels.loaded())
+        assert chosen.prefill_kernel is not None and Writes.of([5, 6, 7], dt, "cpu", chosen).mask is None
+    off = backends.without_kernels("the layouts sdpa takes")  # what follows is without pc_rag's kernels
+    cold = Writes.of([0, 1, 2, 3], dt, "cpu", off)
     assert (cold.layout, cold.kv, cold.start, cold.mask) == ("causal", 4, 0, None)
-    step = Writes.of([9], dt, "cpu")
+    step = Writes.of([9], dt, "cpu", off)
     assert (step.layout, step.kv, step.start, step.mask) == ("after", 10, 9, None)
-    few = Writes.of([5, 6, 7], dt, "cpu")  # the lower-right causal mask
+    few = Writes.of([5, 6, 7], dt, "cpu", off)  # the lower-right causal mask
     assert (few.layout, few.kv, few.start) == ("after", 8, 5) and few.mask.shape == (1, 1, 3, 8)
     assert (few.mask[0, 0] == 0).tolist() == [[k <= s for k in range(8)] for s in (5, 6, 7)]
     many = list(range(5, 5 + SPLIT_MIN_TOKENS))
-    after = Writes.of(many, dt, "cpu")  # on CPU, attention in two parts: no mask
+    after = Writes.of(many, dt, "cpu", off)  # on CPU, attention in two parts: no mask
     assert (after.layout, after.kv, after.start, after.mask) == ("after", many[-1] + 1, 5, None)
-    assert Writes.of(many, dt, "meta").mask is None  # after a short prefix, anywhere: padded rows (_attend_padded)
+    assert Writes.of(many, dt, "meta", off).mask is None  # after a short prefix, anywhere: padded rows
     long_prefix = list(range(SPLIT_MIN_TOKENS, 2 * SPLIT_MIN_TOKENS))
-    assert Writes.of(long_prefix, dt, "cpu").mask is None  # on CPU, in two parts
-    assert Writes.of(long_prefix, dt, "meta").mask is not None  # elsewhere the mask
-    gaps = Writes.of([2, 3, 7], dt, "cpu")
+    assert Writes.of(long_prefix, dt, "cpu", off).mask is None  # on CPU, in two parts
+    assert Writes.of(long_prefix, dt, "meta", off).mask is not None  # elsewhere the mask
+    gaps = Writes.of([2, 3, 7], dt, "cpu", off)
     assert gaps.layout == "slots" and gaps.index.tolist() == [2, 3, 7] and gaps.kv == 8
     visible = (gaps.mask[0, 0] == 0).tolist()
     assert visible == [[k <= s for k in range(8)] for s in (2, 3, 7)]

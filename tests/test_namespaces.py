@@ -186,7 +186,9 @@ def test_replies_cut_only_the_prompts_of_their_own_namespace(loaded):
     g1 = engine.generate(prompt1, mode="exact", max_new_tokens=12, cache_salt="alpha")
     assert g1.text.strip()
     follow = prompt1 + g1.text + "\nUser: ok"
-    assert [s.text for s in engine.split(follow, cache_salt="alpha")][:2] == [prompt1, g1.text]
+    pieces = [s.text for s in engine.split(follow, cache_salt="alpha")]  # the prompt's text may hold passages
+    cut = pieces.index(g1.text)
+    assert "".join(pieces[:cut]) == prompt1
     never = fresh(loaded)  # an engine that never generated the reply: how any other namespace must see it
     for salt in ("beta", None):
         assert engine.split(follow, cache_salt=salt) == never.split(follow)

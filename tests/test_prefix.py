@@ -262,5 +262,6 @@ def test_a_reply_cuts_a_prompt_only_after_the_prompt_it_answered(engine):
     # after the prompt it answered: a cut, and the reply keeps its generated tokens
     follow = prompt1 + g1.text + "\nUser: ok"
     pieces = engine.split(follow)
-    assert [s.text for s in pieces][:2] == [prompt1, g1.text]
-    assert pieces[1].token_ids == g1.token_ids[: len(pieces[1].token_ids)]
+    cut = [s.text for s in pieces].index(g1.text)  # the prompt before it may be cut at passages
+    assert "".join(s.text for s in pieces[:cut]) == prompt1
+    assert pieces[cut].token_ids == g1.token_ids[: len(pieces[cut].token_ids)]

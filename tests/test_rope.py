@@ -145,7 +145,7 @@ def test_rope_types_that_depend_on_more_than_the_position_are_not_relocatable():
         assert name not in RELOCATABLE_ROPE_TYPES
 
 
-def test_bf16_relocation_natively_equals_its_torch_ops(monkeypatch):
+def test_bf16_relocation_natively_equals_its_torch_ops():
     """rope._rotate's native call (bf16 on CPU, kernels.py) against its own torch ops, bit for bit: into a slice of
     a request buffer (strided layers and heads), and in place; nothing outside the slots written."""
     from pc_rag.model import kernels
@@ -158,11 +158,11 @@ def test_bf16_relocation_natively_equals_its_torch_ops(monkeypatch):
     table = rope_module.RopeTable("default", "default", inv)
     src = torch.randn(3, 2, 40, 64, generator=g).mul(3).to(torch.bfloat16)
     buf = torch.zeros(3, 1, 2, 100, 64, dtype=torch.bfloat16)
-    rope_module._rotate(buf[:, 0, :, 30:70], src, table, 1234)
+    native = kernels.loaded().relocate_keys
+    rope_module._rotate(buf[:, 0, :, 30:70], src, table, 1234, native)
     in_place = src.clone()
-    rope_module._rotate(in_place, in_place, table, 1234)
-    monkeypatch.setattr(rope_module, "_rotate_natively", lambda *a: False)
+    rope_module._rotate(in_place, in_place, table, 1234, native)
     want = torch.empty_like(src)
-    rope_module._rotate(want, src, table, 1234)
+    rope_module._rotate(want, src, table, 1234, None)  # torch's ops
     assert torch.equal(buf[:, 0, :, 30:70], want) and torch.equal(in_place, want)
     assert not buf[:, :, :, :30].any() and not buf[:, :, :, 70:].any()

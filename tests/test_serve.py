@@ -146,6 +146,34 @@ def test_cache_control_parts_and_the_chunks_field_mark_chunks(client, reference)
     assert again.usage.prompt_tokens_details.cached_tokens >= doc_tokens - 2
 
 
+def test_documents_joined_by_the_client_are_reused_in_another_order(client, reference):
+    # A client that writes its own system message (no cache_control, no chunks field): the documents it sent
+    # before are reused wherever they land. Reference: the in-process engine given the same requests in the same
+    # order (same passages remembered), exactly; and the documents' own token counts for what must be read.
+    from pydoc_data.topics import topics
+
+    docs = [" ".join(topics[k].split())[:400] for k in ("assert", "break", "continue", "pass")]
+
+    def messages(order, question):
+        return [{"role": "system", "content": "Answer from these documents.\n\n" + "\n\n".join(docs[i] for i in order)},
+                {"role": "user", "content": question}]
+
+    for order, question in (([0, 1, 2], "What is assert?"), ([3, 2, 0], "What is pass?")):
+        ref = reference.chat(messages(order, question), max_new_tokens=6, cache_salt="plain-docs")
+        got = client.chat.completions.create(model="m", messages=messages(order, question), max_tokens=6,
+                                             temperature=0, extra_body={"cache_salt": "plain-docs"})
+        assert got.choices[0].message.content == ref.text
+        assert got.usage.prompt_tokens_details.cached_tokens == ref.cached_tokens
+    reused = sum(len(reference.segmenter.ids(docs[i])) for i in (2, 0))
+    assert got.usage.prompt_tokens_details.cached_tokens >= reused
+    # Completions: a prompt string the client joined.
+    text = "Notes:\n\n" + "\n---\n".join(docs[i] for i in (1, 3)) + "\n\nQ: which?\nA:"
+    client.completions.create(model="m", prompt=text, max_tokens=2, extra_body={"cache_salt": "plain-docs"})
+    text = "Other notes:\n\n" + "\n---\n".join(docs[i] for i in (3, 1)) + "\n\nQ: which?\nA:"
+    again = client.completions.create(model="m", prompt=text, max_tokens=2, extra_body={"cache_salt": "plain-docs"})
+    assert again.usage.prompt_tokens_details.cached_tokens >= sum(len(reference.segmenter.ids(docs[i])) for i in (1, 3))
+
+
 @pytest.mark.parametrize("body, expect", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),

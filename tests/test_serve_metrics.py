@@ -23,7 +23,7 @@ from pc_rag.serve.auth import APIKey  # noqa: E402
 from pc_rag.store import MemoryStore  # noqa: E402
 
 DOC = "The for statement iterates over the elements of a sequence, such as a string, a tuple or a list."
-LABELS = {"endpoint", "status", "finished_reason", "kind", "source", "tier", "le"}
+LABELS = {"endpoint", "status", "finished_reason", "kind", "source", "tier", "operation", "backend", "le"}
 
 
 def scrape(http, key: str | None = None) -> dict[str, list]:
@@ -100,6 +100,9 @@ def test_counters_equal_the_usage_of_the_requests_made(loaded):
     assert total(m, "pc_rag:store_bytes", tier="memory") == tier["bytes_held"]
     assert total(m, "pc_rag:store_hits_total", tier="memory") == tier["hits"]
     assert total(m, "pc_rag:decode_rows") == 0
+    backends = engine.stats()["backends"]
+    assert {(s.labels["operation"], s.labels["backend"]) for s in m["pc_rag:backend"]} == {
+        (op, choice["backend"]) for op, choice in backends.items()}
     assert {k for samples in m.values() for s in samples for k in s.labels} <= LABELS  # no tenant, key or salt
 
 

@@ -486,13 +486,11 @@ def test_parse_bytes():
 
 
 def test_get_with_source_for_any_store(tmp_path):
-    from pc_rag.store import get_with_source
-
     disk = DiskStore(tmp_path)
     disk.put(key_of(1), make_block(1))
-    assert get_with_source(disk, key_of(1))[1] == "disk"
-    assert get_with_source(disk, key_of(2)) == (None, None)
-    assert get_with_source(TieredStore([MemoryStore(), disk]), key_of(1))[1] == "disk"
+    assert disk.get_with_source(key_of(1))[1] == "disk"
+    assert disk.get_with_source(key_of(2)) == (None, None)
+    assert TieredStore([MemoryStore(), disk]).get_with_source(key_of(1))[1] == "disk"
 
 
 def test_cache_directory_removed_while_running_is_recreated(tmp_path):

@@ -447,14 +447,12 @@ class Recording:
 
 
 def test_get_many_with_source_asks_each_tier_once_for_the_missing_keys():
-    from pc_rag.store import get_many_with_source
-
     top, lower = Recording("top", batch=True), Recording("lower", batch=False)  # lower: asked key by key
     top.put(key_of(1), make_block(1))
     lower.put(key_of(2), make_block(2))
     store = TieredStore([top, lower])
     keys = [key_of(1), key_of(2), key_of(3), key_of(1)]
-    got = get_many_with_source(store, keys)
+    got = store.get_many_with_source(keys)
     assert [source for _, source in got] == ["top", "lower", None, "top"]
     assert_same(got[0][0], make_block(1))
     assert_same(got[1][0], make_block(2))
@@ -465,19 +463,19 @@ def test_get_many_with_source_asks_each_tier_once_for_the_missing_keys():
 
 
 def test_get_many_with_source_for_any_store(tmp_path):
-    from pc_rag.store import get_many_with_source
+    from pc_rag.store import as_store
 
-    got = get_many_with_source(PlainStore("mine", {key_of(1): make_block(1)}), [key_of(1), key_of(2)])
+    got = as_store(PlainStore("mine", {key_of(1): make_block(1)})).get_many_with_source([key_of(1), key_of(2)])
     assert [s for _, s in got] == ["mine", None]
     disk = DiskStore(tmp_path)
     disk.put(key_of(1), make_block(1))
-    assert [s for _, s in get_many_with_source(disk, [key_of(2), key_of(1)])] == [None, "disk"]
-    assert get_many_with_source(TieredStore([MemoryStore()]), []) == []
+    assert [s for _, s in disk.get_many_with_source([key_of(2), key_of(1)])] == [None, "disk"]
+    assert TieredStore([MemoryStore()]).get_many_with_source([]) == []
 
 
 def test_put_persist_false_stays_out_of_persistent_tiers(tmp_path):
     fakeredis = pytest.importorskip("fakeredis")
-    from pc_rag.store import block_files, put_block
+    from pc_rag.store import as_store, block_files
 
     memory, disk = MemoryStore(), DiskStore(tmp_path / "a")
     redis = RedisStore("redis://fake", client=fakeredis.FakeRedis())
@@ -486,14 +484,14 @@ def test_put_persist_false_stays_out_of_persistent_tiers(tmp_path):
     store.put(key_of(1), make_block(1), persist=False)
     assert_same(memory.get(key_of(1)), make_block(1))
     assert block_files(tmp_path / "a") == [] and redis._client.dbsize() == 0
-    put_block(store, key_of(2), make_block(2))  # persist defaults to True: every tier
+    store.put(key_of(2), make_block(2))  # persist defaults to True: every tier
     assert_same(disk.get(key_of(2)), make_block(2))
     assert_same(redis.get(key_of(2)), make_block(2))
 
     alone = DiskStore(tmp_path / "b")  # a persistent store used alone: a non-persist put is skipped
-    put_block(alone, key_of(1), make_block(1), persist=False)
+    alone.put_volatile(key_of(1), make_block(1))
     assert block_files(tmp_path / "b") == []
-    put_block(alone, key_of(1), make_block(1))
+    alone.put(key_of(1), make_block(1))
     assert_same(alone.get(key_of(1)), make_block(1))
 
     class Mine:  # a user's store without `persist` or `persistent`: a plain put either way
@@ -506,7 +504,7 @@ def test_put_persist_false_stays_out_of_persistent_tiers(tmp_path):
             self.keys.append(key)
 
     mine = Mine()
-    put_block(mine, key_of(1), make_block(1), persist=False)
+    as_store(mine).put_volatile(key_of(1), make_block(1))
     assert mine.keys == [key_of(1)]
 
 

@@ -20,7 +20,6 @@ from pc_rag.store import (
     as_store,
     block_files,
     open_store,
-    put_block,
 )
 
 from .conftest import PlainStore
@@ -124,7 +123,7 @@ def test_tiered_puts_go_to_the_tiers_of_their_kind(tmp_path):
     """The composition overrides every put: memory-only blocks never reach disk, persistent-only never memory."""
     memory, disk = MemoryStore(), DiskStore(tmp_path)
     store = TieredStore([memory, disk])
-    put_block(store, key_of(1), make_block(1), persist=False)
+    store.put_volatile(key_of(1), make_block(1))
     store.put_persistent(key_of(2), make_block(2))
     store.put_volatile(key_of(3), make_block(3))
     assert memory.contains(key_of(1)) and memory.contains(key_of(3)) and not memory.contains(key_of(2))

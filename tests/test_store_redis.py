@@ -265,9 +265,7 @@ def test_wrong_type_value_is_a_corrupt_miss_not_an_outage(server):
     got, source = store.get_with_source(key_of(2))
     assert source == "redis"
     assert_same(got, make_block(2))
-    from pc_rag.store import get_many_with_source
-
-    batch = get_many_with_source(store, [key_of(3), key_of(4), key_of(5)])
+    batch = store.get_many_with_source([key_of(3), key_of(4), key_of(5)])
     assert [s for _, s in batch] == [None, "redis", None]
     assert_same(batch[1][0], make_block(4))
     s = tier.tier_stats()[0]
@@ -278,7 +276,6 @@ def test_wrong_type_value_is_a_corrupt_miss_not_an_outage(server):
 def test_batch_lookup_pays_a_slow_server_once(server):
     # 12 chunks, a server answering 0.1 s late. Reference: the same keys looked up one by one (the engine's
     # path before get_many_with_source), which pays the delay 12 times.
-    from pc_rag.store import get_many_with_source
 
     keys = [key_of(i) for i in range(12)]
     direct = RedisStore(server.url)
@@ -295,7 +292,7 @@ def test_batch_lookup_pays_a_slow_server_once(server):
         store = TieredStore([MemoryStore(), RedisStore(proxy.url)])
         store.tiers[1].get(key_of(99))
         t0 = time.monotonic()
-        got = get_many_with_source(store, keys)
+        got = store.get_many_with_source(keys)
         batch_s = time.monotonic() - t0
     finally:
         proxy.close()
@@ -309,7 +306,6 @@ def test_batch_lookup_pays_a_slow_server_once(server):
 def _batch_through_proxy(server, blocks: list[KVBlock], **proxy) -> tuple[list, float, RedisStore]:
     """Stores `blocks` (keys 0..), then looks them all up in one batch through a SlowProxy(**proxy), 0.3 s socket
     timeout: (what the lookup got, its seconds, the Redis tier)."""
-    from pc_rag.store import get_many_with_source
 
     keys = [key_of(i) for i in range(len(blocks))]
     for key, block in zip(keys, blocks, strict=True):
@@ -319,7 +315,7 @@ def _batch_through_proxy(server, blocks: list[KVBlock], **proxy) -> tuple[list, 
         tier = RedisStore(link.url, timeout_s=0.3)
         store = TieredStore([MemoryStore(), tier], retry_after_s=60)
         t0 = time.monotonic()
-        got = get_many_with_source(store, keys)
+        got = store.get_many_with_source(keys)
         return got, time.monotonic() - t0, tier
     finally:
         link.close()
@@ -345,9 +341,8 @@ def test_a_dripping_server_cannot_hang_a_batch(server, caplog):
     10^8 bytes). Now the batch has one deadline (0.5 s plus the bytes that arrived at 16 MiB/s): the batch is a
     miss within about 1 s, the tier is marked down (a warning naming it too slow) and skipped, by the lookup path
     (a pipeline of GETs) and by the path that reads into a request buffer (EXISTS, then GETs into slots)."""
-    from pc_rag.store import get_many_with_source
     from pc_rag.store.redis_tier import TierSlowError
-    from pc_rag.store.tier import Sink
+    from pc_rag.store.tier import ReadTarget
 
     from .test_store_faults import call_bounded
 
@@ -359,7 +354,7 @@ def test_a_dripping_server_cannot_hang_a_batch(server, caplog):
         assert tier.locate([key_of(1)]) == [True]  # connected, passing through
         proxy.dripping = True
         with caplog.at_level(logging.WARNING, logger="pc_rag.store"):
-            got, elapsed = call_bounded(lambda: get_many_with_source(store, [key_of(1), key_of(2)]), 10.0)
+            got, elapsed = call_bounded(lambda: store.get_many_with_source([key_of(1), key_of(2)]), 10.0)
         assert got == [(None, None)] * 2 and elapsed < 1.5, elapsed
         assert "too slow" in caplog.text and tier.tier_stats()[0].errors == 1
         t0 = time.monotonic()
@@ -373,7 +368,7 @@ def test_a_dripping_server_cannot_hang_a_batch(server, caplog):
         proxy.dripping = True
         keys, values = torch.empty(2, 2, 6, 4), torch.empty(2, 2, 6, 4)
         with pytest.raises(TierSlowError, match="too slow"):
-            call_bounded(lambda: direct.read_into([key_of(1)], [Sink(lambda b: True, keys, values)]), 10.0)
+            call_bounded(lambda: direct.read_into([key_of(1)], [ReadTarget(lambda b: True, keys, values)]), 10.0)
     finally:
         proxy.close()
 

@@ -8,8 +8,9 @@ keyword `past_key_values` to `cache`), this package is the one place to edit. Wh
   OLMo 2) reading its HF config into an Architecture;
 - weights.py: each layer's modules as the forwards call them (projections fused, oneDNN-packed on CPU);
 - attention.py: where one forward's tokens go (`Writes`), sliding windows and soft-capping, the kernels;
-- kernels.py: pc_rag's own attention kernels (csrc/: decode, causal prefill), compiled once per machine where
-  they run;
+- kernels.py: pc_rag's native CPU kernels (csrc/: attention, a decode step's small ops, few-row products),
+  compiled once per machine where they run;
+- backends.py: which code runs each operation (the kernels, oneDNN, sdpa), chosen once per runner, with why;
 - cache.py: a request's KV buffer (`SlotCache`) and the KV shape (`ModelShape`);
 - rope.py: RoPE tables per layer, relocation of cached keys, the relocation self-check;
 - fingerprint.py: the model fingerprint in every store key;

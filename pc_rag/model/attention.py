@@ -9,6 +9,9 @@ Layers that attend to everything before them, without soft-capping, take the fas
 (`Writes`). A windowed layer whose keys reach further back than its window, and every layer of a soft-capping
 model (Gemma 2: sdpa has no soft-cap), attend in blocks of query rows over the keys each block can see, with an
 explicit mask (`_attend_rows`): a long prefill costs O(tokens x window) there, not tokens squared.
+
+Whether pc_rag's kernels (kernels.py) or sdpa attend is the runner's choice (`Backends`, backends.py), passed to
+every call here; a call the chosen kernel cannot take (a layout it does not read) goes to sdpa.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .backends import Backends
 
 # From this many fresh tokens after a cached prefix, attention runs in two parts on CPU. Measured (bench model,
 # forward of n tokens after 300 / 2000 cached, fp32 and bf16): 2048 tokens 18-22% faster in two parts, 512 up to
@@ -53,7 +57,7 @@ class Writes:
     A token at slot s attends to every slot <= s, so no query sees past the last written slot: keys are read
     from [0, kv). Three layouts, cheapest first:
     - "causal": the tokens fill slots [0, n) (a cold prefill, a chunk encoded on its own): they attend only among
-      themselves, with no mask: pc_rag's prefill kernel where it runs (kernels.py), else sdpa with `is_causal`
+      themselves, with no mask: pc_rag's prefill kernel where the runner runs it, else sdpa with `is_causal`
       (its fused kernel skips the masked half);
     - "after": contiguous slots [start, start + n) after everything before them (a question after a cached
       prefix, a chat turn, a decode step). One token needs no mask (the decode kernel, or sdpa). Many: where the
@@ -74,12 +78,12 @@ class Writes:
     mask: torch.Tensor | None  # additive [1, 1, n, kv] in the model's dtype, where attention takes one
 
     @classmethod
-    def of(cls, slots: list[int], dtype: torch.dtype, device) -> Writes:
+    def of(cls, slots: list[int], dtype: torch.dtype, device, backends: Backends) -> Writes:
         n, first, kv = len(slots), slots[0], max(slots) + 1
         if kv - first == n and slots == list(range(first, kv)):
             if first == 0:
                 return cls(n, kv, "causal", 0, None, None)
-            if (n == 1 or _prefill_kernel_runs(dtype, device) or first * PADDED_PREFIX_SHARE <= n
+            if (n == 1 or backends.prefill_kernel is not None or first * PADDED_PREFIX_SHARE <= n
                     or (n >= SPLIT_MIN_TOKENS and _splits(device))):
                 return cls(n, kv, "after", first, None, None)
             return cls(n, kv, "after", first, None, _mask(torch.arange(first, kv, device=device), kv, dtype))
@@ -106,10 +110,10 @@ class Writes:
 
 
 def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, window: int | None, q, k, v,
-           w: Writes, written: bool = False) -> torch.Tensor:
+           w: Writes, backends: Backends, written: bool = False) -> torch.Tensor:
     """Write the fresh keys and values `k`, `v` [1, H_kv, n, D] into one layer's buffers [1, H_kv, capacity, D]
     at `w`'s slots (unless `written`: they are views of the buffers there already), then attend (sliding `window`,
-    if any): [1, H_q, n, D]."""
+    if any) by the runner's `backends`: [1, H_q, n, D]."""
     if not written and w.layout == "slots":
         layer_keys.index_copy_(2, w.index, k)
         layer_values.index_copy_(2, w.index, v)
@@ -118,19 +122,19 @@ def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, w
         layer_values[:, :, w.start: w.start + w.n] = v
     if w.layout == "after" and w.n == 1:  # a decode step: the last `window` keys at most
         lo = 0 if window is None else max(0, w.kv - window)
-        return attend_decode(q, [layer_keys[:, :, lo: w.kv]], [layer_values[:, :, lo: w.kv]], heads)
+        return attend_decode(q, [layer_keys[:, :, lo: w.kv]], [layer_values[:, :, lo: w.kv]], heads, backends)
     if heads.softcap is not None or (window is not None and w.kv > window):
         return _attend_rows(q, layer_keys, layer_values, w, heads, window)
     if w.layout == "causal":  # nothing before these tokens: the fresh tensors are all the keys there are
-        if _prefill_kernel_takes(q, k, v):
-            return _attend_prefill(q, k, v, heads)
+        if _prefill_kernel_takes(q, k, v, backends):
+            return _attend_prefill(q, k, v, heads, backends)
         # Laid out [1, H, n, D] first: the kernel ran 8% faster in bf16 on them, copy included (fp32: even).
         return F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True,
                                               scale=heads.scaling, **_gqa(heads))
     if w.layout == "after" and w.mask is None:
         keys, values = layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv]
-        if _prefill_kernel_takes(q, keys, values):  # one call over the cached keys and the fresh ones
-            return _attend_prefill(q, keys, values, heads)
+        if _prefill_kernel_takes(q, keys, values, backends):  # one call over the cached keys and the fresh ones
+            return _attend_prefill(q, keys, values, heads, backends)
         if w.start * PADDED_PREFIX_SHARE <= w.n:
             return _attend_padded(q, keys, values, w.start, heads)
         return _attend_after(q, layer_keys[:, :, : w.start], layer_values[:, :, : w.start], k, v, heads)
@@ -138,26 +142,22 @@ def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, w
                                           attn_mask=w.mask, scale=heads.scaling, **_gqa(heads))
 
 
-def _prefill_kernel_runs(dtype: torch.dtype, device) -> bool:
-    return (torch.device(device).type == "cpu" and dtype in kernels.DTYPES
-            and kernels.prefill_attention_kernel(dtype) is not None)
-
-
-def _prefill_kernel_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether pc_rag's prefill kernel runs q [1, H_q, n, D] over keys [1, H_kv, T, D]: CPU, a dtype it runs here,
-    every row's D elements contiguous (heads and rows may be strided: the fused projection's views are)."""
+def _prefill_kernel_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, backends: Backends) -> bool:
+    """Whether pc_rag's prefill kernel runs q [1, H_q, n, D] over keys [1, H_kv, T, D]: the runner's choice,
+    CPU, fp32 or bf16, every row's D elements contiguous (heads and rows may be strided: the fused projection's
+    views are)."""
     d = q.shape[-1]
     even = q.dtype != torch.bfloat16 or (keys.stride(1) % 2 == 0 and keys.stride(2) % 2 == 0)  # bf16 read in pairs
-    return (q.device.type == "cpu" and q.dtype == keys.dtype == values.dtype and q.dtype in kernels.DTYPES
-            and q.shape[0] == 1 and d % 16 == 0 and d <= 256 and all(t.stride(-1) == 1 for t in (q, keys, values))
-            and even and kernels.prefill_attention_kernel(q.dtype) is not None)
+    return (backends.prefill_kernel is not None and q.device.type == "cpu" and q.dtype == keys.dtype == values.dtype
+            and q.dtype in kernels.DTYPES and q.shape[0] == 1 and d % 16 == 0 and d <= 256
+            and all(t.stride(-1) == 1 for t in (q, keys, values)) and even)
 
 
-def _attend_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: Heads) -> torch.Tensor:
+def _attend_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: Heads,
+                    backends: Backends) -> torch.Tensor:
     """q [1, H_q, n, D] over keys [1, H_kv, T, D] through pc_rag's prefill kernel, lower-right causal (query row
     i sees keys [0, T - n + i]): [1, H_q, n, D]."""
-    fn = kernels.prefill_attention_kernel(q.dtype)
-    return kernels.prefill_attention(fn, q[0], keys[0], values[0], heads.scaling)[None]
+    return kernels.prefill_attention(backends.prefill_kernel, q[0], keys[0], values[0], heads.scaling)[None]
 
 
 def _splits(device) -> bool:
@@ -175,17 +175,20 @@ def _gqa(heads: Heads) -> dict:
     return {"enable_gqa": True} if heads.num_key_value_groups > 1 else {}  # sdpa repeats the kv heads itself
 
 
-def attend_decode(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], heads: Heads) -> torch.Tensor:
+def attend_decode(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], heads: Heads,
+                  backends: Backends) -> torch.Tensor:
     """One decode step's attention for B requests: request b's query token q[b] [H_q, 1, D] over every key of its
     own keys[b] / values[b] [1, H_kv, T_b, D] (no mask). Returns [B, H_q, 1, D].
 
-    On CPUs with AVX-512, pc_rag's own kernel runs all B requests in one call (kernels.py): sdpa's CPU kernel
-    read the KV at about half the machine's rate in fp32 and a third in bf16. Otherwise sdpa, request by
-    request (`_attend_one`)."""
+    Where the runner chose pc_rag's decode kernel (`backends`), it runs all B requests in one call (kernels.py):
+    sdpa's CPU kernel read the KV at about half the machine's rate in fp32 and a third in bf16. Otherwise sdpa,
+    request by request (`_attend_one`)."""
     b, h, _, d = q.shape
     group = heads.num_key_value_groups
-    if heads.softcap is None and all(_kernel_takes(k, v) for k, v in zip(keys, values, strict=True)):
-        o = kernels.decode_attention(kernels.decode_attention_kernel(), q.reshape(b, h // group, group, d),
+    fn = backends.decode_kernel
+    if (fn is not None and heads.softcap is None
+            and all(_kernel_takes(k, v) for k, v in zip(keys, values, strict=True))):
+        o = kernels.decode_attention(fn, q.reshape(b, h // group, group, d),
                                      [k[0] for k in keys], [v[0] for v in values], heads.scaling)
         return o.reshape(b, h, 1, d)
     out = [_attend_one(q[i: i + 1], keys[i], values[i], heads) for i in range(b)]
@@ -214,7 +217,7 @@ def _kernel_takes(keys: torch.Tensor, values: torch.Tensor) -> bool:
     d = keys.shape[-1]
     return (keys.device.type == "cpu" and keys.dtype in kernels.DTYPES and values.dtype == keys.dtype
             and keys.shape[0] == 1 and d % 16 == 0 and d <= 256 and keys.stride(-1) == 1 and keys.stride(-2) == d
-            and values.stride(-1) == 1 and values.stride(-2) == d and kernels.decode_attention_kernel() is not None)
+            and values.stride(-1) == 1 and values.stride(-2) == d)
 
 
 def _attend_padded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,

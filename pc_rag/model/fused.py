@@ -15,7 +15,7 @@ SiLU, the residual adds), each a dispatch of 3-10 us, plus the Python between th
 
 Where every product of the step goes to linear_rows (a few rows, weights.Packed.few_rows), that loop over the
 layers runs as one native call (csrc/decode_layers.cpp: the same kernels in the same order, so the same sums), and
-a step lets go of the GIL once instead of at each of ~20 ops per layer (docs/speed.md, 18.).
+a step lets go of the GIL once instead of at each of ~20 ops per layer (docs/speed.md#decode).
 
 A prefill (runner.forward_layers) takes the same norm and SiLU calls, threaded over its rows, and RoPE with the KV
 writes in one call (pc_rag_prefill_rope): in bf16 torch ran them as fp32 round trips (to, pow, mean, rsqrt, mul, to,
@@ -24,24 +24,22 @@ large shape. Attention stays attention.py's.
 
 Which models: the layer of Llama, Mistral, Qwen2, Qwen3 and the families that share it (a pre-attention and a
 pre-MLP RMSNorm, per-head q/k RMSNorms or none, SiLU, rotate-half RoPE over the whole head, no multipliers or
-soft-caps), in fp32 or bf16 on a CPU where the kernels run (kernels.py) and the products are packed. Each op rounds
-where the model's own ops do, and `FusedLayers.of` checks a probe prefill and step against the module-by-module
-ones before it is used: any family, version or norm that differs gets the module-by-module layers (runner.py), as
-does everything else.
+soft-caps), in fp32 or bf16 where the runner chose the native kernels for decode attention (backends.py) and the
+products are packed. Each op rounds where the model's own ops do, and `FusedLayers.of` checks a probe prefill and
+step against the module-by-module ones before it is used: any family, version or norm that differs gets the
+module-by-module layers (runner.py), as does everything else. Its answer is the runner's `layers` backend.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import time
 
 import torch
 
 from . import kernels
 from .architecture import DEFAULT_ROPE, Norms
-
-log = logging.getLogger("pc_rag.fused")
+from .backends import FUSED, KERNEL, MODULES, Choice
 
 # A prefill's MLP runs at most this many bytes of gate|up product at a time (FusedLayers.after_attention).
 MLP_BYTES = 16 << 20
@@ -62,7 +60,7 @@ def _is_silu(act) -> bool:
 
 
 class FusedLayers:
-    """One runner's fused ops (see the module docstring); `of(runner)` returns None where they do not apply."""
+    """One runner's fused ops (see the module docstring); `of(runner)` builds them, or says why they do not apply."""
 
     def __init__(self, runner, k: kernels.Kernels):
         self.runner = runner
@@ -91,29 +89,33 @@ class FusedLayers:
                 self.windows[i]) for i, lw in enumerate(w.layers)])
 
     @classmethod
-    def of(cls, runner) -> FusedLayers | None:
-        why = cls._unfit(runner)
+    def of(cls, runner) -> tuple[FusedLayers | None, Choice, str | None]:
+        """The runner's fused layers, or None where they do not apply, as its `layers` backend; and where a step of
+        BATCH_ROWS requests was timed faster as one native call (`_time_batches`), in words (else None)."""
+        why, batches = cls._unfit(runner), None
         if why is None:
-            fused = cls(runner, kernels.loaded())
+            fused = cls(runner, runner.backends.kernels)
             runner._fused = fused  # the probe runs the runner's own forward with it
             try:
-                why = None if fused._agrees() else "a probe disagreed with the module-by-module layers"
+                why = fused._disagrees()
                 if why is None:
-                    fused._time_batches()
+                    batches = fused._time_batches()
             finally:
                 runner._fused = None
         if why is not None:
-            log.info("pc_rag: layers module by module (%s)", why)
-            return None
-        return fused
+            return None, Choice(MODULES, why), None
+        native = ("one native call per step where linear_rows takes every product, else native calls per op"
+                  if fused._layers is not None else "native calls per op")
+        return fused, Choice(FUSED, f"the standard layer: norms, RoPE, KV writes, attention and SiLU as {native}; "
+                             "checked against the module-by-module layers at load"), batches
 
     @staticmethod
     def _unfit(runner) -> str | None:
         arch, w = runner.arch, runner.weights
+        if runner.backends.decode_attention.backend != KERNEL:
+            return f"decode attention is {runner.backends.decode_attention.backend}'s, not the native kernel's"
         if runner.device.type != "cpu" or runner.dtype not in kernels.DTYPES or not w.packed:
             return "fused decoding needs fp32/bf16 on CPU with packed products"
-        if kernels.loaded() is None:
-            return "the kernels do not run here"
         if (arch.norms != Norms() or arch.qk_norm not in (None, "head") or arch.residual_multiplier is not None
                 or runner.heads.softcap is not None or arch.head_dim % 16 or arch.head_dim > 256):
             return f"{arch.model_type}'s layer is not the standard one"
@@ -129,10 +131,10 @@ class FusedLayers:
                 return f"{arch.model_type}'s q/k norms are not the standard ones"
         return None
 
-    def _agrees(self) -> bool:
+    def _disagrees(self) -> str | None:
         """A probe: 6 tokens prefilled into two caches, module by module and fused, then one step each way; the
-        logits of both must agree as closely as fp32 (1e-4) or bf16 (one rounding of the logits) allow. The
-        caller has set runner._fused to self."""
+        logits of both must agree as closely as fp32 (1e-4) or bf16 (one rounding of the logits) allow. Returns why
+        not, or None. The caller has set runner._fused to self."""
         r = self.runner
         ids = [min(i + 3, r.config.vocab_size - 1) for i in range(7)]
         caches = [r.new_cache(8), r.new_cache(8)]
@@ -143,27 +145,27 @@ class FusedLayers:
             pairs.append((r.decode_batch(caches[:1], ids[6:], [6], [6], fused=False),
                           self.step(caches[1:], ids[6:], [6], [6])))
         except RuntimeError as e:  # e.g. RoPE over part of each head (Phi-3)
-            log.info("pc_rag: the fused layers do not take this model: %s", e)
-            return False
+            return f"the fused layers do not take this model: {e}"
         tol = 1e-4 if r.dtype == torch.float32 else 5e-2
         for want, got in pairs:
             scale = float(want.abs().max()) + 1e-6
             if not (((got - want).abs().max() / scale) <= tol and torch.equal(got.argmax(-1), want.argmax(-1))):
-                return False
-        return True
+                return "a probe disagreed with the module-by-module layers"
+        return None
 
     @torch.inference_mode()
-    def _time_batches(self) -> None:
-        """Where linear_rows' products of BATCH_ROWS rows lost to oneDNN's when timed alone (weights_of), whether
-        a step of that many requests is still faster as one native call over them than as the Python loop over
-        oneDNN's; if so, the layers' products take that many rows. The native call saves the loop's per-op cost:
-        bf16, bench model, 8 requests, 10.7 against 12.1 ms a step, where the products alone lost (2026-12-03).
-        Timed once at load on empty caches (alternating, medians of 5) and logged."""
+    def _time_batches(self) -> str | None:
+        """Where linear_rows' products of BATCH_ROWS rows lost to oneDNN's when timed alone (few_rows_limit),
+        whether a step of that many requests is still faster as one native call over them than as the Python loop
+        over oneDNN's; if so, the layers' products take that many rows. The native call saves the loop's per-op
+        cost: bf16, bench model, 8 requests, 10.7 against 12.1 ms a step, where the products alone lost. Timed once
+        per runner at load on empty caches (alternating, medians of 5); returns what it found, in words (None:
+        not timed)."""
         from .weights import BATCH_ROWS, FEW_ROWS
 
         rows = BATCH_ROWS
         if self._layers is None or any(p.few is None or p.few_rows != FEW_ROWS for p in self._products):
-            return
+            return None
         r = self.runner
         caches = [r.new_cache(16) for _ in range(rows)]
         ids = [min(i + 3, r.config.vocab_size - 1) for i in range(rows)]
@@ -179,9 +181,8 @@ class FusedLayers:
         loop, native = (sorted(times[k])[2] for k in (FEW_ROWS, rows))
         for p in self._products:
             p.few_rows = rows if native < loop else FEW_ROWS
-        log.info("pc_rag: %d-request decode steps %s (one native call over linear_rows %.2f ms, the layer loop "
-                 "over oneDNN %.2f ms)", rows, "as one native call" if native < loop else "through oneDNN",
-                 native * 1e3, loop * 1e3)
+        return (f"{rows}-request steps {'as one native call' if native < loop else 'through oneDNN'} (one native "
+                f"call over linear_rows {native * 1e3:.2f} ms, the layer loop over oneDNN {loop * 1e3:.2f} ms)")
 
     @torch.inference_mode()
     def step(self, caches, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
@@ -292,7 +293,7 @@ class FusedLayers:
         after = None if i + 1 == len(self.input_norms) else self.input_norms[i + 1]
         # A power of two: at the large shape in bf16 (AMX), oneDNN's down product (4864 -> 896) ran at 1,551
         # GFLOP/s over 512 rows and 1,747 over 2,048, but 811 over 768 (1,024: 803); a 4K prefill took 2.94-3.57
-        # against 3.19-3.51 s with 512-row blocks instead of 768 (docs/speed.md, 23.). Measured at that shape only.
+        # against 3.19-3.51 s with 512-row blocks instead of 768 (docs/speed.md#prefill). Measured at that shape only.
         budget = MLP_BYTES // (2 * self.mlp_width * hidden.element_size())
         rows = max(256, 1 << max(0, budget.bit_length() - 1))
         for a in range(0, hidden.shape[0], rows):

@@ -13,23 +13,27 @@
 - prefill_attention.cpp: causal attention of many query rows (a cold prefill, the fresh tokens after a cached
   prefix). sdpa's CPU kernel ran its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench
   machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster. In bf16 on
-  CPUs with AMX, sdpa runs its products on AMX tiles, and so does the kernel (faster again: docs/speed.md, 21.).
+  CPUs with AMX, sdpa runs its products on AMX tiles, and so does the kernel (faster again: docs/speed.md#prefill).
 
 Where they run: Linux on x86-64 with AVX-512 (what servers have: Intel since Skylake-SP, AMD since Zen 4), keys in
 fp32 or bf16, head_dim a multiple of 16 up to 256. The bf16 prefill multiplies in bf16: on AMX tiles where the
 CPU has them (Intel since Sapphire Rapids; head_dim a multiple of 32), else with dot products where it has
-AVX512-BF16 (Intel since Cooper Lake, AMD since Zen 4), else widened to fp32 as it packs. There
-`attention.attend_decode` and `attention.attend` call them instead of sdpa.
+AVX512-BF16 (Intel since Cooper Lake, AMD since Zen 4), else widened to fp32 as it packs.
 
 The sources are plain C++ with OpenMP and no torch or Python headers, so `g++` (or $CXX) compiles them in a few
-seconds, the first time a runner is made on a machine, into $XDG_CACHE_HOME/pc_rag_kernels (default
-~/.cache/pc_rag_kernels), one library per version of the sources and compiler; later processes load that file
-(where that folder cannot be written, each process builds into a temporary one). They are called through ctypes
-(which lets go of the GIL), on the OpenMP runtime torch already loaded (the same `libgomp.so.1`), with as many
-threads as torch's ops. A build goes to a file of its own and is renamed into place, so processes that build at
-once never wait on each other; a file that does not match the digest written beside it is rebuilt, not loaded.
-Every other case keeps sdpa, with one log line saying why: another platform or CPU, no compiler, a kernel that
-disagrees with sdpa on a probe, or PC_RAG_NO_KERNELS=1 (A/B runs).
+seconds, the first time a runner is made on a machine (one line says so while it runs), into $XDG_CACHE_HOME/
+pc_rag_kernels (default ~/.cache/pc_rag_kernels), one library per version of the sources and compiler; later
+processes load that file, and need no compiler to do so: without one, the newest intact build of these sources
+there is loaded (where that folder cannot be written, each process builds into a temporary one). They are called
+through ctypes (which lets go of the GIL), on the OpenMP runtime torch already loaded (the same `libgomp.so.1`),
+with as many threads as torch's ops. A build goes to a file of its own and is renamed into place, so processes
+that build at once never wait on each other; a file that does not match the digest written beside it is rebuilt,
+not loaded.
+
+Which operations of a runner use them is the runner's choice (backends.py). Where the library does not load, every
+runner takes torch's paths: a WARNING says why, what it costs and how to fix it where the kernels could run but did
+not build or load (no compiler and no cached build, a failed build, a kernel that disagreed with sdpa on a probe);
+an INFO line where they cannot run (another platform or CPU) or PC_RAG_NO_KERNELS=1 (A/B runs) turns them off.
 """
 
 from __future__ import annotations
@@ -65,7 +69,14 @@ FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-ffp-contract=off
 
 _lock = threading.Lock()
 _MISSING = object()
-_kernel: object = _MISSING  # the loaded `Kernels` once tried; None where they do not run
+# (the loaded `Kernels` or None where they do not run, why not) once tried: the library loads once per process
+_loaded: object = _MISSING
+
+# What the kernels save, for the warning where they do not build (docs/speed.md#native-cpu-kernels).
+COST = ("attention runs through torch's sdpa and every op of a decode step through torch: decode steps took 1.3-4x "
+        "and a cold prefill 1.4-1.6x the kernels' time on the benchmark model")
+FIX = ("install a C++ compiler with OpenMP (g++: `apt-get install g++`, or set $CXX to one) and start again; the "
+       "build is cached in {folder}, so later processes load it without a compiler")
 
 
 @dataclass(frozen=True)
@@ -118,32 +129,19 @@ def kernel_dir() -> Path:
 
 
 def loaded() -> Kernels | None:
-    """The compiled kernels, built or loaded on first use, or None where they do not run."""
-    global _kernel
-    if _kernel is _MISSING:
+    """The compiled kernels, built or loaded on first use in this process, or None where they do not run (`why_not`
+    says why). Which of them a runner uses is its own choice (backends.py)."""
+    global _loaded
+    if _loaded is _MISSING:
         with _lock:
-            if _kernel is _MISSING:
-                _kernel = _load()
-    return _kernel
+            if _loaded is _MISSING:
+                _loaded = _load()
+    return _loaded[0]
 
 
-def decode_attention_kernel():
-    """The compiled `pc_rag_decode_attention` (a ctypes function), or None where it does not run."""
-    k = loaded()
-    return None if k is None else k.decode
-
-
-def prefill_attention_kernel(dtype: torch.dtype):
-    """The compiled `pc_rag_prefill_attention` where it is what runs keys of `dtype` on this CPU, else None.
-
-    bf16 on CPUs with AMX (Intel since Sapphire Rapids) only where the kernel runs it on AMX tiles too: there
-    sdpa's CPU kernel does (through oneDNN), 55 against the AVX512-BF16 dot products' 152 ms for a bench-model layer
-    of 4K tokens (2026-12-02), and the kernel's own tiles 28-43 against sdpa's 36-51 (2026-12-03, the same
-    alternating runs)."""
-    k = loaded()
-    if k is None or dtype not in DTYPES or (dtype == torch.bfloat16 and has_amx() and not k.prefill_amx):
-        return None
-    return k.prefill
+def why_not() -> str:
+    """Why `loaded()` is None ("" where the kernels loaded or were not tried yet)."""
+    return "" if _loaded is _MISSING else _loaded[1]
 
 
 def has_amx() -> bool:
@@ -152,18 +150,27 @@ def has_amx() -> bool:
     return bool(check()) if check is not None else False
 
 
-def _load():
+class BuildError(OSError):
+    """The library could not be built or loaded here (no compiler and no cached build, a failed build)."""
+
+
+def _load() -> tuple[Kernels | None, str]:
+    """(the kernels, "") or (None, why not), having logged why: an INFO line where they cannot run here or are
+    switched off, a WARNING (why, what it costs, how to fix it) where they could run but did not build or load."""
     why = _unsupported()
-    if why is None:
-        try:
-            found = _bind(ctypes.CDLL(str(_library())))
-            why = None if _agrees(found) else "a compiled kernel disagreed with sdpa on a probe"
-        except Exception as e:  # whatever fails here, sdpa is always there
-            why = f"the kernel did not build or load: {e}"
     if why is not None:
-        log.info("pc_rag: attention through sdpa (%s)", why)
-        return None
-    return found
+        log.info("pc_rag: no native CPU kernels (%s): attention through sdpa, products through oneDNN", why)
+        return None, why
+    try:
+        found = _bind(ctypes.CDLL(str(_library())))
+        if _agrees(found):
+            return found, ""
+        why = "a compiled kernel disagreed with sdpa on a probe; please report it with your CPU's model"
+    except Exception as e:  # whatever fails here, torch's paths are always there
+        why = f"{e}" if isinstance(e, BuildError) else f"the library did not load: {type(e).__name__}: {e}"
+    log.warning("pc_rag's CPU kernels are not used: %s. So %s. To fix: %s.", why, COST,
+                FIX.format(folder=kernel_dir()))
+    return None, why
 
 
 def _unsupported() -> str | None:
@@ -176,39 +183,73 @@ def _unsupported() -> str | None:
     return None
 
 
-def _compiler() -> str:
-    found = shutil.which(os.environ.get("CXX") or "g++")
-    if found is None:
-        raise OSError(f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) on PATH")
-    return found
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX") or "g++")
+
+
+def _source_key() -> str:
+    text = b"".join(p.read_bytes() for p in (*SOURCES, CSRC / "simd.h"))
+    return hashlib.sha256(text + f"{FLAGS}".encode()).hexdigest()[:16]
 
 
 def _library() -> Path:
-    """The built library, compiled now unless an intact file for this source and compiler is there already.
+    """The built library: an intact file for these sources and this compiler, else compiled now; without a
+    compiler, the newest intact build of these sources (by any compiler), else BuildError.
 
     Intact: its bytes hash to the digest written beside it after the build. A truncated or corrupt shared
     library can crash the process that loads it (SIGBUS), so any other file is rebuilt, never loaded."""
+    source = _source_key()
     cxx = _compiler()
+    if cxx is None:
+        cached = _cached_build(kernel_dir(), source)
+        if cached is None:
+            raise BuildError(f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) on PATH, and no build of these "
+                             f"kernels in {kernel_dir()}")
+        return cached
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    text = b"".join(p.read_bytes() for p in (*SOURCES, CSRC / "simd.h"))
-    key = hashlib.sha256(text + f"{version}|{FLAGS}".encode()).hexdigest()[:16]
-    path = _writable(kernel_dir()) / f"attention-{key}.so"
-    digest_file = path.with_suffix(".sha256")
-    if path.exists() and digest_file.exists() and _digest(path) == digest_file.read_text().strip():
+    compiler = hashlib.sha256(version.encode()).hexdigest()[:8]
+    path = _writable(kernel_dir()) / f"kernels-{source}-{compiler}.so"
+    if _intact(path):
         return path
+    _say(f"pc_rag: compiling pc_rag's CPU kernels, once per machine (a few seconds; {cxx}, into {path.parent})")
     part = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
     done = subprocess.run([cxx, *FLAGS, "-o", str(part), *map(str, SOURCES)], capture_output=True, text=True,
                           timeout=300)
     if done.returncode != 0:
         part.unlink(missing_ok=True)
-        raise OSError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
+        raise BuildError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
     digest = _digest(part)
     os.replace(part, path)
-    digest_part = digest_file.with_name(part.name + ".sha256")
+    digest_part = path.with_name(part.name + ".sha256")
     digest_part.write_text(digest)
-    os.replace(digest_part, digest_file)
-    log.info("pc_rag: compiled the attention kernels into %s", path)
+    os.replace(digest_part, path.with_suffix(".sha256"))
     return path
+
+
+def _intact(path: Path) -> bool:
+    digest_file = path.with_suffix(".sha256")
+    try:
+        return path.exists() and digest_file.exists() and _digest(path) == digest_file.read_text().strip()
+    except OSError:
+        return False
+
+
+def _cached_build(folder: Path, source: str) -> Path | None:
+    """The newest intact library built from these sources in `folder` (by whichever compiler), or None."""
+    try:
+        builds = sorted(folder.glob(f"kernels-{source}-*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return None
+    return next((p for p in builds if _intact(p)), None)
+
+
+def _say(message: str) -> None:
+    """A line the user should see while waiting: on the "pc_rag.kernels" logger where the application set up
+    logging, else on stderr (as a progress bar is), since a first build takes seconds."""
+    if log.hasHandlers():
+        log.info(message)
+    else:
+        print(message, file=sys.stderr, flush=True)
 
 
 def _writable(folder: Path) -> Path:
@@ -264,14 +305,6 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     layers.restype = i32
     return Kernels(decode, prefill, step, norm, silu, rope, relocate, linear, bool(lib.pc_rag_linear_bf16_supported()),
                    layers, bool(lib.pc_rag_prefill_amx_supported()))
-
-
-def linear_rows_kernel(dtype: torch.dtype):
-    """The compiled `pc_rag_linear_rows` where it takes `dtype` on this CPU, else None."""
-    k = loaded()
-    if k is None or dtype not in DTYPES or (dtype == torch.bfloat16 and not k.linear_bf16):
-        return None
-    return k.linear_rows
 
 
 def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

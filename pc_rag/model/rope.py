@@ -10,8 +10,8 @@ The self-check (`check`): a description can be wrong (a family file, or a transf
 modeling file), and a wrong rotation does not fail, it garbles replies. So before a model's first modular or
 blend request, a probe's keys are computed at two positions in every layer (by pc_rag's own forward, as every
 request computes them), one relocated onto the other, and compared layer by layer; on a mismatch those modes are
-refused, naming the layer. The result is kept per model fingerprint and rotation (one check per process), with
-its time in milliseconds.
+refused, naming the layer. The result is kept per model fingerprint, rotation and relocation backend (one check
+per process: engines over one model share it), with its time in milliseconds.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import kernels
 from .architecture import Architecture
+from .backends import Backends
 from .cache import _may_copy_async, _to_device
 
 # RoPE variants whose inverse frequencies do not depend on the sequence length: rotating a cached key by
@@ -101,8 +101,9 @@ def rope_of(model, arch: Architecture) -> Rope:
 
 
 @torch.inference_mode()
-def relocate(rope: Rope, dst: torch.Tensor, src: torch.Tensor, delta: int) -> None:
-    """Write keys `src` ([L, H, T, D], RoPE at p) into `dst` as if computed at p + delta, each layer by its table.
+def relocate(rope: Rope, dst: torch.Tensor, src: torch.Tensor, delta: int, backends: Backends) -> None:
+    """Write keys `src` ([L, H, T, D], RoPE at p) into `dst` as if computed at p + delta, each layer by its table,
+    in bf16 by the native kernel where the runner chose it (`backends.relocation`).
 
     `src` may live on another device than `dst` (a block read from disk or Redis is on the CPU): it is copied to
     `dst`'s device once, in its own dtype, and rotated there.
@@ -117,17 +118,17 @@ def relocate(rope: Rope, dst: torch.Tensor, src: torch.Tensor, delta: int) -> No
         if run.table is None:
             d.copy_(s)
         else:
-            _rotate(d, s, run.table, delta)
+            _rotate(d, s, run.table, delta, backends.relocate_kernel)
 
 
-def _rotate(dst: torch.Tensor, src: torch.Tensor, table: RopeTable, delta: int) -> None:
+def _rotate(dst: torch.Tensor, src: torch.Tensor, table: RopeTable, delta: int, kernel) -> None:
     r = table.rotary_dims
     h = r // 2
     if r < src.shape[-1]:  # partial rotary: the other dims carry no position
         dst[..., r:] = src[..., r:]
     angle = delta * table.inv_freq.to(dst.device)
     cos, sin = angle.cos(), angle.sin()
-    if _rotate_natively(dst, src, r, cos, sin):
+    if kernel is not None and _rotate_natively(kernel, dst, src, r, cos, sin):
         return
     if src.dtype == dst.dtype == torch.float32:
         k1, k2 = src[..., :h], src[..., h:r]
@@ -143,18 +144,20 @@ def _rotate(dst: torch.Tensor, src: torch.Tensor, table: RopeTable, delta: int) 
         dst[..., h:r] = k2 * cos + k1 * sin
 
 
-def _rotate_natively(dst: torch.Tensor, src: torch.Tensor, r: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """The half-precision rotation below in one native call (kernels.py) where it runs: bf16 on CPU, every dim
-    rotary, each row's dims contiguous. The same ops and roundings, bit for bit, without the fp32 temporaries: 0.3
-    against 1.2 ms for 8 layers of a 256-token chunk (bench model), 6-8 of a modular request's 45 ms before. (fp32
-    runs 4 torch ops into `dst`, as fast as the kernel.) Returns whether it ran."""
-    k = kernels.loaded() if dst.device.type == "cpu" and dst.dtype == torch.bfloat16 else None
-    if (k is None or src.device != dst.device or src.dtype != dst.dtype or r != dst.shape[-1] or dst.dim() != 4
-            or dst.shape != src.shape or dst.stride(-1) != 1 or src.stride(-1) != 1):
+def _rotate_natively(kernel, dst: torch.Tensor, src: torch.Tensor, r: int, cos: torch.Tensor,
+                     sin: torch.Tensor) -> bool:
+    """The half-precision rotation below in one native call (`kernel`: pc_rag_relocate_keys) where it takes the
+    tensors: bf16 on CPU, every dim rotary, each row's dims contiguous. The same ops and roundings, bit for bit,
+    without the fp32 temporaries: 0.3 against 1.2 ms for 8 layers of a 256-token chunk (bench model), 6-8 of a
+    modular request's 45 ms before. (fp32 runs 4 torch ops into `dst`, as fast as the kernel.) Returns whether it
+    ran."""
+    if (dst.device.type != "cpu" or dst.dtype != torch.bfloat16 or src.device != dst.device
+            or src.dtype != dst.dtype or r != dst.shape[-1] or dst.dim() != 4 or dst.shape != src.shape
+            or dst.stride(-1) != 1 or src.stride(-1) != 1):
         return False
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    return k.relocate_keys(*dst.shape, src.data_ptr(), *src.stride()[:3], dst.data_ptr(), *dst.stride()[:3],
-                           cos.data_ptr(), sin.data_ptr()) == 0
+    return kernel(*dst.shape, src.data_ptr(), *src.stride()[:3], dst.data_ptr(), *dst.stride()[:3],
+                  cos.data_ptr(), sin.data_ptr()) == 0
 
 
 # ---- the self-check --------------------------------------------------------------------------------------------
@@ -186,21 +189,23 @@ class RelocationCheck:
         return asdict(self)
 
 
-_CHECKS: dict[tuple[str, str], RelocationCheck] = {}  # (fingerprint, rotation digest) -> result, process-wide
+# (fingerprint, rotation digest, relocation backend) -> result, process-wide: engines over one model share a check.
+_CHECKS: dict[tuple[str, str, str], RelocationCheck] = {}
 _CHECKS_LOCK = threading.Lock()
 
 
-def checked(fingerprint: str, rope: Rope) -> RelocationCheck | None:
-    """The self-check's result for this model and rotation, if it ran in this process."""
-    return _CHECKS.get((fingerprint, rope.key))
+def checked(fingerprint: str, rope: Rope, backends: Backends) -> RelocationCheck | None:
+    """The self-check's result for this model, rotation and relocation backend, if it ran in this process."""
+    return _CHECKS.get((fingerprint, rope.key, backends.relocation.backend))
 
 
 def check(fingerprint: str, rope: Rope, model: str, probe: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-          n: int, dtype: torch.dtype, max_positions: int) -> RelocationCheck:
-    """Run the self-check once per (fingerprint, rotation): `probe(delta)` returns the keys [L, H, T, D] of an
-    `n`-token probe at positions 0.. and at delta.. in every layer, each layer's two from the same layer input;
-    the first, relocated by delta, must equal the second in every layer."""
-    key = (fingerprint, rope.key)
+          n: int, dtype: torch.dtype, max_positions: int, backends: Backends) -> RelocationCheck:
+    """Run the self-check once per (fingerprint, rotation, relocation backend): `probe(delta)` returns the keys
+    [L, H, T, D] of an `n`-token probe at positions 0.. and at delta.. in every layer, each layer's two from the
+    same layer input; the first, relocated by delta as `backends` relocates, must equal the second in every
+    layer."""
+    key = (fingerprint, rope.key, backends.relocation.backend)
     with _CHECKS_LOCK:  # one check at a time: a second caller waits for the first's result
         if key in _CHECKS:
             return _CHECKS[key]
@@ -208,7 +213,7 @@ def check(fingerprint: str, rope: Rope, model: str, probe: Callable[[int], tuple
         delta = max(1, min(PROBE_DELTA, max_positions - n))
         near, far = probe(delta)
         moved = torch.empty_like(near)
-        relocate(rope, moved, near, delta)
+        relocate(rope, moved, near, delta, backends)
         moved, far = moved.float(), far.float()
         scale = far.flatten(1).abs().amax(1).clamp_min(1e-6)  # [L]
         errors = (moved - far).flatten(1).abs().amax(1) / scale  # [L]

@@ -5,6 +5,10 @@ Architecture (architecture.py) for what its family does differently, its linear 
 its norms, embedding, rotary module and `apply_rotary_pos_emb` as the model's own code has them, and attention
 as attention.py lays it out. Slots (where a token's KV goes), positions (RoPE) and the order blocks were fetched
 in are independent. HF's forward runs only as the tests' reference (`reference_logits`).
+
+Which code runs each operation (pc_rag's native kernels, oneDNN, sdpa) is chosen once, when the runner is built
+(`choose_backends`), held in `self.backends` and passed to the operations; it is logged in one INFO line and
+reported by `engine.stats()["backends"]`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -22,13 +27,14 @@ from ..errors import Cancelled, PCRagError, UnsupportedModelError
 from . import heap, kernels
 from . import rope as rope_check
 from .architecture import DEFAULT_ROPE
-from .attention import Heads, Writes, _mask, _prefill_kernel_runs, attend, attend_decode
+from .attention import Heads, Writes, _mask, attend, attend_decode
+from .backends import LINEAR_ROWS, MODULES, ONEDNN, Backends, Choice, choose, unfit
 from .cache import HeldBlock, ModelShape, SlotCache, _to_device
 from .families import SUPPORTED_MODEL_TYPES, describe
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .fused import FusedLayers
 from .rope import RelocationCheck, relocate, rope_of
-from .weights import weights_of
+from .weights import few_rows_limit, weights_of
 
 # Free request buffers kept for reuse (each is layers x capacity x KV bytes per token): at most POOL_SIZE of
 # them and at most `LlamaRunner.pool_max_bytes` together, by default POOL_SIZE context-size buffers capped at
@@ -70,9 +76,12 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 class LlamaRunner:
     """Owns an HF decoder of a supported family (families/): forward passes into a SlotCache, RoPE relocation,
-    fingerprints. (Named for the first family it ran; every family goes through the same code.)"""
+    fingerprints. (Named for the first family it ran; every family goes through the same code.)
 
-    def __init__(self, model, tokenizer):
+    `native`: whether pc_rag's native CPU kernels may run (where they load and suit the model; False: torch's sdpa
+    and oneDNN throughout, what the tests compare the kernels with), or the library to use (tests)."""
+
+    def __init__(self, model, tokenizer, native: bool | kernels.Kernels = True):
         config = model.config
         if not hasattr(model, "model") or not hasattr(model.model, "layers"):
             raise UnsupportedModelError(
@@ -105,18 +114,14 @@ class LlamaRunner:
             raise UnsupportedModelError(f"{arch.model_type}: its modeling module {modeling.__name__} has no "
                                         "apply_rotary_pos_emb (a transformers version whose modeling code differs?)")
         self._apply_rope = modeling.apply_rotary_pos_emb
-        # The linear layers as the forward passes multiply by them (fused, oneDNN-packed on CPU: weights.py).
-        self.weights = weights_of(model, arch)
         if self.device.type == "cpu":
             heap.keep_temporaries()  # a forward's temporaries reused from the heap, not mapped afresh (heap.py)
-        if self.device.type == "cpu" and self.dtype in kernels.DTYPES:
-            kernels.decode_attention_kernel()  # compiled now if it must be (once per machine, ~1 s), not mid-request
         # One forward at a time: requests from several threads interleave step by step, each with its own
         # cache, so every thread gets exactly what a serial run gives. Turns are taken in arrival order (see
         # batch.TurnLock): a decode step waits for at most one prefill chunk.
         self._lock = TurnLock()
         self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS
-        self.solo_chunk_tokens = SOLO_CHUNK_TOKENS if _prefill_kernel_runs(self.dtype, self.device) else 0
+        self.solo_chunk_tokens = 0  # set by choose_backends
         # Whether other requests are in flight (set by the engine): long forwards are chunked then, so their
         # decode steps wait for one chunk at a time.
         self.others_decoding: Callable[[], bool] = lambda: False
@@ -128,10 +133,54 @@ class LlamaRunner:
         self.pool_max_bytes = min(POOL_MAX_BYTES, POOL_SIZE * context_bytes)
         self._fingerprint: str | None = None
         self._fingerprint_lock = threading.Lock()
-        # Decode steps as a few native calls per layer, and a prefill's norms and SiLU, where the model's layer is
-        # the standard one (fused.py).
+        # Set by choose_backends: what runs each operation, the linear layers as the forwards multiply by them
+        # (weights.py), and the fused layers where the model's layer is the standard one (fused.py).
+        self.backends: Backends
+        self.weights = weights_of(model, arch)
         self._fused: FusedLayers | None = None
-        self._fused = FusedLayers.of(self)
+        self.choose_backends(native)
+
+    def choose_backends(self, native: bool | kernels.Kernels = True) -> Backends:
+        """Choose what runs each operation of this runner's forwards (backends.py) and log it in one INFO line:
+        pc_rag's native kernels where they load (compiled now if they must be, not mid-request) and suit this
+        model, with `native=False` none of them, or the given library. Products of a few rows are timed against
+        oneDNN once per model (weights.few_rows_limit), the fused layers probed against the module-by-module ones
+        (fused.py). Called once when the runner is built; calling it again switches this runner (tests; not while
+        it serves requests). Returns the choice, also kept as `self.backends`."""
+        why = unfit(self.dtype, self.device, self.arch.head_dim)
+        if why is None and native is True:
+            library, why = kernels.loaded(), kernels.why_not()
+        elif why is None and native is False:
+            library, why = None, "this runner was built with native=False"
+        else:
+            library = native if why is None else None
+        chosen = choose(self.dtype, self.heads.softcap is not None, library, why or "")
+        shared = weights_of(self.model, self.arch)
+        fn, rows = None, 0
+        if not shared.packed:
+            products = few = Choice(MODULES, "oneDNN's packed products do not run here (CUDA, fp16, or a torch whose "
+                                    "op failed its check): the model's own linear layers")
+        else:
+            products = Choice(ONEDNN, "weights packed once: MKL's F.linear ran prefill products at 113-134 against "
+                              "191-201 GFLOP/s and one-row products at 10 against 17-19 GB/s (AMD EPYC, bench shapes)")
+            if library is None:
+                few = Choice(ONEDNN, f"no native kernels: {why}")
+            elif self.dtype == torch.bfloat16 and not library.linear_bf16:
+                few = Choice(ONEDNN, "bf16 and this CPU has no AVX512-BF16 for linear_rows")
+            else:
+                fn = library.linear_rows
+                rows, timed = few_rows_limit(shared, fn)
+                few = Choice(LINEAR_ROWS if rows else ONEDNN, timed)
+        self.weights = shared.routed(fn, rows)
+        self.backends = replace(chosen, products=products, few_rows=few)
+        self._fused = None
+        self._fused, layers, batches = FusedLayers.of(self)
+        if batches is not None:
+            few = Choice(few.backend, f"{few.why}; {batches}")
+        self.backends = replace(self.backends, few_rows=few, layers=layers)
+        self.solo_chunk_tokens = SOLO_CHUNK_TOKENS if self.backends.prefill_kernel is not None else 0
+        log.info("pc_rag: %s runs %s", self._model_name(), self.backends.summary())
+        return self.backends
 
     @property
     def fingerprint(self) -> str:
@@ -178,7 +227,7 @@ class LlamaRunner:
     @property
     def relocation_check(self) -> RelocationCheck | None:
         """The relocation self-check's result for this model, if it ran in this process (`check_relocation`)."""
-        return rope_check.checked(self.fingerprint, self.rope)
+        return rope_check.checked(self.fingerprint, self.rope, self.backends)
 
     def check_relocation(self, probe: bool = True) -> RelocationCheck | None:
         """Refuse `modular`/`blend` (UnsupportedModelError) unless relocated keys equal keys encoded in place.
@@ -193,7 +242,7 @@ class LlamaRunner:
                 f"{name}: rope_type {self.rope_type!r} rescales with sequence length (or, for M-RoPE, rotates by "
                 f"positions of other modalities), so relocating cached keys by rotation is not exact; use "
                 f"mode='exact' or mode='full' with this model")
-        result = rope_check.checked(self.fingerprint, self.rope)
+        result = rope_check.checked(self.fingerprint, self.rope, self.backends)
         if result is None and not probe:
             return None
         if result is None:
@@ -201,7 +250,7 @@ class LlamaRunner:
             bos = self.tokenizer.bos_token_id
             ids = ([bos] if bos is not None else []) + list(ids)
             result = rope_check.check(self.fingerprint, self.rope, name, lambda delta: self._probe_keys(ids, delta),
-                                      len(ids), self.dtype, self.shape.max_positions)
+                                      len(ids), self.dtype, self.shape.max_positions, self.backends)
             log.info("relocation self-check of %s: %s, worst layer %d at %.2g (tolerance %.2g), %.1f ms", name,
                      "passed" if result.ok else "FAILED", result.layer, result.error, result.tolerance, result.ms)
         if not result.ok:
@@ -219,7 +268,7 @@ class LlamaRunner:
         so half-precision rounding does not compound through the layers (rope.check)."""
         n, dev = len(ids), self.device
         cache = self.new_cache(n)
-        w = Writes.of(list(range(n)), self.dtype, dev)
+        w = Writes.of(list(range(n)), self.dtype, dev, self.backends)
         far = []
         with self._lock:
             hidden = self._embed(torch.tensor([ids], device=dev))
@@ -228,7 +277,8 @@ class LlamaRunner:
             for i in range(self.shape.num_layers):
                 q, k, v = self._qkv(i, hidden, at_near)
                 far.append(self._qkv(i, hidden, at_far)[1][0])
-                o = attend(cache.keys[i], cache.values[i], self.heads, self.arch.layers[i].window, q, k, v, w)
+                o = attend(cache.keys[i], cache.values[i], self.heads, self.arch.layers[i].window, q, k, v, w,
+                           self.backends)
                 hidden = self._after_attention(i, hidden, o)
         return cache.keys[:, 0].clone(), torch.stack(far)
 
@@ -426,7 +476,7 @@ class LlamaRunner:
             raise ValueError("forward_rows: narrow (blend) takes one request")
         self._check_cancelled()
         dev = self.device
-        writes = [Writes.of(s, self.dtype, dev) for s in slots]
+        writes = [Writes.of(s, self.dtype, dev, self.backends) for s in slots]
         if narrow is not None and writes[0].layout != "slots":  # rows may drop out: attention by mask over the buffer
             w = writes[0]
             rows = w.rows(dev)
@@ -461,7 +511,8 @@ class LlamaRunner:
                         hidden, q, k, v = hidden[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
                         rope = {name: (cos[:, keep], sin[:, keep]) for name, (cos, sin) in rope.items()}
                         writes, parts = [w.keep(keep, w.rows(dev), self.dtype)], [(q, k, v)]
-                outs = [attend(c.keys[i], c.values[i], self.heads, layers[i].window, q, k, v, w, written)
+                outs = [attend(c.keys[i], c.values[i], self.heads, layers[i].window, q, k, v, w, self.backends,
+                               written)
                         for c, w, (q, k, v) in zip(caches, writes, parts, strict=True)]
                 o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
                 if fused is not None:  # hidden updated in place
@@ -481,7 +532,7 @@ class LlamaRunner:
         (newcomers) take one `forward_rows` together. Not one forward over all rows: beside 7 decoding rows one
         newcomer of 10 tokens took as long that way as a step and its own forward (bench model, fp32 32.2 against
         31.1 ms; bf16 26.4 against 21.6), while newcomers together gain over forwards of their own (3 and 7 of 26
-        tokens: fp32 62 and 106 ms against 83 and 177; docs/speed.md, 24.)."""
+        tokens: fp32 62 and 106 ms against 83 and 177; docs/speed.md#batching-and-concurrent-streams)."""
         one = [b for b, t in enumerate(ids) if len(t) == 1]
         if len(one) == len(ids):
             return self.decode_batch(caches, [t[0] for t in ids], [p[0] for p in positions], slots)
@@ -538,7 +589,7 @@ class LlamaRunner:
                         k_b, v_b = k_b[:, :, -window:], v_b[:, :, -window:]
                     keys.append(k_b)
                     values.append(v_b)
-                hidden = self._after_attention(i, hidden, attend_decode(q, keys, values, self.heads))
+                hidden = self._after_attention(i, hidden, attend_decode(q, keys, values, self.heads, self.backends))
             logits = self._logits(hidden)[:, 0]  # [B, vocab]
         for cache, s in zip(caches, slots, strict=True):
             cache.length = max(cache.length, s + 1)
@@ -556,7 +607,7 @@ class LlamaRunner:
     def relocate(self, dst: torch.Tensor, src: torch.Tensor, delta: int) -> None:
         """Write keys `src` ([L, H, T, D], RoPE at p) into `dst` as if computed at p + delta, each layer rotated by
         its own RoPE table (NoPE layers copied): rope.relocate."""
-        relocate(self.rope, dst, src, delta)
+        relocate(self.rope, dst, src, delta, self.backends)
 
 
 def _check_against_modules(model, arch) -> None:

@@ -17,9 +17,11 @@ kernel for a few rows (kernels.linear_rows, linear_rows.cpp, on the modules' own
 AMX tiles catch up in bf16, while in fp32 a batched step of 8 rows was faster through the kernel (bench model, 8
 requests: 14.3 against 16.0 ms a step). An earlier version of it on the AMD EPYC was ahead in fp32 and not in
 bf16. So which one takes products of up to FEW_ROWS rows (a decode step's) is timed once per model at load
-(`_few_rows_faster`), then whether it also takes up to BATCH_ROWS (a batched step's), and logged; more rows always
-go to oneDNN. Where the products alone lose at BATCH_ROWS, a whole step of that many requests may still be faster
-as one native call over them (fused.py, `FusedLayers._time_batches`, timed once the fused layers are built).
+(`few_rows_limit`), then whether it also takes up to BATCH_ROWS (a batched step's); more rows always go to oneDNN.
+The runner records the answer (backends.py) and multiplies through `Weights.routed`, its own view of the shared
+packed weights. Where the products alone lose at BATCH_ROWS, a whole step of that many requests may still be
+faster as one native call over them (fused.py, `FusedLayers._time_batches`, timed once the fused layers are
+built).
 
 So on CPU each layer's q/k/v projections (and gate/up) are concatenated into one weight and reordered once into
 oneDNN's blocked layout ("packed", without a batch-size hint: measured best across 1 to 2048 rows), and the
@@ -36,12 +38,13 @@ model's Architecture (architecture.py): a norm the family does not have is None 
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -73,7 +76,8 @@ class Plain:
 
 class Packed:
     """The modules' weights concatenated ([out_1 + out_2 + ..., in]) and reordered by oneDNN; the product is split
-    back into one output per module (or into `splits` of a fused module's output)."""
+    back into one output per module (or into `splits` of a fused module's output). Products of at most `few_rows`
+    rows go to `few` (kernels.LinearRows over the modules' own weights) instead, in a runner's view (`routed`)."""
 
     def __init__(self, modules: list[torch.nn.Module], splits: list[int] | None = None):
         weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
@@ -86,13 +90,21 @@ class Packed:
             self.bias = None
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.splits = splits if splits is not None else [m.weight.shape[0] for m in modules]
-        # A few rows' products through the kernel on the modules' own weights (the docstring): None where it does
-        # not run here, or where oneDNN was faster at load.
-        fn = kernels.linear_rows_kernel(weight.dtype)
-        self.few = None if fn is None else kernels.LinearRows(fn, [m.weight.detach().contiguous() for m in modules],
-                                                                self.bias)
-        self.kernel = self.few  # what `few` is when the timing at load (weights_of) picks the kernel
-        self.few_rows = FEW_ROWS  # the most rows `few` takes: FEW_ROWS or BATCH_ROWS, as timed at load
+        self.dtype = weight.dtype
+        self.module_weights = [m.weight.detach() for m in modules]  # what linear_rows reads (no copy)
+        self.kernel: kernels.LinearRows | None = None  # linear_rows over them, in a runner's view (`routed`)
+        self.few: kernels.LinearRows | None = None  # `kernel` where it takes a few rows' products, else None
+        self.few_rows = 0  # the most rows `few` takes: FEW_ROWS or BATCH_ROWS, as timed at load
+
+    def routed(self, fn, rows: int) -> Packed:
+        """This product sharing its packed weights, with products of up to `rows` rows through linear_rows (`fn`,
+        None: none; rows 0: the kernel kept for the fused step's choice, not used by `product`)."""
+        view = copy.copy(self)
+        view.kernel = None if fn is None else kernels.LinearRows(fn, [w.contiguous() for w in self.module_weights],
+                                                                 self.bias)
+        view.few = view.kernel if rows else None
+        view.few_rows = rows if view.kernel is not None else 0
+        return view
 
     def takes_few(self, rows: int) -> bool:
         """Whether a product of `rows` rows goes to the kernel (`few`) rather than to oneDNN."""
@@ -131,6 +143,18 @@ class Weights:
     layers: tuple[LayerWeights, ...]
     lm_head: Callable
     packed: bool  # whether the products go through oneDNN packed weights
+    # few_rows_limit's timings of these weights: id(linear_rows fn) -> (fn, rows, why); shared by the views
+    timed: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def routed(self, fn, rows: int) -> Weights:
+        """A runner's view of these (shared) weights: products of up to `rows` rows through linear_rows (`fn`, or
+        None for none), the packed weights themselves shared."""
+        if not self.packed:
+            return self
+        layers = tuple(replace(lw, qkv=lw.qkv.routed(fn, rows), o=lw.o.routed(fn, rows),
+                               gate_up=lw.gate_up.routed(fn, rows), down=lw.down.routed(fn, rows))
+                       for lw in self.layers)
+        return replace(self, layers=layers, lm_head=self.lm_head.routed(fn, rows))
 
 
 def _packs(dtype: torch.dtype, device: torch.device) -> bool:
@@ -157,7 +181,8 @@ _SHARED_LOCK = threading.Lock()
 
 def weights_of(model, arch: Architecture) -> Weights:
     """The layer weights of an HF decoder `...ForCausalLM` (its `model.layers[i].self_attn`/`.mlp` modules, named
-    by `arch`), packed on CPU where that runs (see the module docstring), built once per model object."""
+    by `arch`), packed on CPU where that runs (see the module docstring), built once per model object: engines over
+    one model share one packed copy (each runner multiplies through its own `routed` view of it)."""
     p = next(model.parameters())
     num_layers = len(arch.layers)
     with _SHARED_LOCK:
@@ -187,16 +212,25 @@ def weights_of(model, arch: Architecture) -> Weights:
                 mlp_out_norm=_module(layer, norms.after_mlp, arch, i),
             ))
         found = Weights(tuple(layers), kind([model.lm_head]), pack)
-        if pack and found.layers[0].gate_up.few is not None:
-            rows = FEW_ROWS if _few_rows_faster(found, 1) else 0
-            if rows and _few_rows_faster(found, BATCH_ROWS):
-                rows = BATCH_ROWS
-            for product in _packed_products(found):
-                product.few_rows = rows
-                if not rows:
-                    product.few = None
         _SHARED[model] = found
         return found
+
+
+def few_rows_limit(w: Weights, fn) -> tuple[int, str]:
+    """How many rows' products go to linear_rows (`fn`) rather than oneDNN for these packed weights, and why:
+    0, FEW_ROWS or BATCH_ROWS, as timed (`_few_rows_faster`) once per model and kernel, then kept on `w`."""
+    with _SHARED_LOCK:
+        if id(fn) not in w.timed:  # (ctypes functions do not hash); the entry keeps `fn` alive, so its id stays its
+            view = w.routed(fn, FEW_ROWS)
+            one, one_why = _few_rows_faster(view, 1)
+            if not one:
+                rows, why = 0, f"oneDNN: faster for one row at load ({one_why})"
+            else:
+                batch, batch_why = _few_rows_faster(view, BATCH_ROWS)
+                rows = BATCH_ROWS if batch else FEW_ROWS
+                why = f"up to {rows} rows, faster at load (1 row: {one_why}; {BATCH_ROWS} rows: {batch_why})"
+            w.timed[id(fn)] = (fn, rows, why)
+        return w.timed[id(fn)][1:]
 
 
 def _packed_products(w: Weights) -> list[Packed]:
@@ -208,10 +242,11 @@ TIMED_BYTES = 256 << 20
 
 
 @torch.inference_mode()
-def _few_rows_faster(w: Weights, rows: int) -> bool:
-    """Whether products of `rows` rows run faster through kernels.linear_rows than through oneDNN's packed weights,
-    timed on the MLP products of as many layers as make TIMED_BYTES (alternating, medians of 5: a busy moment hits
-    both alike); the kernel must be at least as fast. By CPU and dtype, the answer differs (module docstring)."""
+def _few_rows_faster(w: Weights, rows: int) -> tuple[bool, str]:
+    """Whether products of `rows` rows run faster through kernels.linear_rows (`w`'s `few`) than through oneDNN's
+    packed weights, timed on the MLP products of as many layers as make TIMED_BYTES (alternating, medians of 5: a
+    busy moment hits both alike); the kernel must be at least as fast. By CPU and dtype, the answer differs (module
+    docstring). With the times, in words."""
     layers, size = [], 0
     for lw in w.layers:
         layers.append(lw)
@@ -240,9 +275,8 @@ def _few_rows_faster(w: Weights, rows: int) -> bool:
             f()
             times[f].append(time.perf_counter() - t)
     theirs, ours = (sorted(times[f])[2] for f in (onednn, kernel))
-    log.info("pc_rag: %d-row products %s (MLP weights of %d layers: oneDNN %.2f ms, linear_rows %.2f ms)", rows,
-             "through linear_rows" if ours <= theirs else "through oneDNN", len(layers), theirs * 1e3, ours * 1e3)
-    return ours <= theirs
+    return ours <= theirs, (f"linear_rows {ours * 1e3:.2f} ms, oneDNN {theirs * 1e3:.2f} ms over the MLP weights of "
+                            f"{len(layers)} layers")
 
 
 def _module(parent: torch.nn.Module, name: str | None, arch: Architecture, i: int):

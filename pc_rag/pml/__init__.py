@@ -79,7 +79,7 @@ from .chunks import chunk_module_name, escape_text, prompt_for, schema_for_chunk
 from .parse import MAX_DEPTH, ROLE_TAGS, parse_pml
 from .prompt import PML, SchemaRegistry, equivalent_plain_prompt
 from .roles import ChatRoles, chat_roles
-from .schema import ModuleInfo, Piece, Schema, SchemaPiece, UnionInfo
+from .schema import ModuleInfo, Schema, SchemaPiece, UnionInfo
 
 __all__ = [
     "MAX_DEPTH",
@@ -87,7 +87,6 @@ __all__ = [
     "ChatRoles",
     "ModuleInfo",
     "PML",
-    "Piece",
     "Schema",
     "SchemaPiece",
     "SchemaRegistry",

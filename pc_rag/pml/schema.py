@@ -24,9 +24,6 @@ class SchemaPiece:
     line: int = 0
 
 
-Piece = SchemaPiece  # the name earlier versions exported
-
-
 @dataclass(frozen=True)
 class ModuleInfo:
     path: tuple[str, ...]

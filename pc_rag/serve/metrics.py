@@ -7,7 +7,7 @@ pc_rag's own under `pc_rag:`. docs/serve.md, "Metrics", has the table. Three kin
         the time to the first token, between tokens and to the end, the time in line
     counted per answer (`StatusCounter`, ASGI): completion requests by endpoint and HTTP status
     read when scraped (`_Live`): requests running and waiting, the decode loop, each store tier's bytes, entries,
-        hits, misses, evictions and errors
+        hits, misses, evictions and errors, the code each operation of the runner runs (`engine.stats()["backends"]`)
 
 No series is labelled by tenant, key or cache namespace: each is the server's total, so a tenant that may read
 /metrics (it takes the same keys as /v1) learns how busy the server is and how much it reuses, nothing of whose.
@@ -148,6 +148,12 @@ class _Live:
         yield GaugeMetricFamily("pc_rag:decode_rows", "Requests decoding in the batched step now",
                                 value=decode["active"])
         yield CounterMetricFamily("pc_rag:decode_steps", "Batched decode steps run", value=decode["steps"])
+        chosen = GaugeMetricFamily("pc_rag:backend", "The code each operation of the runner's forwards runs, chosen "
+                                   "once per runner (1 per operation; engine.stats()['backends'] says why)",
+                                   labels=["operation", "backend"])
+        for operation, choice in stats["backends"].items():
+            chosen.add_metric([operation, choice["backend"]], 1)
+        yield chosen
         families = {}
         for field, name, kind, text in TIER_SERIES:
             make = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily

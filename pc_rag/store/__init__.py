@@ -3,15 +3,14 @@
 Every store subclasses `Store` (tier.py), the one interface the engine calls: `get`, `put`, `clear` and
 `tier_stats`, which a store must define, and, with defaults built on those, the batch lookups
 (`get_many_with_source(keys, tiers=...)`, `find_many_with_source`, which leaves disk and Redis blocks unread as
-PendingBlocks for `read_pending` to read straight into a request's buffer: a `ReadTarget`, alias `Sink`, names
+PendingBlocks for `read_pending` to read straight into a request's buffer: a `ReadTarget` names
 the slots),
 `where(keys)` (which tier holds each key, reading and counting nothing: `Engine.explain`), `put_volatile` (memory
 only) and `put_persistent` (disk and Redis only: the engine's extents of prefix blocks), `promote`, `prefetch`
 (pc_rag.prefetch) and `set_placement` (TieredStore places blocks read from lower tiers, e.g. on the engine's
 device, before promoting them). A user's store either subclasses Store or is a plain object with get, put, clear
-and tier_stats, seen through the interface by `as_store` (open_store does it). The free functions
-`get_many_with_source(store, ...)`, `put_block(store, key, block, persist=...)` and the like call these methods on
-any such object. Build stores with `open_store(spec)`:
+and tier_stats, seen through the interface by `as_store` (open_store does it). Build stores with
+`open_store(spec)`:
 
     memory.py      MemoryStore: tensors in process memory, LRU bounded by bytes, optional TTL
     disk.py        DiskStore: one safetensors file per block in <dir>/pc_rag-kv-v1/, persistent, LRU bounded
@@ -39,19 +38,12 @@ from .tier import (
     Held,
     PendingBlock,
     ReadTarget,
-    Sink,
     Store,
     StoreUsageError,
     TierStats,
     TierUnavailableError,
     as_store,
     check_key,
-    find_many_with_source,
-    get_many_with_source,
-    get_with_source,
-    has_persistent,
-    put_block,
-    put_persistent,
 )
 from .tiered import TieredStore
 
@@ -66,7 +58,6 @@ __all__ = [
     "ReadTarget",
     "RedisClusterStore",
     "RedisStore",
-    "Sink",
     "Store",
     "StoreUsageError",
     "TierStats",
@@ -76,12 +67,6 @@ __all__ = [
     "block_files",
     "check_key",
     "default_cache_dir",
-    "find_many_with_source",
-    "get_many_with_source",
-    "has_persistent",
-    "get_with_source",
     "open_store",
     "parse_bytes",
-    "put_block",
-    "put_persistent",
 ]

@@ -69,7 +69,7 @@ from .codec import (
 )
 from .tier import (
     KEY_PATTERN,
-    Sink,
+    ReadTarget,
     Store,
     StoreUsageError,
     TierStats,
@@ -231,7 +231,7 @@ def read_block_file(path: Path, timings: dict[str, float] | None = None, staging
     return data[:got]  # short: the file shrank while read, caught by decode_block's checks
 
 
-# In-place reads (`read_into` with a Sink that names its slots) scatter a file's data section over the slots'
+# In-place reads (`read_into` with a ReadTarget that names its slots) scatter a file's data section over the slots'
 # [T, D] planes with preadv: one copy from the page cache and one checksum pass over the slots, where the staged
 # path adds a copy from the staging buffer into the slots. Where preadv is missing (Windows, older macOS) every
 # read is staged.
@@ -263,7 +263,7 @@ def _planes(t: torch.Tensor, raw: memoryview) -> list[memoryview] | None:
     return [raw[base + o: base + o + n] for o in _plane_offsets(item, t.stride(0), t.stride(1), L, H)]
 
 
-def read_block_in_place(path: Path, key: str, sink: Sink, raws: dict[int, memoryview],
+def read_block_in_place(path: Path, key: str, sink: ReadTarget, raws: dict[int, memoryview],
                         timings: dict[str, float] | None = None) -> tuple[KVBlock, int] | None:
     """Reads the block file at `path` straight into `sink.keys` / `sink.values` and checks it there as
     `decode_block` would: (the block, which views them; the file's size). None, the caller then reading it
@@ -427,17 +427,17 @@ class DiskStore(Store):
             return False
         return True
 
-    def read_into(self, keys: list[str], sinks: list[Sink | Callable[[KVBlock], bool]]) -> list[bool]:
-        """Reads the blocks of `keys` and hands each one to its sink (a Sink, or a plain `take(block) -> bool`:
+    def read_into(self, keys: list[str], sinks: list[ReadTarget | Callable[[KVBlock], bool]]) -> list[bool]:
+        """Reads the blocks of `keys` and hands each one to its sink (a ReadTarget, or a plain `take(block) -> bool`:
         True, taken) in the reader threads, without allocating memory for it: the file is read straight into the
-        sink's slots where it names them and the block allows (see Sink), else into the thread's staging buffer,
+        sink's slots where it names them and the block allows (see ReadTarget), else into the thread's staging buffer,
         and checked as `get_many` checks it (size, header, key, layout, checksum). The block's tensors view the
         slots or that buffer, so they are valid only during the call: the sink copies a staged block where it
         belongs (e.g. into a request buffer). Returns, per key, whether its sink took a block; a missing, corrupt
         or unreadable file is a miss, counted as by `get_many`. A file that cannot be read (an I/O error) raises
         a StoreError, after the other blocks were handed over, whose `loaded` attribute is that list. What a sink
         raises is re-raised as it is. Blocks read this way are never kept by this tier or put into any other."""
-        sinks = [Sink.of(s) for s in sinks]
+        sinks = [ReadTarget.of(s) for s in sinks]
         raws: dict[int, memoryview] = {}  # one view per storage (a request buffer's two), not one per sink
         for t in (t for s in sinks if _IN_PLACE and s.slots is not None for t in s.slots):
             ptr = t.untyped_storage().data_ptr()
@@ -485,7 +485,8 @@ class DiskStore(Store):
                 self.stats.load_s += time.perf_counter() - t0
         return blocks, failed
 
-    def _load(self, key: str, path: Path, sink: Sink | None = None, raws: dict[int, memoryview] | None = None) -> _Load:
+    def _load(self, key: str, path: Path, sink: ReadTarget | None = None,
+              raws: dict[int, memoryview] | None = None) -> _Load:
         """Reads and checks one block file, and hands it to `sink` if given (read_into); no shared state is
         touched (runs in the reader threads)."""
         load = _Load()

@@ -36,7 +36,18 @@ from urllib.parse import quote, urlencode
 from ..blocks import KVBlock
 from ..errors import StoreError
 from .redis_tier import MIN_TRANSFER_BYTES_PER_S, ClusterRedirectError, RedisStore, _connect
-from .tier import READ, WRITE, Held, Pauses, Sink, Store, StoreUsageError, TierStats, TierUnavailableError, check_key
+from .tier import (
+    READ,
+    WRITE,
+    Held,
+    Pauses,
+    ReadTarget,
+    Store,
+    StoreUsageError,
+    TierStats,
+    TierUnavailableError,
+    check_key,
+)
 
 SLOTS = 16384
 
@@ -217,7 +228,7 @@ class RedisClusterStore(Store):
         return self._fan_out("get", keys, lambda node, idx: node.where([keys[i] for i in idx]), None,
                              count_misses=False, pause=False)
 
-    def read_into(self, keys: list[str], sinks: list[Sink | Callable[[KVBlock], bool]]) -> list[bool]:
+    def read_into(self, keys: list[str], sinks: list[ReadTarget | Callable[[KVBlock], bool]]) -> list[bool]:
         return self._fan_out("get", keys, lambda node, idx: node.read_into([keys[i] for i in idx],
                                                                            [sinks[i] for i in idx]), False)
 

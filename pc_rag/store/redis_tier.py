@@ -42,7 +42,7 @@ from ..errors import StoreError
 from .codec import CorruptBlockError, StaleBlockError, decode_block, encode_block, tier_codec
 from .tier import (
     Held,
-    Sink,
+    ReadTarget,
     Store,
     StoreUsageError,
     TierStats,
@@ -289,13 +289,13 @@ class RedisStore(Store):
         # Under the batch deadline of the reads (`_read_batch`); `locate` counts the misses, `where` nothing.
         return [bool(n) for n in self._read_batch(f"EXISTS of {len(names)} keys", ask, 64 * len(names))]
 
-    def read_into(self, keys: list[str], sinks: list[Sink | Callable[[KVBlock], bool]]) -> list[bool]:
+    def read_into(self, keys: list[str], sinks: list[ReadTarget | Callable[[KVBlock], bool]]) -> list[bool]:
         """Fetches the blocks of `keys` (one round trip) and hands each one to its sink, as `DiskStore.read_into`:
         per key, whether its sink took it. A compressed block is verified in the reply and dequantized straight
-        into its sink's slots (see Sink); an uncompressed one views the reply, and the sink copies it. Unlike the
+        into its sink's slots (see ReadTarget); an uncompressed one views the reply, and the sink copies it. Unlike the
         disk tier, the transfer is the cost and the reply is one stream, so there is no thread pool here. What a
         sink raises propagates, once the counters are settled."""
-        sinks = [Sink.of(s) for s in sinks]
+        sinks = [ReadTarget.of(s) for s in sinks]
         blocks = self._read(keys, [s.slots for s in sinks], count=True)
         t0 = time.perf_counter()
         try:

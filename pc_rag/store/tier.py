@@ -154,10 +154,6 @@ class ReadTarget:
         return sink if isinstance(sink, ReadTarget) else ReadTarget(sink)
 
 
-# The name the tiers' read calls and earlier versions use. "Sink" also names the attention-sink tokens chunks are
-# encoded after (pc_rag.plan), so code outside the store says ReadTarget.
-Sink = ReadTarget
-
 
 # A request's blocks are read and decoded in parallel: file reads, zstd and the xxh3 checksum release the GIL.
 # One pool for every tier of the process, started on first use.
@@ -288,11 +284,12 @@ class Store:
         """Whether each key may be read by `read_into` (a tier that reads in place answers without reading)."""
         return [b is not None for b in self.get_many(keys)]
 
-    def read_into(self, keys: list[str], sinks: list[Sink | Callable[[KVBlock], bool]]) -> list[bool]:
+    def read_into(self, keys: list[str], sinks: list[ReadTarget | Callable[[KVBlock], bool]]) -> list[bool]:
         """Reads each block and hands it to its sink (`take(block) -> bool`, True: taken); per key, whether it was
         taken. By default the block is read into memory of its own first (a tier with `reads_in_place` reads it
         into the sink's slots)."""
-        return [b is not None and bool(Sink.of(s).take(b)) for b, s in zip(self.get_many(keys), sinks, strict=True)]
+        return [b is not None and bool(ReadTarget.of(s).take(b))
+                for b, s in zip(self.get_many(keys), sinks, strict=True)]
 
     def read_pending(self, pending: Sequence[PendingBlock], sinks: Sequence) -> list[bool]:
         """`read_into` for the PendingBlocks `find_many_with_source` answered."""
@@ -386,38 +383,6 @@ def as_store(store) -> Store:
 def looks_like_store(obj) -> bool:
     """Whether `obj` has the calls every store has (a Store subclass or a duck-typed one)."""
     return isinstance(obj, Store) or all(callable(getattr(obj, m, None)) for m in STORE_METHODS)
-
-
-# ---- the calls on any store object (Store or duck-typed), kept for callers of the earlier free functions ---------
-def get_with_source(store, key: str) -> tuple[KVBlock | None, str | None]:
-    return as_store(store).get_with_source(key)
-
-
-def get_many_with_source(store, keys: Sequence[str], tiers: str = "all") -> list[tuple[KVBlock | None, str | None]]:
-    return as_store(store).get_many_with_source(keys, tiers)
-
-
-def find_many_with_source(store, keys: Sequence[str],
-                          tiers: str = "all") -> list[tuple[KVBlock | PendingBlock | None, str | None]]:
-    return as_store(store).find_many_with_source(keys, tiers)
-
-
-def has_persistent(store) -> bool:
-    return as_store(store).has_persistent
-
-
-def put_block(store, key: str, block: KVBlock, persist: bool = True) -> None:
-    """`put` (persist=True) or `put_volatile` (persist=False: the block may be kept in memory but must not outlive
-    the process)."""
-    store = as_store(store)
-    if persist:
-        store.put(key, block)
-    else:
-        store.put_volatile(key, block)
-
-
-def put_persistent(store, key: str, block: KVBlock) -> None:
-    as_store(store).put_persistent(key, block)
 
 
 def check_key(key: str) -> str:
