@@ -1,4 +1,5 @@
-"""n replies to one prompt (`n` > 1, pc_rag/choices.py): one prefill, n rows decoding from its KV.
+"""n replies to one prompt (`n` > 1, pc_rag/choices.py): one prefill, n rows decoding from its KV (rows of the
+batched step: the logprobs of batched decoding are tested here).
 
 References: the prefill runs once (counted at `Engine._prefill`); greedy choices equal the one-reply greedy
 output token for token (the same logits, decoded as rows of one step: equal within 1e-5, fp32); each choice's
@@ -26,8 +27,8 @@ def test_one_prefill_n_rows(engine, docs, monkeypatch):
     prefills = []
     real = engine._prefill
     monkeypatch.setattr(engine, "_prefill", lambda *a, **k: prefills.append(1) or real(*a, **k))
-    single = engine.generate(_prompt(docs), mode="full", max_new_tokens=10)
-    got = engine.generate(_prompt(docs), mode="full", max_new_tokens=10, n=3, logprobs=1)
+    single = engine.generate(_prompt(docs), mode="full", max_new_tokens=24)
+    got = engine.generate(_prompt(docs), mode="full", max_new_tokens=24, n=3, logprobs=1)
     assert len(prefills) == 2  # one for the single reply, one for the three
     assert [c.index for c in got.choices] == [0, 1, 2]
     assert [c.token_ids for c in got.choices] == [single.token_ids] * 3

@@ -271,8 +271,10 @@ def test_logprobs_with_bias_and_penalties_are_those_of_the_adjusted_logits(engin
         counts[token] = counts.get(token, 0) + 1
 
 
-def test_logprobs_in_batched_decoding_equal_the_reference(loaded, docs):
-    """Requests decoded together in the shared step (batch.py): each one's logprobs against its own reference."""
+def test_logprobs_of_concurrent_requests_equal_the_reference(loaded, docs):
+    """Requests at the same time, their first tokens and the rest chosen in the shared step (batch.py) when they
+    overlap: each one's logprobs against its own reference. (That they overlap depends on the machine's load: rows
+    of one batch for certain, n > 1: tests/test_choices.py.)"""
     import threading
 
     model, tok = loaded
@@ -288,6 +290,5 @@ def test_logprobs_in_batched_decoding_equal_the_reference(loaded, docs):
         t.start()
     for t in threads:
         t.join(120)
-    assert engine.stats()["decode"]["max_batch_seen"] >= 2
     for g in got:
         _assert_logprobs_match(engine, g, 2)
