@@ -442,7 +442,10 @@ def test_a_file_removed_between_planning_and_loading(loaded, on_disk):
         assert (asm.logits - ref_logits).abs().max().item() <= TOL
         lost = pending[0].n + pending[1].n
         assert asm.cached_tokens == sum(p.n for p in pending) - lost
-        assert not {k for p in pending[:2] for k in (p.key, *p.members)} & asm.plan.hits
+        assert not {k for p in pending[:2] for k in (p.key, *p.members)} & asm.plan.as_built().hits
+        # recorded on the plan, not written over it: the plan still says what was planned
+        assert [(e.slot, e.what) for e in asm.plan.events] == [(p.slot, "lost") for p in pending[:2]]
+        assert asm.plan.pieces == plan.pieces
         assert sum(p.n for p in asm.pieces if p.source == "fresh" and p.kind == "prefix") == lost
     finally:
         engine.runner.release_cache(asm.cache)

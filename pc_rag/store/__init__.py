@@ -7,7 +7,7 @@ PendingBlocks for `read_pending` to read straight into a request's buffer: a `Re
 the slots),
 `where(keys)` (which tier holds each key, reading and counting nothing: `Engine.explain`), `put_volatile` (memory
 only) and `put_persistent` (disk and Redis only: the engine's extents of prefix blocks), `promote`, `prefetch`
-(pc_rag.prefetch) and `set_placement` (TieredStore places blocks read from lower tiers, e.g. on the engine's
+(pc_rag.prefetch) and `set_device` (TieredStore moves blocks read from lower tiers to the engine's
 device, before promoting them). A user's store either subclasses Store or is a plain object with get, put, clear
 and tier_stats, seen through the interface by `as_store` (open_store does it). Build stores with
 `open_store(spec)`:
