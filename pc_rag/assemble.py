@@ -109,11 +109,11 @@ class Assembler:
         self.extents_stored: OrderedDict[str, None] = OrderedDict()
         self._extents_lock = threading.Lock()  # requests of a server's batch plan and store concurrently
         self.scaffold_bytes = 0  # what joint encodings cost on top of the chunks' own blocks
-        self.direct_loads = True  # blocks on disk are read straight into the request buffer (`_read`)
 
     def lookups(self) -> StoreLookups:
-        """The store as a request's planning asks it; its `blocks` are what `assemble` then builds from."""
-        return StoreLookups(self.store, self.place, self.direct_loads)
+        """The store as a request's planning asks it; its `blocks` are what `assemble` then builds from (blocks on
+        disk or in Redis are left unread, to be read straight into the request buffer: `_read`)."""
+        return StoreLookups(self.store, self.place)
 
     def place(self, block: KVBlock | None) -> KVBlock | None:
         """The block on the model's device. Blocks read from disk or Redis are CPU tensors; the engine hands

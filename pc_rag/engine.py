@@ -303,7 +303,7 @@ class Engine:
         segments, _ = self._checked_segments(prompt, mode, namespace=namespace)
         if mode in REUSING_CHUNKS:  # refused as a request would be, by what is known without a forward pass
             self.runner.check_relocation(probe=False)
-        plan = self.planner.plan(segments, mode, WhereLookups(self.store, self.assembler.direct_loads), namespace)
+        plan = self.planner.plan(segments, mode, WhereLookups(self.store), namespace)
         rows = []
         for p in plan.pieces:
             kv = _LOADS[p.load].format(tier=p.origin)

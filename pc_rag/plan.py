@@ -230,7 +230,6 @@ class Planner:
         # Automatic ones, the same by namespace: a group that one namespace's prompts made frequent changes only
         # its own plans (else another's would show, by encoding it, that the group was retrieved elsewhere).
         self.auto_scaffolds: dict[str | None, dict[tuple[int, ...], frozenset[tuple[tuple[int, ...], ...]]]] = {}
-        self.reuse_separators = True  # whitespace-only text after a chunk is reused like a chunk (see `_layout`)
         self.passages = PassageIndex()  # the passages each namespace has sent (`_with_passages`)
 
     def add_scaffold(self, chunks: Sequence[tuple[int, ...]], namespace: str | None = None,
@@ -354,11 +353,11 @@ class Planner:
                 else:
                     want, span = self.chunk_wanted(seg, slot, namespace), [seg]
                     j += 1
-            elif mode in REUSING_CHUNKS and seg.kind == "sep" and self.reuse_separators and j < len(segments) - 1 \
+            elif mode in REUSING_CHUNKS and seg.kind == "sep" and j < len(segments) - 1 \
                     and items and isinstance(items[-1], Wanted) and run_start == slot:
                 # Whitespace between chunks ("\n\n" in every RAG template) is reused like a chunk: computing
                 # it fresh cost as much as a question of the same length per separator (measured: 14 of the
-                # 41 fresh tokens at 4K tokens, +15% TTFT); its KV barely depends on context (see fidelity).
+                # 41 fresh tokens at 4K tokens, +15% TTFT); its KV barely depends on context (docs/speed.md).
                 want, span = self.chunk_wanted(seg, slot, namespace), [seg]
                 j += 1
             if want is not None:
