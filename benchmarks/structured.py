@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 import pc_rag.testing as testing
+from pc_rag.model import heap
 
 SCHEMA = {
     "type": "object",
@@ -87,49 +88,49 @@ def hf_tokenizer(vocab_size: int):
 
 # ---- backends -----------------------------------------------------------------------------------------------------
 class LLGuidance:
+    """pc_rag's own grammar code (pc_rag.grammar), which runs on llguidance."""
+
     name = "llguidance"
 
     def __init__(self, tok):
         import llguidance
-        import llguidance.hf
 
-        self.ll = llguidance
+        from pc_rag.grammar import Grammars
+
+        self.grammars = Grammars(tok, len(tok), [tok.eos_token_id])
         t0 = time.perf_counter()
-        self.tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok), eos_token=tok.eos_token_id)
+        self.tokenizer = self.grammars._tokenizer_now()
         self.prepare_s = time.perf_counter() - t0
         self.vocab = len(tok)
-        self.words = (self.vocab + 31) // 32
-        self.bits = torch.arange(32, dtype=torch.int32)
         self.executor = llguidance.LLExecutor()
 
     def compile(self, schema):
-        grammar = self.ll.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
-        m = self.ll.LLMatcher(self.tokenizer, grammar)
-        if m.is_error():
-            raise ValueError(m.get_error())
-        return grammar, m
+        from pc_rag.grammar import Grammar, Grammars
 
-    def matcher(self, compiled):
-        return compiled[1].deep_copy()
+        return Grammars._compile(self.tokenizer, Grammar.json_schema(schema))  # not the engine's cache
 
-    def step(self, m, logits, bitmask, row):
-        m.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), self.words * 4)
-        allowed = ((bitmask[row, :, None] >> self.bits) & 1).view(-1)[: self.vocab].bool()
-        logits.masked_fill_(~allowed, float("-inf"))
+    def state(self, compiled):
+        from pc_rag.grammar import GrammarState
 
-    def accept(self, m, token):
-        assert m.consume_token(token), m.get_error()
+        return GrammarState(compiled.deep_copy(), self.vocab, None)
 
-    def fill_parallel(self, matchers, bitmask):
-        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
-                                              self.words * 4, len(matchers))
+    def step(self, state, logits):
+        return state.mask(logits)
+
+    def accept(self, state, token):
+        state.accept(token)
+
+    def fill_parallel(self, states, bitmask):
+        self.executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], bitmask.data_ptr(),
+                                              bitmask.shape[1] * 4, len(states))
 
     def bitmask(self, rows):
-        return torch.full((rows, self.words), -1, dtype=torch.int32)
+        return torch.zeros((rows, (self.vocab + 31) // 32), dtype=torch.int32)
 
 
 class XGrammar:
+    """xgrammar as pc_rag ran it before (the `structured` extra): the same steps with its matcher and kernels."""
+
     name = "xgrammar"
 
     def __init__(self, tok):
@@ -145,20 +146,20 @@ class XGrammar:
     def compile(self, schema):
         return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
 
-    def matcher(self, compiled):
-        return self.xgr.GrammarMatcher(compiled)
+    def state(self, compiled):
+        return self.xgr.GrammarMatcher(compiled), self.xgr.allocate_token_bitmask(1, self.vocab)
 
-    def step(self, m, logits, bitmask, row):
-        m.fill_next_token_bitmask(bitmask, row)
-        self.xgr.apply_token_bitmask_inplace(logits[None], bitmask[row: row + 1])
+    def step(self, state, logits):
+        matcher, bitmask = state
+        out = logits.detach().to("cpu", torch.float32, copy=True)
+        matcher.fill_next_token_bitmask(bitmask)
+        self.xgr.apply_token_bitmask_inplace(out[None], bitmask)
+        return out
 
-    def accept(self, m, token):
-        assert m.accept_token(token)
+    def accept(self, state, token):
+        assert state[0].accept_token(token)
 
     fill_parallel = None
-
-    def bitmask(self, rows):
-        return self.xgr.allocate_token_bitmask(rows, self.vocab)
 
 
 # ---- measurements -------------------------------------------------------------------------------------------------
@@ -177,25 +178,34 @@ def measure(backend_cls, tok, reps: int, rows_list) -> dict:
     out["compile_ms"] = median_ms(times)
     ids = tok(OUTPUT, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     logits = torch.randn(b.vocab)
+    # The first request over a freshly compiled grammar (whatever a backend builds lazily, it builds here).
+    compiled = b.compile(SCHEMA)
+    state = b.state(compiled)
+    t0 = time.perf_counter()
+    for token in ids:
+        b.step(state, logits)
+        b.accept(state, token)
+    out["first_request_ms"] = 1e3 * (time.perf_counter() - t0)
+    out["tokens"] = len(ids)
     for rows in rows_list:
-        matchers = [b.matcher(compiled) for _ in range(rows)]
-        bitmask = b.bitmask(rows)
+        states = [b.state(compiled) for _ in range(rows)]
+        bitmask = b.bitmask(rows) if b.fill_parallel is not None else None
         step_times, fill_times = [], []
         for token in ids:
             t0 = time.perf_counter()
-            for r, m in enumerate(matchers):
-                row = logits.clone()
-                b.step(m, row, bitmask, r)
+            for st in states:
+                row = b.step(st, logits)
                 if not torch.isfinite(row[token]):
                     raise AssertionError(f"{b.name}: token {token} of the valid output masked")
             step_times.append(time.perf_counter() - t0)
-            if b.fill_parallel is not None and rows > 1:
+            if bitmask is not None and rows > 1:
                 t0 = time.perf_counter()
-                b.fill_parallel(matchers, bitmask)
+                b.fill_parallel(states, bitmask)
                 fill_times.append(time.perf_counter() - t0)
-            for m in matchers:
-                b.accept(m, token)
+            for st in states:
+                b.accept(st, token)
         out[f"step_ms_{rows}"] = median_ms(step_times)
+        out[f"step_max_ms_{rows}"] = 1e3 * max(step_times)
         if fill_times:
             out[f"fill_par_ms_{rows}"] = median_ms(fill_times)
     return out
@@ -218,6 +228,10 @@ def install_sizes() -> dict:
     return sizes
 
 
+def results_tokens(results) -> int:
+    return next((r["tokens"] for r in results.values() if r), 0)
+
+
 def _du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
@@ -230,6 +244,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    heap.keep_temporaries()  # as an engine on the CPU does: a step's temporaries reused, not mapped afresh
     results = {}
     for vocab in (8192, 128256):
         tok = hf_tokenizer(vocab)
@@ -239,21 +254,23 @@ def main(argv=None):
             except ImportError:
                 results[(cls.name, vocab)] = None
     sizes = install_sizes() if args.install_size else {}
-    head = ["backend", "vocab", "tokenizer prep s", "compile ms"] + [f"step ms, {r} row{'s' * (r > 1)}"
-                                                                      for r in rows_list]
-    head += [f"parallel fill ms, {r} rows" for r in rows_list if r > 1]
+    head = ["backend", "vocab", "tokenizer prep s", "compile ms", "1st request ms"]
+    head += [f"step ms, {r} row{'s' * (r > 1)} (max)" for r in rows_list]
+    head += [f"llguidance parallel fill ms, {r} rows" for r in rows_list if r > 1]
+    print(f"JSON schema of {len(SCHEMA['properties'])} properties; a {results_tokens(results)}-token output; "
+          "medians over its steps")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for (name, vocab), r in results.items():
         if r is None:
             print(f"| {name} | {vocab} | not installed |")
             continue
-        cells = [name, str(vocab), f"{r['prepare_s']:.2f}", f"{r['compile_ms']:.2f}"]
-        cells += [f"{r[f'step_ms_{n}']:.3f}" for n in rows_list]
+        cells = [name, str(vocab), f"{r['prepare_s']:.2f}", f"{r['compile_ms']:.2f}", f"{r['first_request_ms']:.1f}"]
+        cells += [f"{r[f'step_ms_{n}']:.3f} ({r[f'step_max_ms_{n}']:.1f})" for n in rows_list]
         cells += [f"{r[f'fill_par_ms_{n}']:.3f}" if f"fill_par_ms_{n}" in r else "-" for n in rows_list if n > 1]
         print("| " + " | ".join(cells) + " |")
     for name, s in sizes.items():
-        print(f"\n{name}: adds {s['mb']:.0f} MB to a virtualenv with torch and transformers")
+        print(f"\n{name}: adds {s['mb']:.0f} MB to a virtualenv with torch 2.13.0 (CPU) and transformers")
     return results, sizes
 
 

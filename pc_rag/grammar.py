@@ -180,15 +180,13 @@ class GrammarState:
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [vocab] as a CPU float32 copy with every token the grammar forbids at -inf."""
         row = logits.detach().to("cpu", torch.float32)
-        if self.matcher.is_stopped():  # the output is complete and its stop token taken: nothing may follow
-            out = torch.full_like(row, float("-inf"))
-        else:
-            self.matcher.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)
-            # Unpacked by numpy (10 us at 128K tokens); torch's shifts of int32 took 50 ms there.
-            bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little", count=self.vocab_size)
-            allowed = torch.from_numpy(bits).view(torch.bool)
-            out = torch.full_like(row, float("-inf"))
-            out[: self.vocab_size] = torch.where(allowed, row[: self.vocab_size], self._NEG_INF)
+        # Once the output is complete (or its stop token taken) the mask allows the stop tokens only.
+        self.matcher.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)
+        # Unpacked by numpy (10 us at 128K tokens); torch's shifts of int32 took 50 ms there.
+        bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little", count=self.vocab_size)
+        out = torch.where(torch.from_numpy(bits).view(torch.bool), row[: self.vocab_size], self._NEG_INF)
+        if row.numel() > self.vocab_size:  # logits past the grammar's vocabulary: never allowed
+            out = torch.cat([out, row.new_full((row.numel() - self.vocab_size,), float("-inf"))])
         if out.isneginf().all() and self.eos_id is not None:  # nothing allowed (a dead end): end the reply
             out[self.eos_id] = 0.0
         return out
