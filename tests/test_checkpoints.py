@@ -72,11 +72,15 @@ def test_a_gguf_dequantizes_to_the_requested_dtype(ggufs):
 
 def test_the_tokenizer_comes_from_the_gguf_and_encodes_like_the_checkpoints(ggufs, hf_runner):
     runner = LlamaRunner.from_pretrained(str(ggufs["F32"]))
-    texts = [t[:400] for t in pydoc_corpus()[:20]] + ["<|start_header_id|>user<|end_header_id|>\n\nhé ✓ 42"]
+    # transformers adds GPT-2's <|endoftext|> to a byte-level GGUF vocabulary that lacks it, one id past the model's:
+    # dropped at load (it was an IndexError mid-request), so that text is plain text, as in the checkpoint.
+    texts = [t[:400] for t in pydoc_corpus()[:20]] + ["<|start_header_id|>user<|end_header_id|>\n\nhé ✓ 42",
+                                                      "a <|endoftext|> b"]
     for text in texts:
         assert runner.tokenizer(text)["input_ids"] == hf_runner.tokenizer(text)["input_ids"], text[:40]
     assert runner.tokenizer.eos_token_id == hf_runner.tokenizer.eos_token_id
     assert runner.tokenizer.chat_template == hf_runner.tokenizer.chat_template
+    assert len(runner.tokenizer) == len(hf_runner.tokenizer) == runner.config.vocab_size
 
 
 def test_engine_from_pretrained_takes_a_gguf_file_or_a_folder_holding_one(ggufs, tmp_path):

@@ -7,7 +7,7 @@ A path is one of:
   transformers reads the config, the tokenizer and the weights from it (`gguf_file=`, the `gguf` package), for the
   families it reads from GGUF (Llama, Mistral, Qwen2/3, Gemma...), dequantizing every tensor to the requested
   dtype; pc_rag then runs it as any checkpoint. Its tokenizer is the one transformers builds from the file's
-  vocabulary and merges (no tokenizer.json needed);
+  vocabulary and merges (no tokenizer.json needed), less any token transformers adds past the model's vocabulary;
 - a Hub id ("org/name") that is not a local path: passed to transformers as it is (found in the local Hugging Face
   cache; nothing is downloaded where the machine has no network).
 
@@ -54,15 +54,18 @@ class Checkpoint:
         except Exception as e:
             raise self._error("its config cannot be read", e) from None
 
-    def tokenizer(self):
+    def tokenizer(self, vocab_size: int | None = None):
         from transformers import AutoTokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(self.source, **self.kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(self.source, **self.kwargs)
         except (PCRagError, KeyboardInterrupt, MemoryError):
             raise
         except Exception as e:
             raise self._error("its tokenizer cannot be read", e) from None
+        if self.gguf_file and vocab_size is not None:
+            _drop_tokens_past(tokenizer, vocab_size)
+        return tokenizer
 
     def model(self, dtype):
         from transformers import AutoModelForCausalLM
@@ -117,6 +120,23 @@ def locate(path_or_id: str | Path) -> Checkpoint:
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
         raise CheckpointError(f"{given}: a config.json but no weights (expected {' or '.join(WEIGHT_PATTERNS)})")
     return Checkpoint(given, str(path))
+
+
+def _drop_tokens_past(tokenizer, vocab_size: int) -> None:
+    """Removes added tokens whose id is past the model's vocabulary from a tokenizer transformers built from a GGUF:
+    it adds GPT-2's `<|endoftext|>` as the unknown token of a byte-level vocabulary that lacks it, and a prompt
+    holding that text then gave an id the embedding does not have (an IndexError mid-request)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return
+    spec = json.loads(backend.to_str())
+    kept = [t for t in spec.get("added_tokens", []) if t["id"] < vocab_size]
+    if len(kept) == len(spec.get("added_tokens", [])):
+        return
+    from tokenizers import Tokenizer
+
+    spec["added_tokens"] = kept
+    tokenizer._tokenizer = Tokenizer.from_str(json.dumps(spec))  # the backend transformers' tokenizer wraps
 
 
 def refuse_quantized(given: str, config: dict) -> None:

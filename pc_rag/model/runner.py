@@ -161,7 +161,7 @@ class LlamaRunner:
             describe(config)  # before any weights load: an unsupported family is one clear error
         except UnsupportedModelError as e:
             raise UnsupportedModelError(f"{path_or_id}: {e}") from None
-        tokenizer = source.tokenizer()
+        tokenizer = source.tokenizer(getattr(config, "vocab_size", None))
         # The attention implementation is transformers' default for the family (sdpa, or eager for Gemma 2's
         # soft-capping): it only serves `reference_logits` and a user's own calls of the model.
         model = source.model(dtype)
