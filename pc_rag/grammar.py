@@ -187,7 +187,7 @@ class GrammarState:
         out = torch.where(torch.from_numpy(bits).view(torch.bool), row[: self.vocab_size], self._NEG_INF)
         if row.numel() > self.vocab_size:  # logits past the grammar's vocabulary: never allowed
             out = torch.cat([out, row.new_full((row.numel() - self.vocab_size,), float("-inf"))])
-        if out.isneginf().all() and self.eos_id is not None:  # nothing allowed (a dead end): end the reply
+        if not self.bitmask.any() and self.eos_id is not None:  # nothing allowed (a dead end): end the reply
             out[self.eos_id] = 0.0
         return out
 
