@@ -12,7 +12,7 @@ device, before promoting them). A user's store either subclasses Store or is a p
 and tier_stats, seen through the interface by `as_store` (open_store does it). Build stores with
 `open_store(spec)`:
 
-    memory.py      MemoryStore: tensors in process memory, LRU bounded by bytes, optional TTL
+    memory.py      MemoryStore: tensors in process memory, bounded by bytes (GDSF or LRU), optional TTL
     disk.py        DiskStore: one safetensors file per block in <dir>/pc_rag-kv-v1/, persistent, LRU bounded
                    by bytes; never touches a file it did not name; reads a request's files in parallel
     redis_tier.py  RedisStore: safetensors blobs in a shared Redis, TTL; the server bounds the size; one
