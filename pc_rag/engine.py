@@ -349,7 +349,8 @@ class Engine:
         (marked for this request) and, unless `discovered=False` or PC_RAG_DISCOVERY=0, documents the framework
         hooks discovered become `Chunk`s; replies this engine generated in namespace `cache_salt` (pass the
         request's) keep their generated tokens; the rest is `Text`, its passages (pc_rag.passages) marked
-        `Text(passage=True)`. The tokens are those of the whole string (see `SegmentTokenizer.split`)."""
+        `Text(passage=True)` unless `discovered=False` or `reuse_passages` is off. The tokens are those of the whole
+        string (see `SegmentTokenizer.split`)."""
         if not isinstance(text, str):
             raise PromptError(f"split takes the prompt as a str, got {type(text).__name__}")
         namespace = checked_cache_salt(cache_salt)
@@ -357,7 +358,9 @@ class Engine:
         if discovered:
             found += self.discovery.candidates(text)
         spans = resolve(found)
-        if self.reuse_passages and getattr(self.tokenizer, "is_fast", False):  # passages need the token offsets
+        # Passages need the token offsets (a fast tokenizer); `discovered=False` (an adapter's auto_chunks=False)
+        # asks for no automatic chunks at all.
+        if discovered and getattr(self.tokenizer, "is_fast", False) and self.reuse_passages:
             spans = with_passages(text, spans, self._passage_markers)
         return self.segmenter.split(text, spans)
 

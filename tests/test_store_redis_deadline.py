@@ -19,7 +19,7 @@ from pc_rag.blocks import KVBlock
 from pc_rag.store import MemoryStore, RedisStore, TieredStore
 from pc_rag.store.redis_cluster import RedisClusterStore
 from pc_rag.store.redis_tier import TierSlowError
-from pc_rag.store.tier import Sink
+from pc_rag.store.tier import ReadTarget
 
 from .test_store import key_of, make_block
 from .test_store_faults import call_bounded
@@ -154,7 +154,7 @@ def drip():
 EXCHANGES = {
     "get_many": lambda store: store.get_many([key_of(1), key_of(2)]),
     "locate": lambda store: store.locate([key_of(1)]),
-    "read_into": lambda store: store.read_into([key_of(1)], [Sink(lambda b: True, torch.empty(2, 2, 6, 4),
+    "read_into": lambda store: store.read_into([key_of(1)], [ReadTarget(lambda b: True, torch.empty(2, 2, 6, 4),
                                                                   torch.empty(2, 2, 6, 4))]),
     "put": lambda store: store.put(key_of(1), make_block(1)),
     "clear": lambda store: store.clear(),
