@@ -64,12 +64,10 @@ class Variant:
     select: str = "deviation"
     nosink: bool = False
     scaffold: bool = False
-    fresh_separators: bool = False
 
 
 # exact last: its prefix nodes (the whole prompt but the question) would otherwise serve the others too.
-VARIANTS = [Variant("modular", "modular"), Variant("modular_nosink", "modular", nosink=True),
-            Variant("modular_fresh_separators", "modular", fresh_separators=True)]
+VARIANTS = [Variant("modular", "modular"), Variant("modular_nosink", "modular", nosink=True)]
 VARIANTS += [Variant(f"blend_{r}_{sel}", "blend", r, sel) for sel in ("deviation", "chunk_start", "progressive")
              for r in RATIOS]
 VARIANTS += [Variant("scaffold", "modular", scaffold=True), Variant("exact", "exact")]
@@ -85,7 +83,6 @@ def measure(engine, nosink, prompts, new_tokens):
         row = {}
         for v in VARIANTS:
             engine.assembler = nosink if v.nosink else default
-            engine.planner.reuse_separators = not v.fresh_separators
             engine.blend_selection = v.select
             if v.scaffold:
                 engine.add_scaffold(chunks)  # the group, declared in this prompt's order
@@ -97,7 +94,6 @@ def measure(engine, nosink, prompts, new_tokens):
                 gen = engine.generate(prompt, mode=v.mode, max_new_tokens=new_tokens, recompute_ratio=v.ratio)
                 lm = engine.next_token_logits(prompt, v.mode, recompute_ratio=v.ratio)
             finally:
-                engine.planner.reuse_separators = True
                 engine.assembler = default
             row[v.name] = {"kl": kl(lf, lm), "top1": int(lf.argmax() == lm.argmax()),
                            "greedy_prefix": common_prefix(full.token_ids, gen.token_ids),

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 import pc_rag
+from pc_rag.lookups import StoreLookups
 
 from .common import (
     build_prompt,
@@ -62,7 +63,7 @@ def run_exact_disk(model_path, lengths, reps, dtype="float32", device="cpu", see
     """Issue #12's goal alone (`--exact-disk`): exact mode warm from disk (memory tier emptied before each
     request, its memory handed back to the OS) against the ideal and exact warm from memory, measured in turn,
     then the disk request's steps; disk blocks read straight into the request buffer (the default) and, for
-    comparison, each into memory of its own (`Assembler.direct_loads = False`, the path before direct loads).
+    comparison, each into memory of its own (`StoreLookups(direct=False)`, the path before direct loads).
     TTFT is the engine's `ttft_s` of a one-token generate; in the steps, `save_ms` is what follows the logits
     (storing and promoting blocks), not in TTFT. Same prompts as `run` for the same seed."""
     disk_dir = Path(tempfile.mkdtemp(prefix="pc_rag_bench_disk_"))
@@ -82,14 +83,15 @@ def run_exact_disk(model_path, lengths, reps, dtype="float32", device="cpu", see
                 def setup():
                     emptied(engine, memory_tier)()
                     release_freed_memory()  # as in a new process: blocks read next get fresh pages
-                    engine.assembler.direct_loads = direct
+                    # read straight into the request buffer, or each block into memory of its own first
+                    engine.assembler.lookups = lambda: StoreLookups(engine.store, engine.assembler.place, direct)
                 return setup
 
             row = {"prompt_tokens": len(w.ids)}
             row |= interleaved({"ideal": w.ideal_case(), "pc_exact_warm_memory": (exact, exact),
                                 "pc_exact_warm_disk": (exact, reading(True)),
                                 "pc_exact_warm_disk_own_memory": (exact, reading(False))}, reps)
-            engine.assembler.direct_loads = True
+            del engine.assembler.lookups  # the engine's own again
             for key in ("pc_exact_warm_disk", "pc_exact_warm_disk_own_memory", "pc_exact_warm_memory"):
                 row[key.removeprefix("pc_").replace("_warm", "") + "_over_ideal"] = (
                     row[key]["median_s"] / row["ideal"]["median_s"])
@@ -98,7 +100,7 @@ def run_exact_disk(model_path, lengths, reps, dtype="float32", device="cpu", see
                 steps = load_steps(engine, disk_tier, lambda p=w.prompt: engine.next_token_logits(p, mode="exact"),
                                    reps, reading(direct))
                 row["load_steps"][name] = steps
-            engine.assembler.direct_loads = True
+            vars(engine.assembler).pop("lookups", None)
             rows.append(row)
             print(_row_line(row), flush=True)
         return {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads", "rows": rows}

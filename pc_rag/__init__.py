@@ -3,13 +3,23 @@
 from . import testing
 from .blocks import KVBlock
 from .engine import Engine, ExplainRow, Explanation, Generation, SegmentSource
-from .errors import OptionError, OptionTypeError, PCRagError, PMLError, PromptError, StoreError, UnsupportedModelError
+from .errors import (
+    CheckpointError,
+    OptionError,
+    OptionTypeError,
+    PCRagError,
+    PMLError,
+    PromptError,
+    StoreError,
+    UnsupportedModelError,
+)
 from .grammar import Grammar
 from .options import GenerationOptions
 from .pml import PML, Schema, SchemaRegistry
 from .segments import Chunk, Text
 
 __all__ = [
+    "CheckpointError",
     "Chunk",
     "Engine",
     "ExplainRow",

@@ -26,7 +26,7 @@ from .errors import PCRagError
 from .lookups import StoreLookups
 from .model import HeldBlock, LlamaRunner, SlotCache
 from .options import MODES  # noqa: F401  (pc_rag.assemble.MODES, as before: the serve schema imports it here)
-from .plan import COPY, ENCODE, READ, STORED, Piece, Plan, Planner, Wanted
+from .plan import COMPUTED, Event, Load, Piece, Plan, Planner, Source, Wanted
 from .prefix import EXTENT_BLOCKS, Link, Run, after_link, extents, far_groups, in_groups, run_blocks
 from .store import PendingBlock, ReadTarget, Store
 
@@ -64,7 +64,7 @@ class Assembled:
     # to the caller (`assemble(defer=...)`: the batched decode step computes them, slots from prompt_tokens -
     # deferred on)
     logits: torch.Tensor | None
-    plan: Plan  # as built: the plan carried out, with any block that could not be read recomputed instead
+    plan: Plan  # the plan carried out, with what changed while it ran as events (`Plan.as_built` applies them)
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
@@ -75,7 +75,8 @@ class Assembled:
 
     @property
     def pieces(self) -> tuple[Piece, ...]:
-        return self.plan.pieces
+        """The pieces as built (events applied)."""
+        return self.plan.as_built().pieces
 
 
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -108,11 +109,11 @@ class Assembler:
         self.extents_stored: OrderedDict[str, None] = OrderedDict()
         self._extents_lock = threading.Lock()  # requests of a server's batch plan and store concurrently
         self.scaffold_bytes = 0  # what joint encodings cost on top of the chunks' own blocks
-        self.direct_loads = True  # blocks on disk are read straight into the request buffer (`_read`)
 
     def lookups(self) -> StoreLookups:
-        """The store as a request's planning asks it; its `blocks` are what `assemble` then builds from."""
-        return StoreLookups(self.store, self.place, self.direct_loads)
+        """The store as a request's planning asks it; its `blocks` are what `assemble` then builds from (blocks on
+        disk or in Redis are left unread, to be read straight into the request buffer: `_read`)."""
+        return StoreLookups(self.store, self.place)
 
     def place(self, block: KVBlock | None) -> KVBlock | None:
         """The block on the model's device. Blocks read from disk or Redis are CPU tensors; the engine hands
@@ -152,38 +153,34 @@ class Assembler:
         block, origin = self._get(want.key)
         if block is None or block.token_ids != want.token_ids:
             self._encode_and_store(want.key, want.token_ids, want.start, want.source)
-            return "computed"
+            return COMPUTED
         return origin
 
-    def _encode(self, plan: Plan, blocks: Mapping[str, KVBlock | PendingBlock]) -> tuple[Plan, dict[int, KVBlock]]:
+    def _encode(self, plan: Plan,
+                blocks: Mapping[str, KVBlock | PendingBlock]) -> tuple[list[Event], dict[int, KVBlock]]:
         """Step 1: the blocks to copy in, by slot: those in hand, and the misses ("encode") encoded and stored now.
         Each encoded block is read back from the store right away, and a later piece of the same block ("stored":
         the separator between chunks) uses what the store gave, as a later request would (a memory hit, reused);
-        should the store not give it back, that piece encodes it again."""
+        should the store not give it back, that piece encodes it again (an event: "not kept")."""
         in_hand: dict[int, KVBlock] = {}
-        got: dict[str, tuple[KVBlock | None, str | None]] = {}
-        pieces = list(plan.pieces)
-        again = 0
-        for i, p in enumerate(plan.pieces):
-            if p.load == COPY:
+        got: dict[str, KVBlock | None] = {}
+        events: list[Event] = []
+        for p in plan.pieces:
+            if p.load == Load.COPY:
                 in_hand[p.slot] = blocks[p.key]
                 continue
-            if p.load not in (ENCODE, STORED):
+            if p.load not in (Load.ENCODE, Load.STORED):
                 continue
             ids = plan.ids[p.slot: p.slot + p.n]
-            if p.load == STORED:
-                block, origin = got[p.key]
+            if p.load == Load.STORED:
+                block = got[p.key]
                 if block is not None and block.token_ids == ids:
                     in_hand[p.slot] = block
-                    pieces[i] = replace(p, origin=origin, load=COPY)
                     continue
-                again += p.n
-                pieces[i] = replace(p, origin="computed", load=ENCODE)
+                events.append(Event(p.slot, "not kept", replace(p, origin=COMPUTED, load=Load.ENCODE)))
             in_hand[p.slot] = self._encode_and_store(p.key, ids, p.encode_start, p.source)
-            got[p.key] = self._get(p.key)
-        if got and any(p.load == STORED for p in plan.pieces):
-            plan = replace(plan, pieces=tuple(pieces), stored_tokens=plan.stored_tokens + again)
-        return plan, in_hand
+            got[p.key] = self._get(p.key)[0]
+        return events, in_hand
 
     # ---- build and forward -------------------------------------------------------------------------------------
     def assemble(self, plan: Plan, blocks: Mapping[str, KVBlock | PendingBlock], extra_capacity: int,
@@ -193,25 +190,28 @@ class Assembler:
         None, `deferred` their count, the cache that many slots short) to the caller, whose batched decode step
         computes them with other requests' tokens."""
         self._index(plan)
-        plan, in_hand = self._encode(plan, blocks)
+        events, in_hand = self._encode(plan, blocks)
         ids, positions = plan.ids, plan.positions
         total = len(ids)
         # Blocks a pooled buffer may still hold in place from its last request (model/cache.py): those found
         # there are neither read nor copied again (a system text or conversation sent again: 2K tokens of fp32
         # KV were 22% of such a request's time to first token, bench model).
-        wanted = [_held(p) for p in plan.pieces if p.load in (COPY, READ)]
+        changed = {e.slot for e in events}
+        wanted = [_held(p) for p in plan.pieces if p.load in (Load.COPY, Load.READ, Load.STORED)
+                  and p.slot not in changed]
         cache = self.runner.acquire_cache(total + extra_capacity, wanted)
         present = {b.slot for b in wanted if cache.holds(b.key, b.slot, b.n, b.position)}
         cache.hold(tuple(b for b in wanted if b.slot in present))  # until the copies below are all in
-        plan = self._read(plan, blocks, cache, in_hand, present)
-        pieces = plan.pieces
+        plan = plan.with_events(events + self._read(plan, blocks, cache, in_hand, present))
+        built = plan.as_built()
+        pieces = built.pieces
         fresh: set[int] = set()
         cached = 0
         for p in pieces:
-            if p.source == "fresh":
+            if p.source == Source.FRESH:
                 fresh.update(range(p.slot, p.slot + p.n))
                 continue
-            if p.load == READ or (p.slot in present and p.load == COPY):  # already in its slots
+            if p.load == Load.READ or (p.slot in present and p.load in (Load.COPY, Load.STORED)):  # in its slots
                 cached += p.n
                 continue
             block = in_hand[p.slot]
@@ -221,12 +221,12 @@ class Assembler:
             dk, dv = cache.block_views(p.slot, p.slot + p.n)
             self.runner.relocate(dk, keys, p.position - block.start)
             dv.copy_(values)
-            if p.origin != "computed":  # encoded by this very request: computed, not reused
+            if p.origin != COMPUTED:  # encoded by this very request: computed, not reused
                 cached += p.n
         # Slots already hold the cached blocks; cache.length must cover them before any forward, whose writes
         # (runner.py) then mark where the blocks recorded here stop being intact.
         cache.length = total
-        cache.hold(tuple(_held(p) for p in pieces if p.load in (COPY, READ, ENCODE)))
+        cache.hold(tuple(_held(p) for p in pieces if p.load in (Load.COPY, Load.READ, Load.ENCODE, Load.STORED)))
         if total - 1 not in fresh:
             # The prompt ends inside a cached block: recompute its last token so we have its logits.
             fresh.add(total - 1)
@@ -255,7 +255,7 @@ class Assembler:
             computed_tokens=total - cached,
             recomputed_tokens=reused_recomputed,
             last_position=positions[-1],
-            read={p.key: blocks[p.key] for p in pieces if p.load == READ},
+            read={p.key: blocks[p.key] for p in pieces if p.load == Load.READ},
             deferred=deferred,
         )
 
@@ -266,26 +266,26 @@ class Assembler:
         for ref in plan.found_blocks:
             prefixes.add(ref.parent, ref.key, plan.ids[ref.start: ref.end], plan.positions[ref.start: ref.end])
         for p in plan.pieces:
-            if p.source == "prefix" and not p.members:
+            if p.source == Source.PREFIX and not p.members:
                 prefixes.touch(p.key)
 
     def _read(self, plan: Plan, blocks: Mapping[str, KVBlock | PendingBlock], cache: SlotCache,
-              in_hand: dict[int, KVBlock], present: set[int] = frozenset()) -> Plan:
+              in_hand: dict[int, KVBlock], present: set[int] = frozenset()) -> list[Event]:
         """Reads the plan's "read" blocks (found on disk or in Redis at planning) straight into their slots of
         `cache`, in the tiers' reader threads: a bit-exact block is read from its file into the slots and checked
         there, any other through a reused staging buffer and copied in; no block gets memory of its own, so a
         request from disk faults in no fresh pages (they cost more than the reads). Relocated blocks' keys are then
         rotated in place to their positions here. The memory tier gets these blocks after the reply
         (`save_prefix`). A block that cannot be used (gone, corrupt, unreadable since planning, or holding other
-        tokens): the plan as built says what replaced it (`Plan.after_lost_reads`): for a relocated block, the
-        block encoded now and stored, as a miss would be (into `in_hand`)."""
-        pending = [p for p in plan.pieces if p.load == READ]
+        tokens): an event ("lost") says what replaced it: for a prefix block, the forward computes its slots; for a
+        relocated block, the block encoded now and stored, as a miss would be (into `in_hand`)."""
+        pending = [p for p in plan.pieces if p.load == Load.READ]
         # A block already in every slot it goes to (`present`) is not read; one that is missing from any of them is
         # read as usual (its other pieces copy from the first).
         missing = {p.key for p in pending if p.slot not in present}
         pending = [p for p in pending if p.key in missing]
         if not pending:
-            return plan
+            return []
         # A block used more than once (the separator between chunks) is read once, into its first piece's slots,
         # and copied from there into the others' before any rotation (from the position its keys are at there).
         first: dict[str, Piece] = {}
@@ -308,14 +308,12 @@ class Assembler:
         for keys, delta in rotations:  # here, not in the reader threads: torch ops there oversubscribe the cores
             self.runner.relocate(keys, keys.clone(), delta)
         lost = [p for p in pending if p.key not in ok]
-        if not lost:
-            return plan
-        redone = {p.slot: self._recover(p, plan.ids, in_hand) for p in lost if p.relocated}
         for p in lost:
             if p.members:  # gone or damaged: written again after the reply
                 with self._extents_lock:
                     self.extents_stored.pop(p.key, None)
-        return plan.after_lost_reads(lost, redone)
+        return [Event(p.slot, "lost", self._recover(p, plan.ids, in_hand) if p.relocated
+                      else Piece(p.slot, p.n, Source.FRESH, p.kind, p.position)) for p in lost]
 
     def _recover(self, p: Piece, ids: tuple[int, ...], in_hand: dict[int, KVBlock]) -> Piece:
         """A relocated block that could not be read, as for a miss: encoded now and stored, or found in memory when
@@ -323,9 +321,9 @@ class Assembler:
         want = ids[p.slot: p.slot + p.n]
         block, origin = self._get(p.key)
         if block is None or block.token_ids != want:
-            block, origin = self._encode_and_store(p.key, want, p.encode_start, p.source), "computed"
+            block, origin = self._encode_and_store(p.key, want, p.encode_start, p.source), COMPUTED
         in_hand[p.slot] = block
-        return replace(p, origin=origin, load=ENCODE if origin == "computed" else COPY)
+        return replace(p, origin=origin, load=Load.ENCODE if origin == COMPUTED else Load.COPY)
 
     def _read_target(self, p: Piece, ids: tuple[int, ...], cache: SlotCache,
                      rotations: list[tuple[torch.Tensor, int]], starts: dict[str, int]) -> ReadTarget:
@@ -363,7 +361,7 @@ class Assembler:
     def _reused(pieces: Sequence[Piece], slot: int) -> bool:
         for p in pieces:
             if p.slot <= slot < p.slot + p.n:
-                return p.source != "fresh" and p.origin != "computed"
+                return p.source != Source.FRESH and p.origin != COMPUTED
         return False
 
     def _blend(self, pieces, cache: SlotCache, ids, positions, fresh: set[int],
@@ -372,7 +370,7 @@ class Assembler:
         by `recompute.select`. Returns the last token's logits and the chunk slots whose KV was recomputed (in
         the last layer)."""
         spans = [[s for s in range(p.slot, p.slot + p.n) if s not in fresh]
-                 for p in pieces if p.source in ("chunk", "scaffold")]
+                 for p in pieces if p.source in (Source.CHUNK, Source.SCAFFOLD)]
         spans = [span for span in spans if span]
         candidates = sorted(s for span in spans for s in span)
         k = round(recompute.ratio * len(candidates))
@@ -421,15 +419,15 @@ class Assembler:
         blocks copied from the buffer, relocated blocks (whose keys the buffer holds rotated) read again, from
         the page cache by then. Returns the keys written; `skip`: keys an earlier call for this request already
         wrote."""
-        plan = assembled.plan
-        relocated = [assembled.read[p.key] for p in plan.pieces if p.load == READ and p.relocated
+        plan = assembled.plan.as_built()
+        relocated = [assembled.read[p.key] for p in plan.pieces if p.load == Load.READ and p.relocated
                      and p.key not in skip]
         if relocated:
             self.store.promote(relocated)  # pending blocks come from a TieredStore (find_many_with_source)
         written: set[str] = {p.key for p in relocated}
         if not plan.layout:
             return frozenset(written)
-        direct = {k for p in plan.pieces if p.load == READ and not p.relocated for k in p.block_keys}
+        direct = {k for p in plan.pieces if p.load == Load.READ and not p.relocated for k in p.block_keys}
         grouped = self.store.has_persistent
         planner = self.planner
         block_tokens = planner.block_tokens

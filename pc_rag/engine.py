@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -35,7 +35,7 @@ from .lookups import WhereLookups
 from .model import LlamaRunner, release_team, releasing_team
 from .options import DEFAULT_RECOMPUTE_RATIO, MODES, GenerationOptions, check_device, checked_cache_salt
 from .passages import marker_pattern
-from .plan import COMPUTE, COPY, ENCODE, READ, REUSING_CHUNKS, STORED, Plan, Planner
+from .plan import COMPUTED, REUSING_CHUNKS, Load, Plan, Planner
 from .pml import PML, Schema, SchemaRegistry
 from .prefetch import PREFETCHER, Prefetcher
 from .reasoning import ThinkingMarkers
@@ -72,6 +72,9 @@ class Generation:
     total_s: float
     sources: tuple[SegmentSource, ...]
     prompt_ids: tuple[int, ...]  # the prompt's token ids, as the model saw them
+    # The plan the request carried out: what `explain` showed just before, for a request without faults; what
+    # changed while it ran (a block lost between lookup and read) is in `plan.events`.
+    plan: Plan | None = field(default=None, repr=False, compare=False)
     # `logprobs=k`: each generated token's log-probability and the k most likely tokens of its step (decode.py:
     # TokenLogprob); None when not asked.
     logprobs: tuple[TokenLogprob, ...] | None = None
@@ -113,8 +116,9 @@ class ExplainRow:
 
 
 # How `explain` words each way a piece's KV is obtained (plan.py, `Piece.load`).
-_LOADS = {COMPUTE: "computed by the forward", COPY: "{tier} hit", READ: "{tier} hit, read into the buffer",
-          ENCODE: "miss: encoded and stored", STORED: "encoded above in this prompt"}
+_LOADS = {Load.COMPUTE: "computed by the forward", Load.COPY: "{tier} hit",
+          Load.READ: "{tier} hit, read into the buffer", Load.ENCODE: "miss: encoded and stored",
+          Load.STORED: "encoded above in this prompt"}
 
 
 @dataclass(frozen=True)
@@ -129,15 +133,15 @@ class Explanation:
     def reused_tokens(self) -> int:
         """Prompt tokens whose KV would come from the store (before blend's recompute and the prompt's last token,
         which is always computed for its logits)."""
-        return sum(r.tokens for r in self.rows if r.load in (COPY, READ, STORED))
+        return sum(r.tokens for r in self.rows if r.load in (Load.COPY, Load.READ, Load.STORED))
 
     @property
     def computed_tokens(self) -> int:
-        return sum(r.tokens for r in self.rows if r.load == COMPUTE)
+        return sum(r.tokens for r in self.rows if r.load == Load.COMPUTE)
 
     @property
     def encoded_tokens(self) -> int:
-        return sum(r.tokens for r in self.rows if r.load == ENCODE)
+        return sum(r.tokens for r in self.rows if r.load == Load.ENCODE)
 
     def __str__(self) -> str:
         head = ("kind", "tokens", "slots", "positions", "kv from", "text")
@@ -213,7 +217,7 @@ class Engine:
         self.planner.passages.kv_bytes_per_token = self.runner.shape.kv_bytes_per_token(self.runner.dtype)
         # Blocks read from disk or Redis go to the model's device once, when promoted (a TieredStore; a store of one
         # tier places nothing, and lookups place what it returns).
-        self.store.set_placement(self.assembler.place)
+        self.store.set_device(self.runner.device)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:
@@ -350,7 +354,7 @@ class Engine:
         segments, _ = self._checked_segments(prompt, mode, namespace=namespace)
         if mode in REUSING_CHUNKS:  # refused as a request would be, by what is known without a forward pass
             self.runner.check_relocation(probe=False)
-        plan = self.planner.plan(segments, mode, WhereLookups(self.store, self.assembler.direct_loads), namespace)
+        plan = self.planner.plan(segments, mode, WhereLookups(self.store), namespace)
         rows = []
         for p in plan.pieces:
             kv = _LOADS[p.load].format(tier=p.origin)
@@ -359,7 +363,7 @@ class Engine:
             ids = list(plan.ids[p.slot: p.slot + min(p.n, 16)])
             text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             rows.append(ExplainRow(p.kind, p.n, (p.slot, p.slot + p.n), (p.position, p.position + p.n - 1),
-                                   p.source, p.load, None if p.load == ENCODE else p.origin, kv, p.key,
+                                   p.source, p.load, None if p.load == Load.ENCODE else p.origin, kv, p.key,
                                    repr(text[:40]) + ("..." if p.n > 16 else "")))
         return Explanation(mode, plan, tuple(rows))
 
@@ -396,7 +400,8 @@ class Engine:
         (marked for this request) and, unless `discovered=False` or PC_RAG_DISCOVERY=0, documents the framework
         hooks discovered become `Chunk`s; replies this engine generated in namespace `cache_salt` (pass the
         request's) keep their generated tokens; the rest is `Text`, its passages (pc_rag.passages) marked
-        `Text(passage=True)`. The tokens are those of the whole string (see `SegmentTokenizer.split`)."""
+        `Text(passage=True)` unless `discovered=False` or `reuse_passages` is off. The tokens are those of the whole
+        string (see `SegmentTokenizer.split`)."""
         if not isinstance(text, str):
             raise PromptError(f"split takes the prompt as a str, got {type(text).__name__}")
         namespace = checked_cache_salt(cache_salt)
@@ -404,7 +409,9 @@ class Engine:
         if discovered:
             found += self.discovery.candidates(text)
         spans = resolve(found)
-        if self.reuse_passages and getattr(self.tokenizer, "is_fast", False):  # passages need the token offsets
+        # Passages need the token offsets (a fast tokenizer); `discovered=False` (an adapter's auto_chunks=False)
+        # asks for no automatic chunks at all.
+        if discovered and getattr(self.tokenizer, "is_fast", False) and self.reuse_passages:
             spans = with_passages(text, spans, self._passage_markers)
         return self.segmenter.split(text, spans)
 
@@ -464,7 +471,7 @@ class Engine:
             if ids:
                 segment = TokenSegment("chunk", ids, 0, c.encode_position, public=c.public)
                 want = self.planner.chunk_wanted(segment, 0, namespace)
-                encoded += self.assembler.ensure_stored(want) == "computed"
+                encoded += self.assembler.ensure_stored(want) == COMPUTED
         return encoded
 
     def stats(self) -> dict:
@@ -565,11 +572,11 @@ class Engine:
                 return Generation(
                     text=first.text, token_ids=first.token_ids, mode=options.mode, finish_reason=first.finish_reason,
                     prompt_tokens=asm.prompt_tokens, cached_tokens=asm.cached_tokens,
-                    computed_tokens=asm.computed_tokens, stored_tokens=asm.plan.stored_tokens,
+                    computed_tokens=asm.computed_tokens, stored_tokens=asm.plan.as_built().stored_tokens,
                     recomputed_tokens=asm.recomputed_tokens, ttft_s=run.ttft_s, total_s=run.total_s,
                     sources=tuple(SegmentSource(p.kind, p.n, p.source, p.origin) for p in asm.pieces),
-                    prompt_ids=asm.plan.ids, logprobs=first.logprobs, inter_token_s=first.inter_token_s,
-                    choices=run.choices)
+                    prompt_ids=asm.plan.ids, plan=asm.plan, logprobs=first.logprobs,
+                    inter_token_s=first.inter_token_s, choices=run.choices)
             return (yield from self._run_counted(prompt, options))
 
     def _run_counted(self, prompt, options: GenerationOptions) -> Iterator[str]:
@@ -662,11 +669,12 @@ class Engine:
             cached_tokens=asm.cached_tokens,
             computed_tokens=asm.computed_tokens,
             recomputed_tokens=asm.recomputed_tokens,
-            stored_tokens=asm.plan.stored_tokens,
+            stored_tokens=asm.plan.as_built().stored_tokens,
             ttft_s=ttft,
             total_s=total,
             sources=tuple(SegmentSource(p.kind, p.n, p.source, p.origin) for p in asm.pieces),
             prompt_ids=asm.plan.ids,
+            plan=asm.plan,
             logprobs=sampler.logprobs(len(ids)),
             inter_token_s=sampler.gaps(len(ids)),
         )
@@ -763,8 +771,8 @@ class Engine:
         if not plan.passages:
             return
         index = self.planner.passages
-        reused = [p for p in plan.pieces if p.kind == "passage"]
-        encoded = {p.key for p in reused if p.origin == "computed"}
+        reused = [p for p in plan.as_built().pieces if p.kind == "passage"]
+        encoded = {p.key for p in reused if p.origin == COMPUTED}
         index.count(requests=1, reused=sum(p.key not in encoded for p in reused),
                     reused_tokens=sum(p.n for p in reused if p.key not in encoded), encoded=len(encoded))
         index.add(plan.namespace, ((w.key, len(w.token_ids)) for w in plan.passages))
@@ -775,7 +783,7 @@ class Engine:
             for want in todo.values():
                 if self._requests > 1:
                     break
-                index.count(encoded_after_reply=self.assembler.ensure_stored(want) == "computed")
+                index.count(encoded_after_reply=self.assembler.ensure_stored(want) == COMPUTED)
         except Exception:  # speculative work: the reply is out and must stay a success
             log.warning("encoding a prompt's passages after the reply failed", exc_info=True)
 

@@ -14,6 +14,12 @@ class UnsupportedModelError(PCRagError, ValueError):
     RoPE that changes with the sequence length, or a failed relocation self-check): modular and blend only."""
 
 
+class CheckpointError(PCRagError, OSError):
+    """A path given to `from_pretrained` is missing, not a checkpoint, unreadable, or quantized in a format pc_rag
+    cannot run; the message names the path, what is wrong and what to pass instead. An OSError, as transformers'
+    own loading errors are."""
+
+
 class PMLError(PCRagError, ValueError):
     """A PML schema or prompt is malformed, hostile or does not fit its schema; names the element and line."""
 

@@ -1,7 +1,7 @@
 """Constrained decoding: a grammar narrows every decode step to the tokens that keep the output valid.
 
-    Grammar (a value: a JSON schema, any JSON object, a regex, a choice of strings, a structural tag)
-    -> `Grammars.state(grammar)`: compiled once per grammar for the engine's tokenizer (xgrammar, LRU-bounded),
+    Grammar (a value: a JSON schema, any JSON object, a regex, a choice of strings, a Lark grammar)
+    -> `Grammars.state(grammar)`: compiled once per grammar for the engine's tokenizer (llguidance, LRU-bounded),
        then a fresh matcher for the request
     -> the request's `decode.Sampler` holds that `GrammarState`: at each step it masks the logits row (-inf for
        every token the grammar forbids; EOS only once the output is complete), chooses, and accepts the token.
@@ -10,19 +10,18 @@ The sampler is the one place both decode paths choose a token (a lone request's 
 batched loop, batch.py), so a batch mixes rows with and without grammars with nothing else to change; the mask
 is applied to a CPU copy of the row, which leaves the batch's logits as they were.
 
-xgrammar (vLLM's and SGLang's default backend) is the optional `structured` extra: it is imported on the first
-grammar, and an engine used without grammars never loads it. Measured cost on the 2-core CPU: `benchmarks/
-structured.py` (docs/agents.md).
+llguidance (llama.cpp's and vLLM's other backend: a 3 MB wheel with no dependencies) is a core dependency, so
+`pip install pc-rag` alone gives structured output and forced tool calls; it is imported on the first grammar. It
+replaced xgrammar, whose wheel pulls triton on Linux (about 1 GB installed, used only by its CUDA kernel):
+`benchmarks/structured.py` measures both (install size, compile time, per-token mask time at 8K and 128K
+vocabularies, batched rows; docs/agents.md has the table).
+
+A compiled grammar is an llguidance matcher at the grammar's start; each request's matcher is a copy of it
+(`deep_copy`: no second compilation).
 
 JSON is compact by default (`json.dumps`'s separators, no free whitespace): a model that may put any whitespace
-between tokens can also loop on it forever, which a random test model does. In a structural tag too: xgrammar's
-`json_schema` element there allows at least one free whitespace, so one with `"max_whitespace_cnt": 0` is
-compiled as the EBNF of the compact schema.
-
-A workaround, for xgrammar 0.2.9: a JSON string with `maxLength` (or a pattern) compiles to a character class that
-lets raw control characters through (`[^"\\\r\n]`; xgrammar issue #286), which `json.loads` then refuses (23 of 100
-random-model outputs here). JSON never holds a raw control character other than the newlines a format writes
-between calls, so for JSON and tool-call grammars the tokens holding one (U+0000-U+001F but \n and \r) are masked too.
+between tokens can also loop on it forever, which a random test model does. The same holds for the JSON inside a
+Lark grammar (`json_in_lark`), which is how forced tool calls are written in a model's own format (pc_rag.tools).
 """
 
 from __future__ import annotations
@@ -34,17 +33,23 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import OptionError, OptionTypeError
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "structural_tag")
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
-# Compiled grammars kept per engine. A JSON schema compiles in about 10 ms for a small schema on this CPU and up
-# to seconds for large nested ones; an agent sends the same few schemas (its tools, its output type) every step.
+# Compiled grammars kept per engine. A small JSON schema compiles in about 1 ms on this CPU, large nested ones in up
+# to a second; an agent sends the same few schemas (its tools, its output type) every step.
 MAX_COMPILED = 64
 
-INSTALL_HINT = 'constrained decoding needs xgrammar: pip install "pc-rag[structured]"'
+INSTALL_HINT = ("constrained decoding needs llguidance, a dependency of pc-rag that is not importable here: "
+                'pip install "llguidance>=1.9,<2"')
+
+# JSON as `json.dumps` writes it, with no free whitespace (module docstring): llguidance's JSON options, given as a
+# schema's "x-guidance" (which is how a schema inside a Lark grammar carries them).
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class Grammar:
     """What a reply must match. Build one with the class methods; equal grammars share one compilation."""
 
     kind: str  # one of KINDS
-    source: str  # the schema or structural tag as JSON text, the regex, or the choices as a JSON list
+    source: str  # the schema as JSON text, the regex, the choices as a JSON list, or the Lark grammar
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -64,17 +69,7 @@ class Grammar:
     def json_schema(cls, schema: Mapping[str, Any] | str | type) -> Grammar:
         """A JSON value valid against `schema`: a dict, its JSON text, or a pydantic model class. Properties come
         out in the schema's order, with `json.dumps`'s separators."""
-        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
-            schema = schema.model_json_schema()
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise OptionError(f"the JSON schema is not JSON: {e}") from None
-        if not isinstance(schema, Mapping):
-            raise OptionTypeError(f"a JSON schema must be a dict, JSON text or pydantic model, got "
-                                  f"{type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, ensure_ascii=False))  # key order kept: it is property order
+        return cls("json_schema", json.dumps(_schema_dict(schema), ensure_ascii=False))  # key order: property order
 
     @classmethod
     def json_object(cls) -> Grammar:
@@ -83,7 +78,8 @@ class Grammar:
 
     @classmethod
     def regex(cls, pattern: str) -> Grammar:
-        """Text matching `pattern` in full (xgrammar's regex: ECMAScript syntax, no lookaround or backreference)."""
+        """Text matching `pattern` in full (Rust's regex syntax, as llguidance reads it: no lookaround or
+        backreference)."""
         if not isinstance(pattern, str) or not pattern:
             raise OptionError(f"a regex grammar needs a non-empty pattern, got {pattern!r}")
         return cls("regex", pattern)
@@ -99,48 +95,110 @@ class Grammar:
         return cls("choice", json.dumps(options, ensure_ascii=False))
 
     @classmethod
-    def structural_tag(cls, tag: Mapping[str, Any]) -> Grammar:
-        """xgrammar's structural tag (`{"type": "structural_tag", "format": {...}}`): literal text around JSON
-        schemas, how forced tool calls are written in a model's own format (pc_rag.tools)."""
-        return cls("structural_tag", json.dumps(dict(tag), ensure_ascii=False))
+    def lark(cls, grammar: str) -> Grammar:
+        """A grammar in llguidance's Lark syntax (its `start` rule is the whole reply): literal text around JSON
+        schemas (`json_in_lark`) is how forced tool calls are written in a model's own format (pc_rag.tools)."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise OptionError(f"a Lark grammar needs a non-empty text, got {grammar!r}")
+        return cls("lark", grammar)
+
+
+def json_in_lark(schema: Mapping[str, Any] | str | type) -> str:
+    """`schema` as a Lark grammar's `%json` element, written compactly as `Grammar.json_schema` writes JSON."""
+    return "%json " + json.dumps(_compact(_schema_dict(schema)), ensure_ascii=False)
+
+
+def _schema_dict(schema) -> dict:
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise OptionError(f"the JSON schema is not JSON: {e}") from None
+    if not isinstance(schema, Mapping):
+        raise OptionTypeError(f"a JSON schema must be a dict, JSON text or pydantic model, got "
+                              f"{type(schema).__name__}")
+    return dict(schema)
+
+
+def _compact(schema: dict) -> dict:
+    """The schema, closed (`closed`), with the compact JSON options; the schema's own "x-guidance" options win."""
+    schema = closed(schema)
+    return {**schema, "x-guidance": {**COMPACT_JSON, **schema.get("x-guidance", {})}}
+
+
+# Where a JSON schema holds schemas: keywords whose value is one, a list of them, or a map of names to them.
+_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties", "contains",
+        "propertyNames", "not", "if", "then", "else")
+_MANY = ("anyOf", "allOf", "oneOf", "prefixItems")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema):
+    """`schema` with `"additionalProperties": false` in every object schema that lists its `properties` and says
+    nothing of other properties. JSON Schema lets such an object hold any other key, which a model then fills with
+    free text (a random model's never ends); OpenAI's strict schemas, xgrammar's default and LangChain's pydantic
+    schemas all mean the listed properties only."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in _NAMED:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise OptionError(INSTALL_HINT) from None
+    return llguidance
 
 
 class GrammarState:
     """One request's place in its grammar: a matcher and its token bitmask. Used by one thread at a time (the
     request's, or the decode loop's while the request is a row)."""
 
-    def __init__(self, compiled, vocab_size: int, eos_id: int | None, never: torch.Tensor | None = None):
-        import xgrammar as xgr
+    _NEG_INF = torch.tensor(float("-inf"))
 
-        self._xgr = xgr
-        self.matcher = xgr.GrammarMatcher(compiled)
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    def __init__(self, matcher, vocab_size: int, eos_id: int | None):
+        self.matcher = matcher
         self.vocab_size = vocab_size
+        self.bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)  # bit i of word j: token 32j + i allowed
         self.eos_id = eos_id
-        self.never = never  # [vocab] bool: tokens masked at every step besides the grammar's (module docstring)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [vocab] as a CPU float32 copy with every token the grammar forbids at -inf."""
-        out = logits.detach().to("cpu", torch.float32, copy=True)
-        if self.matcher.is_terminated():  # the output is complete and its stop token taken: nothing may follow
-            out.fill_(float("-inf"))
-        else:
-            self.matcher.fill_next_token_bitmask(self.bitmask)
-            self._xgr.apply_token_bitmask_inplace(out[None, : self.vocab_size], self.bitmask)
-            if self.never is not None:
-                out[: self.vocab_size].masked_fill_(self.never, float("-inf"))
-        if out.isneginf().all() and self.eos_id is not None:  # nothing allowed (a dead end): end the reply
+        row = logits.detach().to("cpu", torch.float32)
+        # Once the output is complete (or its stop token taken) the mask allows the stop tokens only.
+        self.matcher.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)
+        # Unpacked by numpy (10 us at 128K tokens); torch's shifts of int32 took 50 ms there.
+        bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little", count=self.vocab_size)
+        out = torch.where(torch.from_numpy(bits).view(torch.bool), row[: self.vocab_size], self._NEG_INF)
+        if row.numel() > self.vocab_size:  # logits past the grammar's vocabulary: never allowed
+            out = torch.cat([out, row.new_full((row.numel() - self.vocab_size,), float("-inf"))])
+        if not self.bitmask.any() and self.eos_id is not None:  # nothing allowed (a dead end): end the reply
             out[self.eos_id] = 0.0
         return out
 
     def accept(self, token: int) -> None:
-        if not self.matcher.is_terminated():
-            self.matcher.accept_token(token)
+        if not self.matcher.is_stopped():
+            self.matcher.consume_token(token)
 
     @property
     def complete(self) -> bool:
         """Whether the output so far is a whole match (the grammar may end here)."""
-        return self.matcher.is_terminated() or self.matcher.is_completed()
+        return self.matcher.is_stopped() or self.matcher.is_accepting()
 
 
 class Grammars:
@@ -153,32 +211,31 @@ class Grammars:
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.max_compiled = max_compiled
-        self._compiler = None
-        self._control_tokens: torch.Tensor | None = None  # [vocab] bool, tokens holding a raw control character
+        self._ll_tokenizer = None
         self._compiled: OrderedDict[Grammar, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # grammars compiled (a cache miss each)
 
-    def _compiler_now(self):
+    def _tokenizer_now(self):
+        """The tokenizer as llguidance reads it (its token trie: built once per engine, ~0.1 s at 8K tokens,
+        ~2 s at 128K on this CPU)."""
         with self._lock:
-            if self._compiler is None:
-                try:
-                    import xgrammar as xgr
-                except ImportError:
-                    raise OptionError(INSTALL_HINT) from None
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_ids or None)
-                # Our own LRU below is the cache: xgrammar's would hold every schema ever seen.
-                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-                control = bytes(c for c in range(32) if c not in b"\r\n")
-                held = [i for i, token in enumerate(info.decoded_vocab[: self.vocab_size])
-                        if i not in self.stop_ids and any(c in control for c in token)]
-                self._control_tokens = torch.zeros(self.vocab_size, dtype=torch.bool)
-                self._control_tokens[held] = True
-            return self._compiler
+            if self._ll_tokenizer is None:
+                llguidance = _llguidance()
+                backend = getattr(self.tokenizer, "backend_tokenizer", None)
+                if backend is None:
+                    raise OptionError(f"constrained decoding needs a fast (tokenizers-backed) tokenizer; "
+                                      f"{type(self.tokenizer).__name__} has none")
+                # Without the padding and truncation state a call may leave on the tokenizer.
+                spec = json.loads(backend.to_str())
+                spec["padding"] = spec["truncation"] = None
+                self._ll_tokenizer = llguidance.LLTokenizer(json.dumps(spec), n_vocab=self.vocab_size,
+                                                            eos_token=self.stop_ids or None)
+            return self._ll_tokenizer
 
     def compiled(self, grammar: Grammar):
-        """`grammar` compiled for this tokenizer (from the cache when it was compiled before)."""
+        """`grammar` compiled for this tokenizer (from the cache when it was compiled before): a matcher at its
+        start, which requests copy."""
         if not isinstance(grammar, Grammar):
             raise OptionTypeError(f"grammar must be a pc_rag.Grammar, got {type(grammar).__name__}")
         with self._lock:
@@ -186,7 +243,7 @@ class Grammars:
             if found is not None:
                 self._compiled.move_to_end(grammar)
                 return found
-        compiled = self._compile(self._compiler_now(), grammar)
+        compiled = self._compile(self._tokenizer_now(), grammar)
         with self._lock:
             self.compiles += 1
             self._compiled[grammar] = compiled
@@ -196,42 +253,32 @@ class Grammars:
 
     def state(self, grammar: Grammar) -> GrammarState:
         """A fresh matcher at the start of `grammar`, for one request."""
-        compiled = self.compiled(grammar)
-        never = self._control_tokens if grammar.kind in ("json_schema", "json_object", "structural_tag") else None
-        return GrammarState(compiled, self.vocab_size, self.stop_ids[0] if self.stop_ids else None, never)
+        return GrammarState(self.compiled(grammar).deep_copy(), self.vocab_size,
+                            self.stop_ids[0] if self.stop_ids else None)
 
     def __len__(self) -> int:
         return len(self._compiled)
 
     @staticmethod
-    def _compile(compiler, grammar: Grammar):
+    def _compile(tokenizer, grammar: Grammar):
+        llguidance = _llguidance()
+        matchers = llguidance.LLMatcher
         try:
             if grammar.kind == "json_schema":
-                return compiler.compile_json_schema(grammar.source, any_whitespace=False)
-            if grammar.kind == "json_object":
-                # Not the builtin JSON grammar: it admits any JSON value (an array, a number) with free whitespace.
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-            if grammar.kind == "regex":
-                return compiler.compile_regex(grammar.source)
-            if grammar.kind == "choice":
-                # EBNF string literals take JSON's escapes, so each choice is its JSON text.
-                options = json.loads(grammar.source)
-                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
-            return compiler.compile_structural_tag(json.dumps(_compact_json(json.loads(grammar.source))))
-        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors on a bad schema/regex/tag
+                text = matchers.grammar_from_json_schema(closed(json.loads(grammar.source)), defaults=COMPACT_JSON)
+            elif grammar.kind == "json_object":
+                text = matchers.grammar_from_json_schema('{"type": "object"}', defaults=COMPACT_JSON)
+            elif grammar.kind == "regex":
+                text = matchers.grammar_from_regex(grammar.source)
+            elif grammar.kind == "choice":
+                # Lark string literals take JSON's escapes, so each choice is its JSON text.
+                text = matchers.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in
+                                                                         json.loads(grammar.source)))
+            else:
+                text = matchers.grammar_from_lark(grammar.source)
+        except ValueError as e:  # a schema that is not a JSON object
             raise OptionError(f"the {grammar.kind} grammar does not compile: {e}") from None
-
-
-def _compact_json(node):
-    """A structural tag whose `json_schema` elements asking for `"max_whitespace_cnt": 0` are written as the EBNF of
-    the compact JSON schema (xgrammar's element requires a positive count)."""
-    if isinstance(node, list):
-        return [_compact_json(n) for n in node]
-    if not isinstance(node, dict):
-        return node
-    if node.get("type") == "json_schema" and node.get("max_whitespace_cnt") == 0:
-        import xgrammar as xgr
-
-        ebnf = xgr.Grammar.from_json_schema(json.dumps(node["json_schema"]), any_whitespace=False)
-        return {"type": "grammar", "grammar": str(ebnf)}
-    return {k: _compact_json(v) for k, v in node.items()}
+        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
+        if matcher.is_error():  # llguidance reports a bad grammar as the matcher's state, never by raising
+            raise OptionError(f"the {grammar.kind} grammar does not compile: {matcher.get_error()}")
+        return matcher

@@ -41,8 +41,9 @@ reply is out, save the prefix blocks the request computed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Protocol
 
 from .blocks import chunk_key, root_key, scaffold_key
@@ -67,8 +68,38 @@ from .segments import TokenSegment
 REUSING_CHUNKS = ("modular", "blend")
 RELOCATED_KINDS = ("chunk", "passage")  # segment kinds whose KV is a block of their own, relocated to their place
 
-# How a piece's KV is obtained (see the module docstring).
-COMPUTE, COPY, READ, ENCODE, STORED = "compute", "copy", "read", "encode", "stored"
+class Source(StrEnum):
+    """What a piece's KV is (the module docstring). A str: `Generation.sources` and `explain` show these values."""
+
+    FRESH = "fresh"
+    PREFIX = "prefix"
+    CHUNK = "chunk"
+    SCAFFOLD = "scaffold"
+
+
+class Load(StrEnum):
+    """How a piece's KV is obtained (the module docstring)."""
+
+    COMPUTE = "compute"
+    COPY = "copy"
+    READ = "read"
+    ENCODE = "encode"
+    STORED = "stored"
+
+
+COMPUTED = "computed"  # a piece's origin when this request encodes its block (else the tier that holds it)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A change to a plan while it ran, recorded on it (`Plan.events`) rather than written over it: the piece at
+    `slot` could not be carried out as planned ("lost": a block to read was gone, damaged or of other tokens by
+    then; "not kept": the store did not give back a block this request had just stored) and `built` was done
+    instead. `Plan.as_built` applies them."""
+
+    slot: int
+    what: str
+    built: Piece
 
 
 @dataclass(frozen=True)
@@ -100,12 +131,12 @@ class Piece:
 
     slot: int  # first slot (= index of its first token in the prompt)
     n: int  # tokens
-    source: str  # "fresh" | "prefix" | "chunk" | "scaffold"
-    kind: str  # what it holds: a segment kind ("bos", "text", "sep", "chunk"), "scaffold", or "prefix"
+    source: Source
+    kind: str  # what it holds: a segment kind ("bos", "text", "sep", "chunk", "passage"), "scaffold", or "prefix"
     position: int  # position id of its first token; a relocated block's tokens have consecutive positions
     key: str | None = None  # store key of its block
-    origin: str | None = None  # the tier holding the block, "computed" when this request encodes it; None if fresh
-    load: str = COMPUTE  # how its KV is obtained: COMPUTE, COPY, READ, ENCODE or STORED
+    origin: str | None = None  # the tier holding the block, COMPUTED when this request encodes it; None if fresh
+    load: Load = Load.COMPUTE
     encode_start: int | None = None  # chunk and scaffold blocks: the position their KV is encoded at
     members: tuple[str, ...] = ()  # an extent (prefix.py): the keys of the prefix blocks it holds, in order
 
@@ -126,14 +157,14 @@ class Wanted:
     in one batch (parallel disk reads, one Redis round trip)."""
 
     slot: int
-    source: str  # "chunk" | "scaffold"
+    source: Source  # CHUNK or SCAFFOLD
     kind: str  # as Piece.kind
     position: int  # position id of its first token in the prompt
     key: str
     token_ids: tuple[int, ...]
     start: int  # position its KV is encoded at
 
-    def piece(self, origin: str | None, load: str) -> Piece:
+    def piece(self, origin: str | None, load: Load) -> Piece:
         return Piece(self.slot, len(self.token_ids), self.source, self.kind, self.position, self.key, origin, load,
                      self.start)
 
@@ -156,18 +187,24 @@ class Plan:
     # no other request runs, encodes and stores the others, so the next request can reuse them.
     passages: tuple[Wanted, ...] = field(default=(), repr=False)
     passages_held: frozenset[str] = frozenset()
+    events: tuple[Event, ...] = ()  # what changed while it ran (none for a request without faults)
 
-    def after_lost_reads(self, lost: Sequence[Piece], redone: Mapping[int, Piece]) -> Plan:
-        """The plan as built when the blocks of `lost` (pieces to "read") could not be used after all (gone, corrupt,
-        unreadable since planning, or of other tokens): a prefix block's slots are computed by the forward (the
-        blocks after it stay valid: exact prefix KV depends on the tokens before it, never on how their KV was
-        obtained), a relocated block's are `redone[slot]` (encoded now, or found in memory); the lost blocks are no
-        longer hits, and their tokens are stored by this request."""
-        gone = {p.slot for p in lost}
-        pieces = tuple((redone[p.slot] if p.relocated else Piece(p.slot, p.n, "fresh", p.kind, p.position))
-                       if p.slot in gone else p for p in self.pieces)
-        return replace(self, pieces=pieces, hits=self.hits - {k for p in lost for k in (p.key, *p.members)},
-                       stored_tokens=self.stored_tokens + sum(p.n for p in lost))
+    def with_events(self, events: Sequence[Event]) -> Plan:
+        return replace(self, events=self.events + tuple(events)) if events else self
+
+    def as_built(self) -> Plan:
+        """The plan with its events applied: each changed piece replaced by what was built; a block that was lost
+        is no longer a hit, and its tokens (and those of a block stored again) are stored by this request. A prefix
+        block lost is computed by the forward: the blocks after it stay valid, since exact prefix KV depends on the
+        tokens before it, never on how their KV was obtained."""
+        if not self.events:
+            return self
+        built = {e.slot: e.built for e in self.events}
+        changed = [p for p in self.pieces if p.slot in built]
+        lost = [p for p in changed if p.load == Load.READ]
+        return replace(self, pieces=tuple(built.get(p.slot, p) for p in self.pieces), events=(),
+                       hits=self.hits - {k for p in lost for k in (p.key, *p.members)},
+                       stored_tokens=self.stored_tokens + sum(p.n for p in changed))
 
 
 class Planner:
@@ -193,7 +230,6 @@ class Planner:
         # Automatic ones, the same by namespace: a group that one namespace's prompts made frequent changes only
         # its own plans (else another's would show, by encoding it, that the group was retrieved elsewhere).
         self.auto_scaffolds: dict[str | None, dict[tuple[int, ...], frozenset[tuple[tuple[int, ...], ...]]]] = {}
-        self.reuse_separators = True  # whitespace-only text after a chunk is reused like a chunk (see `_layout`)
         self.passages = PassageIndex()  # the passages each namespace has sent (`_with_passages`)
 
     def add_scaffold(self, chunks: Sequence[tuple[int, ...]], namespace: str | None = None,
@@ -244,7 +280,7 @@ class Planner:
         if worth:
             # A passage the exact prefix runs into stays text unless most of it lies past the prefix's end (a few
             # exact tokens are not worth recomputing the rest: two passages may begin with the same words).
-            exact_end = next((p.slot for p in plan.pieces if p.source == "fresh"), len(plan.ids))
+            exact_end = next((p.slot for p in plan.pieces if p.source == Source.FRESH), len(plan.ids))
             promoted = {i for i, w in worth if exact_end - w.slot < w.slot + len(w.token_ids) - exact_end}
             if promoted:
                 segments = [replace(s, kind="passage") if i in promoted else s for i, s in enumerate(segments)]
@@ -317,11 +353,11 @@ class Planner:
                 else:
                     want, span = self.chunk_wanted(seg, slot, namespace), [seg]
                     j += 1
-            elif mode in REUSING_CHUNKS and seg.kind == "sep" and self.reuse_separators and j < len(segments) - 1 \
+            elif mode in REUSING_CHUNKS and seg.kind == "sep" and j < len(segments) - 1 \
                     and items and isinstance(items[-1], Wanted) and run_start == slot:
                 # Whitespace between chunks ("\n\n" in every RAG template) is reused like a chunk: computing
                 # it fresh cost as much as a question of the same length per separator (measured: 14 of the
-                # 41 fresh tokens at 4K tokens, +15% TTFT); its KV barely depends on context (see fidelity).
+                # 41 fresh tokens at 4K tokens, +15% TTFT); its KV barely depends on context (docs/speed.md).
                 want, span = self.chunk_wanted(seg, slot, namespace), [seg]
                 j += 1
             if want is not None:
@@ -344,13 +380,13 @@ class Planner:
     def _relocated(want: Wanted, found: Found | None, encoded: set[str]) -> Piece:
         """The piece for a wanted block, given what the store answered; `encoded`: keys an earlier piece encodes."""
         if want.key in encoded:
-            return want.piece(None, STORED)  # the store answers for it once the earlier piece stored it
+            return want.piece(None, Load.STORED)  # the store answers for it once the earlier piece stored it
         if found is not None and found.token_ids is not None and found.token_ids != want.token_ids:
             found = None  # a key collision or a foreign entry: never use KV for other tokens
         if found is None:
             encoded.add(want.key)
-            return want.piece("computed", ENCODE)
-        return want.piece(found.tier, READ if found.direct else COPY)
+            return want.piece(COMPUTED, Load.ENCODE)
+        return want.piece(found.tier, Load.READ if found.direct else Load.COPY)
 
     @staticmethod
     def _fresh(a: int, b: int, kinds: list[tuple[int, str]], positions) -> list[Piece]:
@@ -360,7 +396,7 @@ class Planner:
         for (s, kind), e in zip(kinds, bounds[1:], strict=False):
             lo, hi = max(a, s), min(b, e)
             if lo < hi:
-                out.append(Piece(lo, hi - lo, "fresh", kind, positions[lo]))
+                out.append(Piece(lo, hi - lo, Source.FRESH, kind, positions[lo]))
         return out
 
     def _lookup_run(self, parent: str, ids, positions, run: Run,
@@ -396,8 +432,11 @@ class Planner:
                 key, n = best
                 answer = lookups.get(key)  # read whole: only its first n tokens are used
                 if answer is not None and (answer.token_ids is None or answer.token_ids[:n] == ids[a: a + n]):
-                    whole = answer.token_ids is not None and n == len(answer.token_ids)
-                    found.append((Piece(a, n, "prefix", "prefix", positions[a], key, answer.tier, COPY), whole))
+                    # Whole from the index's own count, so that `explain` (whose answers carry no tokens) plans it
+                    # as the request does.
+                    whole = n == self.prefixes.tokens(key)
+                    found.append((Piece(a, n, Source.PREFIX, "prefix", positions[a], key, answer.tier, Load.COPY),
+                                  whole))
         return found, found_refs
 
     @staticmethod
@@ -407,8 +446,8 @@ class Planner:
         read yet has its tokens checked when it is read)."""
         if found is None or (found.token_ids is not None and found.token_ids != ids[a: b]):
             return None
-        return Piece(a, b - a, "prefix", "prefix", positions[a], key, found.tier, READ if found.direct else COPY,
-                     members=members)
+        return Piece(a, b - a, Source.PREFIX, "prefix", positions[a], key, found.tier,
+                     Load.READ if found.direct else Load.COPY, members=members)
 
     def _lookup_blocks(self, refs: list[BlockRef], total: int,
                        lookups: Lookups) -> tuple[list[Found | None], dict[int, tuple[str, Found]]]:
@@ -452,7 +491,7 @@ class Planner:
         chunk is public."""
         start = seg.encode_start if seg.encode_start is not None else len(self.sink_ids)
         key = chunk_key(self.fingerprint, seg.token_ids, self.sink_ids, start, None if seg.public else namespace)
-        return Wanted(slot, "chunk", seg.kind, seg.start, key, seg.token_ids, start)
+        return Wanted(slot, Source.CHUNK, seg.kind, seg.start, key, seg.token_ids, start)
 
     def chunk_keys(self, segments: Sequence[TokenSegment], namespace: str | None = None) -> list[str]:
         """Store keys of the chunks' own blocks (what planning looks up for them), e.g. to prefetch them."""
@@ -464,7 +503,7 @@ class Planner:
         ids = tuple(t for s in span for t in s.token_ids)
         start = len(self.sink_ids)
         key = scaffold_key(self.fingerprint, [s.token_ids for s in span], self.sink_ids, start, namespace)
-        return Wanted(slot, "scaffold", "scaffold", span[0].start, key, ids, start)
+        return Wanted(slot, Source.SCAFFOLD, "scaffold", span[0].start, key, ids, start)
 
     def _scaffold_end(self, segments: Sequence[TokenSegment], j: int, namespace: str | None = None) -> int | None:
         """End index of a declared (or, in `namespace`, automatic) scaffold group starting at segment j (its
@@ -516,7 +555,7 @@ class _Asked:
 def stored_tokens(pieces: Sequence[Piece], layout: Sequence[Run | Link]) -> int:
     """Prompt tokens whose KV a request newly stores: the chunks and scaffolds it encodes, and the slots of the
     prefix chain's runs that it did not reuse."""
-    reused = sum(p.n for p in pieces if p.source == "prefix")
-    encoded = sum(p.n for p in pieces if p.origin == "computed")
+    reused = sum(p.n for p in pieces if p.source == Source.PREFIX)
+    encoded = sum(p.n for p in pieces if p.origin == COMPUTED)
     in_runs = sum(r.end - r.start for r in layout if isinstance(r, Run))
     return encoded + in_runs - reused

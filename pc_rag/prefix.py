@@ -203,6 +203,13 @@ class PrefixIndex:
             self.touch(best[0])
         return best
 
+    def tokens(self, key: str) -> int | None:
+        """How many tokens the block `key` holds (None for a block the index does not hold)."""
+        with self._lock:
+            parent = self._lru.get(key)
+            packed = None if parent is None else self._children[parent].get(key)
+        return None if packed is None else len(packed) // 16
+
     def touch(self, key: str) -> None:
         """Mark a block recently used (a no-op for a block the index does not hold)."""
         with self._lock:

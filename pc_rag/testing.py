@@ -137,6 +137,88 @@ def build_tiny_llama(
     return out
 
 
+def write_gguf(checkpoint: str | Path, path: str | Path, qtype: str = "F32") -> Path:
+    """Write the Llama HF checkpoint folder `checkpoint` (a `build_tiny_llama` one: byte-level BPE tokenizer,
+    untied output) as one GGUF file at `path`, as llama.cpp's convert_hf_to_gguf.py does for a Llama (its
+    metadata keys, tensor names, the q/k rows permuted for llama.cpp's RoPE, the tokenizer as a "gpt2" vocabulary
+    with merges), offline with the `gguf` package's writer. `qtype`: "F32", "F16" or "Q8_0" for the matrices
+    (norms stay F32, as llama.cpp keeps them); returns `path`."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    checkpoint, path = Path(checkpoint), Path(path)
+    config = json.loads((checkpoint / "config.json").read_text())
+    if config.get("model_type") != "llama":
+        raise PCRagError(f"write_gguf writes Llama checkpoints; {checkpoint} is {config.get('model_type')!r}")
+    spec = json.loads((checkpoint / "tokenizer.json").read_text())
+    tok_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name(checkpoint.name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float((config.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+
+    vocab = dict(spec["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in spec["added_tokens"]}
+    vocab.update(special)
+    tokens = [None] * config["vocab_size"]
+    for text, i in vocab.items():
+        tokens[i] = text
+    types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_add_bos_token(True)
+    template = checkpoint / "chat_template.jinja"  # where transformers 5 saves it; older files in tokenizer_config
+    template = template.read_text() if template.exists() else tok_config.get("chat_template")
+    if template:
+        writer.add_chat_template(template)
+
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's rotary layout of q and k rows
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    quant = {"F32": None, "F16": gguf.GGMLQuantizationType.F16, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+    if qtype not in quant:
+        raise PCRagError(f"write_gguf: qtype {qtype!r}; choose one of {sorted(quant)}")
+    for name, tensor in load_file(checkpoint / "model.safetensors").items():
+        data = tensor.float().numpy()
+        if name.endswith("q_proj.weight"):
+            data = permute(data, heads)
+        elif name.endswith("k_proj.weight"):
+            data = permute(data, kv_heads)
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise PCRagError(f"write_gguf: no GGUF name for tensor {name}")
+        if data.ndim == 1 or quant[qtype] is None:
+            writer.add_tensor(target, np.ascontiguousarray(data, dtype=np.float32))
+        elif quant[qtype] == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(target, data.astype(np.float16))
+        else:
+            writer.add_tensor(target, gguf.quants.quantize(data, quant[qtype]), raw_dtype=quant[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def save_tokenizer(out: Path, shape: TinyShape):
     """Write the tiny tokenizer (Llama 3's special tokens and chat template) into `out`; return it."""
     from transformers import PreTrainedTokenizerFast

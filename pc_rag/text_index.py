@@ -386,7 +386,6 @@ def prefetch_enabled() -> bool:
 
 # The process's one entry point for the framework hooks: every Engine watches it unless given its own.
 DISCOVERY = Discovery()
-DISCOVERED = DISCOVERY.index  # its texts (the name earlier versions exported)
 
 
 def discover(texts: Iterable[str]) -> int:

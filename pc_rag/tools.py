@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import OptionError, OptionTypeError
-from .grammar import Grammar
+from .grammar import Grammar, json_in_lark
 
 FORMATS = ("hermes", "llama3_json", "mistral")
 TOOL_CHOICES = ("auto", "none", "required", "any")
@@ -156,18 +156,12 @@ def call_grammar(fmt: ToolFormat, specs: Sequence[Mapping[str, Any]], tool_choic
     if fmt.name == "mistral":
         body = {"type": "array", "items": one, "minItems": 1} | ({} if parallel else {"maxItems": 1})
         return Grammar.json_schema(body)  # the [TOOL_CALLS] token is a special token: left to the parser
-    json_part = {"type": "json_schema", "json_schema": one, "max_whitespace_cnt": 0}
     if fmt.name == "llama3_json":  # parallel: calls separated by "; "
-        call = json_part
-        sep = "; "
+        call, sep = "args", "; "
     else:
-        call = {"type": "sequence", "elements": [{"type": "const_string", "value": "<tool_call>\n"}, json_part,
-                                                 {"type": "const_string", "value": "\n</tool_call>"}]}
-        sep = "\n"
-    if parallel:
-        call = {"type": "sequence", "elements": [call, {"type": "star", "content": {
-            "type": "sequence", "elements": [{"type": "const_string", "value": sep}, call]}}]}
-    return Grammar.structural_tag({"type": "structural_tag", "format": call})
+        call, sep = r'"<tool_call>\n" args "\n</tool_call>"', "\n"
+    start = f"start: call ({json.dumps(sep)} call)*" if parallel else "start: call"
+    return Grammar.lark(f"{start}\ncall: {call}\nargs: {json_in_lark(one)}")
 
 
 # ---- parsing ------------------------------------------------------------------------------------------------------

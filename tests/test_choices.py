@@ -66,7 +66,6 @@ def test_streamed_choices_interleave_and_stop_on_their_own(engine, docs):
 
 
 def test_each_choice_keeps_to_the_grammar(engine, docs):
-    pytest.importorskip("xgrammar")
     grammar = pc_rag.Grammar.regex(r"[a-z]{2,6}-[0-9]{2}")
     got = engine.generate(_prompt(docs), max_new_tokens=12, n=4, temperature=1.0, seed=3, grammar=grammar)
     assert all(re.fullmatch(r"[a-z]{2,6}-[0-9]{2}", c.text) for c in got.choices), [c.text for c in got.choices]

@@ -15,6 +15,7 @@ import torch
 
 import pc_rag
 from pc_rag.blocks import KVBlock
+from pc_rag.lookups import StoreLookups
 from pc_rag.prefix import BLOCK_TOKENS
 from pc_rag.store import (
     DiskStore,
@@ -32,6 +33,12 @@ from pc_rag.store.codec import encode_block
 from .conftest import PlainStore
 
 TOL = 1e-4
+
+
+def read_into_own_memory(engine) -> None:
+    """The engine reads every block from disk or Redis into memory of its own at planning, then copies it in: the
+    path before blocks were read straight into the request buffer, kept here as a reference."""
+    engine.assembler.lookups = lambda: StoreLookups(engine.store, engine.assembler.place, direct=False)
 
 
 def block(seed: int, tokens: int = 4) -> KVBlock:
@@ -442,7 +449,10 @@ def test_a_file_removed_between_planning_and_loading(loaded, on_disk):
         assert (asm.logits - ref_logits).abs().max().item() <= TOL
         lost = pending[0].n + pending[1].n
         assert asm.cached_tokens == sum(p.n for p in pending) - lost
-        assert not {k for p in pending[:2] for k in (p.key, *p.members)} & asm.plan.hits
+        assert not {k for p in pending[:2] for k in (p.key, *p.members)} & asm.plan.as_built().hits
+        # recorded on the plan, not written over it: the plan still says what was planned
+        assert [(e.slot, e.what) for e in asm.plan.events] == [(p.slot, "lost") for p in pending[:2]]
+        assert asm.plan.pieces == plan.pieces
         assert sum(p.n for p in asm.pieces if p.source == "fresh" and p.kind == "prefix") == lost
     finally:
         engine.runner.release_cache(asm.cache)
@@ -587,7 +597,7 @@ def plan_cached(plan) -> int:
 @pytest.mark.parametrize("compress", [None, "int8"])
 def test_a_block_used_twice_is_read_once_and_counted_once(loaded, tmp_path, docs, compress):
     """Three chunks, so the separator block is used twice, and a chunk repeated. Reference: the same disk read
-    the way it was before reads in place (`direct_loads = False`: every block into memory of its own, then
+    the way it was before reads in place (`read_into_own_memory`: every block into memory of its own, then
     relocated). int8 blocks are read staged (dequantized) and copied relocated: their duplicates are rotated from
     where the first copy's keys are."""
     model, tok = loaded
@@ -596,7 +606,7 @@ def test_a_block_used_twice_is_read_once_and_counted_once(loaded, tmp_path, docs
     spec = TieredStore([MemoryStore(), DiskStore(tmp_path, compress=compress)])
     pc_rag.Engine(model, tok, store=spec).generate(prompt, mode="modular", max_new_tokens=1)
     before = pc_rag.Engine(model, tok, store=TieredStore([MemoryStore(), DiskStore(tmp_path, compress=compress)]))
-    before.assembler.direct_loads = False
+    read_into_own_memory(before)
     ref, _ = served(before, prompt, "modular")
     memory, disk = MemoryStore(), DiskStore(tmp_path, compress=compress)
     engine = pc_rag.Engine(model, tok, store=TieredStore([memory, disk]))
@@ -616,7 +626,7 @@ def test_a_block_used_twice_is_read_once_and_counted_once(loaded, tmp_path, docs
 @pytest.mark.parametrize("mode", ["exact", "modular"])
 def test_blocks_from_redis_are_read_into_the_buffer(loaded, docs, compress, mode):
     """Redis reads into the request buffer too (one EXISTS round trip at planning, one GET round trip for the
-    blocks). Reference: the same Redis read the way it was before (`direct_loads = False`: every block decoded into
+    blocks). Reference: the same Redis read the way it was before (`read_into_own_memory`: every block decoded into
     memory of its own, then copied or relocated), within 1e-5; each block fetched once and counted once, and the
     blocks promoted to memory are those Redis holds."""
     fakeredis = pytest.importorskip("fakeredis")
@@ -629,7 +639,7 @@ def test_blocks_from_redis_are_read_into_the_buffer(loaded, docs, compress, mode
     prompt = chunk_prompt(docs)
     pc_rag.Engine(model, tok, store=TieredStore([MemoryStore(), redis()])).generate(prompt, mode=mode, max_new_tokens=1)
     before = pc_rag.Engine(model, tok, store=TieredStore([MemoryStore(), redis()]))
-    before.assembler.direct_loads = False
+    read_into_own_memory(before)
     ref, _ = served(before, prompt, mode)
     memory, tier = MemoryStore(), redis()
     engine = pc_rag.Engine(model, tok, store=TieredStore([memory, tier]))

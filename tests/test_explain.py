@@ -98,3 +98,23 @@ def test_explain_asks_redis_without_counting(loaded, docs):
 def test_explain_checks_its_arguments_as_generate_does(engine):
     with pytest.raises(pc_rag.PromptError, match="unknown mode"):
         engine.explain("hello", "fast")
+
+
+@pytest.mark.parametrize("mode", ["full", "exact", "modular", "blend"])
+def test_the_plan_that_ran_is_the_plan_explained(loaded, docs, mode):
+    """Reference: `explain` made just before the request. A request without faults carries out exactly that plan
+    (`Generation.plan`, no events): a system prompt from the prefix cache, registered chunks reused or encoded, a
+    repeated separator, passages of a plain string."""
+    model, tok = loaded
+    engine = pc_rag.Engine(model, tok, store=MemoryStore())
+    engine.register(docs[:2])
+    system = "You answer questions about Python.\n\n"
+    first = system + f"{docs[0]}\n\n{docs[2]}\n\nQuestion: what is it?\nAnswer:"
+    engine.generate(first, mode=mode, max_new_tokens=2)
+    for prompt in (system + f"{docs[2]}\n\n{docs[1]}\n\n{docs[0]}\n\nQuestion: and now?\nAnswer:",
+                   [pc_rag.Text(system), pc_rag.Chunk(docs[3]), pc_rag.Text("\n\n"), pc_rag.Chunk(docs[0]),
+                    pc_rag.Text("\n\nQ?")]):
+        explained = engine.explain(prompt, mode)
+        gen = engine.generate(prompt, mode=mode, max_new_tokens=2)
+        assert gen.plan == explained.plan and not gen.plan.events
+        assert gen.cached_tokens + gen.computed_tokens == len(gen.plan.ids)

@@ -55,25 +55,23 @@ def _is_json(text):
 
 
 def test_greedy_constrained_tokens_are_the_argmax_of_the_allowed_ones(engine):
-    """Reference: the grammar's matcher replayed by hand over the engine's own next-token logits at each step."""
+    """Reference: the grammar's matcher replayed by hand (llguidance's own mask, one byte per token) over the engine's
+    own next-token logits at each step."""
     import torch
-    import xgrammar as xgr
 
     grammar = Grammar.json_schema(WEATHER)
     prompt = [Text("The weather, as JSON:")]
     got = engine.generate(prompt, max_new_tokens=60, grammar=grammar, mode="full")
-    matcher = xgr.GrammarMatcher(engine.grammars.compiled(grammar))
-    bitmask = xgr.allocate_token_bitmask(1, engine.grammars.vocab_size)
-    control = engine.grammars.state(grammar).never  # the raw control characters xgrammar lets through (#286)
+    matcher = engine.grammars.compiled(grammar).deep_copy()
+    vocab = engine.grammars.vocab_size
     prompt_ids = list(got.prompt_ids)
     for i, token in enumerate(got.token_ids):
         logits = engine.runner.reference_logits(prompt_ids + list(got.token_ids[:i])).clone()
-        matcher.fill_next_token_bitmask(bitmask)
-        xgr.apply_token_bitmask_inplace(logits[None], bitmask)
-        logits[control] = float("-inf")
+        allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)[:vocab] > 0
+        logits[:vocab][~allowed] = float("-inf")
         assert int(torch.argmax(logits)) == token, i
-        assert matcher.accept_token(token)
-    assert matcher.is_terminated()  # it ended with EOS, where the grammar ends
+        assert matcher.consume_token(token)
+    assert matcher.is_stopped()  # it ended with EOS, where the grammar ends
 
 
 def test_json_object_output_is_an_object(engine):
@@ -187,9 +185,9 @@ def test_a_schema_that_does_not_compile_is_an_option_error(engine):
         engine.generate("x", grammar=Grammar.regex("(unclosed"))
 
 
-def test_without_xgrammar_the_error_names_the_extra(engine, monkeypatch):
-    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
+def test_without_llguidance_the_error_says_how_to_install_it(engine, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance raises ImportError
     fresh = Grammars(engine.tokenizer, engine.grammars.vocab_size, engine.eos_ids)
-    with pytest.raises(OptionError, match=r"pc-rag\[structured\]"):
+    with pytest.raises(OptionError, match=r"pip install \"llguidance"):
         fresh.compiled(Grammar.json_object())
-    assert engine.generate("no grammar needs no xgrammar", max_new_tokens=2).token_ids
+    assert engine.generate("no grammar needs no llguidance", max_new_tokens=2).token_ids

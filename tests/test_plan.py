@@ -13,9 +13,11 @@ import torch
 
 from pc_rag.blocks import chunk_key
 from pc_rag.errors import PromptError, UnsupportedModelError
-from pc_rag.plan import COMPUTE, COPY, ENCODE, READ, STORED, Found, Piece, Planner
+from pc_rag.plan import Event, Found, Load, Piece, Planner, Source
 from pc_rag.prefix import EXTENT_BLOCKS, Link, Run, after_link, extent_key, run_blocks
 from pc_rag.segments import TokenSegment
+
+COMPUTE, COPY, READ, ENCODE, STORED = Load.COMPUTE, Load.COPY, Load.READ, Load.ENCODE, Load.STORED
 
 FP = "fp"
 SINK = (1,)
@@ -206,11 +208,14 @@ def test_lost_reads_become_the_forward_and_no_longer_count_as_hits():
     refs, held = stored_prefix(ids, tuple(range(12)), 0, 12, False, tier="disk")
     plan = planner().plan(prompt, "exact", Shelf(held))
     assert [p.load for p in plan.pieces] == [READ, READ, READ]
-    lost = [plan.pieces[1]]
-    built = plan.after_lost_reads(lost, {})
+    lost = plan.pieces[1]
+    ran = plan.with_events([Event(lost.slot, "lost", Piece(lost.slot, lost.n, Source.FRESH, lost.kind,
+                                                           lost.position))])
+    built = ran.as_built()
     assert summary(built)[1] == (4, 4, "fresh", "prefix", COMPUTE, None)
     assert built.hits == plan.hits - {refs[1].key} and built.stored_tokens == plan.stored_tokens + 4
-    assert plan.pieces[1].load == READ  # the plan itself is a value: unchanged
+    assert plan.pieces[1].load == READ == ran.pieces[1].load  # plans are values: what ran is recorded, not written
+    assert ran.events and not built.events and plan.as_built() is plan
 
 
 def test_plans_hold_no_tensors_and_compare_by_value():

@@ -13,7 +13,7 @@ import pc_rag
 from pc_rag import Chunk, Text
 from pc_rag.prefix import BLOCK_TOKENS, PrefixIndex, run_blocks
 from pc_rag.store import DiskStore, MemoryStore, TieredStore
-from pc_rag.text_index import DISCOVERED, ChunkIndex, discover
+from pc_rag.text_index import DISCOVERY, ChunkIndex, discover
 
 TOL = 1e-4
 
@@ -229,17 +229,17 @@ def test_chunk_boundaries_keep_the_tokens_of_the_joined_text(engine):
 
 
 def test_discovered_documents_become_chunks_and_can_be_turned_off(engine, docs, monkeypatch):
-    DISCOVERED.clear()
+    DISCOVERY.index.clear()
     text = "Documents:\n\n" + docs[2] + "\n\nQuestion?"
     assert discover([docs[2]]) == 1
     assert any(isinstance(s, Chunk) for s in engine.split(text))
     assert not any(isinstance(s, Chunk) for s in engine.split(text, discovered=False))
     monkeypatch.setenv("PC_RAG_DISCOVERY", "0")
     assert not any(isinstance(s, Chunk) for s in engine.split(text))
-    assert discover([docs[3]]) == 0 and docs[3].strip() not in DISCOVERED
+    assert discover([docs[3]]) == 0 and docs[3].strip() not in DISCOVERY.index
     monkeypatch.delenv("PC_RAG_DISCOVERY")
     assert any(isinstance(s, Chunk) for s in engine.split(text, chunk_texts=[docs[2]], discovered=False))
-    DISCOVERED.clear()
+    DISCOVERY.index.clear()
 
 
 def test_sources_and_counts_add_up(engine, docs):

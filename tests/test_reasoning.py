@@ -20,8 +20,6 @@ from pc_rag.adapters import ChatReply, GenerationOptions, Reasoning, chat_reques
 from pc_rag.reasoning import CONTENT, REASONING, ThinkingFilter, ThinkingMarkers
 from pc_rag.store import MemoryStore
 
-pytest.importorskip("xgrammar", reason="forcing the reply needs the structured extra")
-
 THINK = ThinkingMarkers()
 # A template modelled on Qwen3's: an assistant turn's thinking is dropped unless it follows the last user message
 # (content holding `</think>` keeps only what follows it); the generation prompt is left to the model

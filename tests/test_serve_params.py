@@ -310,8 +310,6 @@ ROWS = [("chat", *row) for row in CHAT] + [("completions", *row) for row in COMP
 @pytest.mark.parametrize("endpoint, field, fields, check", ROWS,
                          ids=[f"{e}-{f}-{json.dumps(v)[:30]}" for e, f, v, _ in ROWS])
 def test_each_parameter_works_or_is_refused(http, reference, endpoint, field, fields, check):
-    if "tools" in fields or "response_format" in fields:
-        pytest.importorskip("xgrammar")
     check(http, endpoint, post(http, endpoint, **fields), reference, field)
 
 
@@ -405,7 +403,6 @@ def test_streamed_logprobs_and_choices(http, reference):
 
 # ---- a forced call or JSON reply cut by max_tokens -----------------------------------------------------------------
 def test_a_cut_forced_call_is_length_with_the_partial_call_never_markup(http):
-    pytest.importorskip("xgrammar")
     for stream in (False, True):
         r = post(http, "chat", tools=[WEATHER], tool_choice="required", max_tokens=6, stream=stream)
         assert r.status_code == 200, r.text
@@ -430,7 +427,6 @@ def test_a_cut_forced_call_is_length_with_the_partial_call_never_markup(http):
 
 
 def test_a_cut_json_reply_is_length(http):
-    pytest.importorskip("xgrammar")
     r = post(http, "chat", response_format={"type": "json_object"}, max_tokens=3).json()
     assert r["choices"][0]["finish_reason"] == "length"
     with pytest.raises(ValueError):

@@ -110,7 +110,7 @@ def test_keys_and_values_as_views_of_one_tensor(tmp_path):
 
 def test_memory_lru_by_bytes_matches_reference():
     max_bytes = 4000
-    store = MemoryStore(max_bytes=max_bytes)
+    store = MemoryStore(max_bytes=max_bytes, policy="lru")
     reference: OrderedDict[str, int] = OrderedDict()  # plain LRU model: key -> nbytes
     for i in range(40):
         block = make_block(i, tokens=1 + (i * 7) % 13)
@@ -515,3 +515,45 @@ def test_store_does_not_import_model_code():
                 names = [base if node.level == 0 else f"pc_rag.{base}" if node.level == 2 else f"pc_rag.store.{base}"]
             for name in names:
                 assert not any(name == f or name.startswith(f + ".") for f in forbidden), (path.name, name)
+
+
+def _block_of(tokens: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(2, 1, tokens, 4, generator=g)
+    return KVBlock(k, k.clone(), tuple(range(tokens)), 0)
+
+
+def test_gdsf_keeps_the_block_used_often_over_the_one_used_last():
+    """Reference: the order worked out by hand. Three blocks of the same size fit; "often" is used three times,
+    then two new blocks arrive: LRU drops "often" (least recently used), GDSF drops a block used once."""
+    size = _block_of(8).nbytes
+    kept = {}
+    for policy in ("lru", "gdsf"):
+        store = MemoryStore(max_bytes=3 * size, policy=policy)
+        store.put("chunk-often", _block_of(8))
+        for _ in range(3):
+            assert store.get("chunk-often") is not None
+        store.put("chunk-a", _block_of(8, 1))
+        store.put("chunk-b", _block_of(8, 2))
+        store.put("chunk-c", _block_of(8, 3))  # one must leave
+        kept[policy] = {k for k in ("chunk-often", "chunk-a", "chunk-b", "chunk-c") if store.contains(k)}
+        assert store.tier_stats()[0].evictions == 1 and store.tier_stats()[0].bytes_held == 3 * size
+    assert kept["lru"] == {"chunk-a", "chunk-b", "chunk-c"}
+    assert "chunk-often" in kept["gdsf"] and len(kept["gdsf"]) == 3
+
+
+def test_gdsf_ages_out_blocks_used_long_ago():
+    """L rises to each evicted priority: a block used twice long ago leaves once the newer ones have been used
+    as often since. Reference: after enough rounds of new blocks used twice, the old block is gone."""
+    size = _block_of(4).nbytes
+    store = MemoryStore(max_bytes=2 * size, policy="gdsf")
+    store.put("chunk-old", _block_of(4))
+    store.get("chunk-old")
+    for i in range(6):
+        store.put(f"chunk-{i}", _block_of(4, i))
+        store.get(f"chunk-{i}")
+        store.get(f"chunk-{i}")
+    assert not store.contains("chunk-old")
+    with pytest.raises(StoreUsageError):
+        MemoryStore(policy="lfu")
+    assert open_store(["memory:1MiB?policy=gdsf"]).tiers[0].policy == "gdsf"

@@ -25,7 +25,6 @@ import torch
 from safetensors.torch import save
 
 from pc_rag import cli
-from pc_rag.blocks import KVBlock
 from pc_rag.store import DiskStore, MemoryStore, RedisStore, TieredStore
 
 from .conftest import PlainStore
@@ -508,45 +507,36 @@ def test_put_persist_false_stays_out_of_persistent_tiers(tmp_path):
     assert mine.keys == [key_of(1)]
 
 
-def _to_float16(calls):
-    def place(block: KVBlock) -> KVBlock:
-        calls.append(block.keys.dtype)
-        return KVBlock(block.keys.half(), block.values.half(), block.token_ids, block.start, block.meta)
-
-    return place
-
-
-def test_placement_applies_once_before_promotion(tmp_path):
+def test_blocks_are_moved_to_the_device_once_before_promotion(tmp_path):
+    # Reference: the block as written, on the device asked for ("meta": a device of its own without a GPU).
     fakeredis = pytest.importorskip("fakeredis")
     memory, disk = MemoryStore(), DiskStore(tmp_path)
     redis = RedisStore("redis://fake", client=fakeredis.FakeRedis())
     store = TieredStore([memory, disk, redis])
-    calls = []
-    store.set_placement(_to_float16(calls))
+    store.set_device("meta")
     want = make_block(1)
     redis.put(key_of(1), want)
 
     got, source = store.get_with_source(key_of(1))
-    assert source == "redis" and calls == [torch.float32]
-    assert got.keys.dtype == torch.float16 and torch.equal(got.keys, want.keys.half())
-    assert memory.get(key_of(1)) is got  # the memory tier holds the placed block
+    assert source == "redis" and got.keys.device.type == "meta" and got.keys.shape == want.keys.shape
+    assert memory.get(key_of(1)) is got  # the memory tier holds the moved block
     assert_same(disk.get(key_of(1)), want)  # a persistent tier gets the block as read, not a copy back
-    assert store.get_with_source(key_of(1)) == (got, "memory") and len(calls) == 1
+    assert store.get_with_source(key_of(1)) == (got, "memory")
 
     memory.clear()
     for i in (2, 3):
         disk.put(key_of(i), make_block(i))
     got = store.get_many_with_source([key_of(2), key_of(1), key_of(3), key_of(2)])
-    assert [s for _, s in got] == ["disk"] * 4 and len(calls) == 4  # once per block, the repeat included
-    assert all(b.keys.dtype == torch.float16 for b, _ in got)
+    assert [s for _, s in got] == ["disk"] * 4
+    assert all(b.keys.device.type == "meta" and b.values.device.type == "meta" for b, _ in got)
 
 
-def test_placement_on_a_persistent_store_used_alone(tmp_path):
+def test_a_persistent_store_used_alone_moves_its_blocks_too(tmp_path):
     disk = DiskStore(tmp_path)
     disk.put(key_of(1), make_block(1))
     store = TieredStore([disk])
-    store.set_placement(lambda b: KVBlock(b.keys.to("meta"), b.values.to("meta"), b.token_ids, b.start, b.meta))
+    store.set_device("meta")
     got, source = store.get_with_source(key_of(1))
     assert source == "disk" and got.keys.device.type == "meta"
-    store.set_placement(None)
+    store.set_device(None)
     assert store.get(key_of(1)).keys.device.type == "cpu"

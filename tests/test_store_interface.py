@@ -64,7 +64,7 @@ def test_every_method_has_a_default_built_on_get_and_put():
     assert_same(store.reread([key_of(1)])[0], make_block(1))
     store.promote([PendingBlock(key_of(1), "minimal", 0)])  # nothing above it: a no-op
     assert (store.can_prefetch, store.prefetch(keys), store.has_persistent, store.tier_stats()) == (False, 0, False, [])
-    store.set_placement(lambda b: b)  # nothing to place: accepted, ignored
+    store.set_device("cpu")  # nothing to move: accepted, ignored
     gets = store.gets
     assert store.where(keys) == [None, None] and store.gets == gets  # cannot tell without reading: reads nothing
 

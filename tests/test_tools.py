@@ -241,7 +241,6 @@ def test_a_forced_call_cut_by_max_new_tokens_is_reported_as_cut(engine):
     """End to end on the tiny model: a forced call with room for a few tokens only. The reply is a CutCall with
     finish_reason "length", `cut` set and no text; `check_complete` raises naming max_new_tokens. With room, the
     same call is complete (reference: the first tokens of the complete call are the cut call's)."""
-    pytest.importorskip("xgrammar")
     messages = [{"role": "user", "content": "Weather?"}]
     whole = _chat(engine, messages, tools=[WEATHER], tool_choice="required")
     (call,) = whole.tool_calls

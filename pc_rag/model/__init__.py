@@ -13,6 +13,7 @@ keyword `past_key_values` to `cache`), this package is the one place to edit. Wh
 - backends.py: which code runs each operation (the kernels, oneDNN, sdpa), chosen once per runner, with why;
 - cache.py: a request's KV buffer (`SlotCache`) and the KV shape (`ModelShape`);
 - rope.py: RoPE tables per layer, relocation of cached keys, the relocation self-check;
+- checkpoint.py: what a path given to `from_pretrained` holds (an HF folder, a GGUF file), checked, and its loading;
 - fingerprint.py: the model fingerprint in every store key;
 - hf.py: names in transformers' API that differ between supported releases (for direct HF calls: benchmarks);
 - runner.py: `LlamaRunner`, the layer loop over all of the above;

@@ -24,7 +24,7 @@ import torch
 
 from ..batch import TurnLock
 from ..errors import Cancelled, PCRagError, UnsupportedModelError
-from . import heap, kernels
+from . import checkpoint, heap, kernels
 from . import rope as rope_check
 from .architecture import DEFAULT_ROPE
 from .attention import Heads, Writes, _mask, attend, attend_decode
@@ -198,21 +198,22 @@ class LlamaRunner:
 
     @classmethod
     def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu") -> LlamaRunner:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
+        """An HF checkpoint folder, a GGUF file (or a folder holding one), or a Hub id in the local cache
+        (checkpoint.py); every bad path a CheckpointError naming it, before any weight loads where it can be."""
         from ..options import check_device
 
         check_device(device)  # before any weights load: "cuda" on a CPU build is one clear error
-
-        config = AutoConfig.from_pretrained(path_or_id)
+        dtype = parse_dtype(dtype)
+        source = checkpoint.locate(path_or_id)
+        config = source.config()
         try:
             describe(config)  # before any weights load: an unsupported family is one clear error
         except UnsupportedModelError as e:
             raise UnsupportedModelError(f"{path_or_id}: {e}") from None
-        tokenizer = AutoTokenizer.from_pretrained(path_or_id)
+        tokenizer = source.tokenizer(getattr(config, "vocab_size", None))
         # The attention implementation is transformers' default for the family (sdpa, or eager for Gemma 2's
         # soft-capping): it only serves `reference_logits` and a user's own calls of the model.
-        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=parse_dtype(dtype))
+        model = source.model(dtype)
         return cls(model.to(device), tokenizer)
 
     @property

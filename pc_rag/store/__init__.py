@@ -7,12 +7,12 @@ PendingBlocks for `read_pending` to read straight into a request's buffer: a `Re
 the slots),
 `where(keys)` (which tier holds each key, reading and counting nothing: `Engine.explain`), `put_volatile` (memory
 only) and `put_persistent` (disk and Redis only: the engine's extents of prefix blocks), `promote`, `prefetch`
-(pc_rag.prefetch) and `set_placement` (TieredStore places blocks read from lower tiers, e.g. on the engine's
+(pc_rag.prefetch) and `set_device` (TieredStore moves blocks read from lower tiers to the engine's
 device, before promoting them). A user's store either subclasses Store or is a plain object with get, put, clear
 and tier_stats, seen through the interface by `as_store` (open_store does it). Build stores with
 `open_store(spec)`:
 
-    memory.py      MemoryStore: tensors in process memory, LRU bounded by bytes, optional TTL
+    memory.py      MemoryStore: tensors in process memory, bounded by bytes (GDSF or LRU), optional TTL
     disk.py        DiskStore: one safetensors file per block in <dir>/pc_rag-kv-v1/, persistent, LRU bounded
                    by bytes; never touches a file it did not name; reads a request's files in parallel
     redis_tier.py  RedisStore: safetensors blobs in a shared Redis, TTL; the server bounds the size; one

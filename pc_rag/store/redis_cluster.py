@@ -35,7 +35,7 @@ from urllib.parse import quote, urlencode
 
 from ..blocks import KVBlock
 from ..errors import StoreError
-from .redis_tier import MIN_TRANSFER_BYTES_PER_S, ClusterRedirectError, RedisStore, _connect
+from .redis_tier import MIN_TRANSFER_BYTES_PER_S, ClusterRedirectError, RedisStore, _connect, _Exchange, _within
 from .tier import (
     READ,
     WRITE,
@@ -90,6 +90,7 @@ class RedisClusterStore(Store):
         self.seeds = seeds
         self.prefix = prefix
         self.timeout_s = timeout_s
+        self.min_transfer_bytes_per_s = min_transfer_bytes_per_s
         self._auth = "" if username is None and password is None else (
             f"{quote(username or '', safe='')}:{quote(password or '', safe='')}@")
         self._query = f"?{urlencode(query)}" if query else ""
@@ -101,6 +102,7 @@ class RedisClusterStore(Store):
         self._slots: list[str | None] | None = None  # slot -> address of its master; None until first asked
         self._mapped_at = -float("inf")
         self._map_lock = threading.Lock()
+        self._failed_seeds: list[str] = []  # nodes that did not answer CLUSTER SLOTS, last failed last (asked last)
         self._pauses = Pauses(retry_after_s, what="redis cluster node")
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -124,19 +126,30 @@ class RedisClusterStore(Store):
             return self._slots
 
     def _ask_slots(self) -> list[str | None]:
-        """CLUSTER SLOTS from the first node that answers: the seeds, then every node known so far."""
+        """CLUSTER SLOTS from the first node that answers: the seeds, then every node known so far, those that
+        failed last time at the end. One deadline for all of them (each connection and handshake included), as
+        for any exchange (redis_tier.py): a node that drips its answer costs the call that deadline, not one per
+        node, and is asked last next time."""
         errors = []
-        for address in dict.fromkeys([*self.seeds, *self._nodes]):
+        exchange = _Exchange(self.timeout_s, self.min_transfer_bytes_per_s)
+        known = list(dict.fromkeys([*self.seeds, *self._nodes]))
+        order = [a for a in known if a not in self._failed_seeds] + [a for a in self._failed_seeds if a in known]
+        for address in order:
             host, port = _split_address(address)
             try:
-                client = _connect(f"redis://{self._auth}{address}/0{self._query}", self.timeout_s)
-                try:
-                    reply = client.execute_command("CLUSTER SLOTS")
-                finally:
-                    client.close()
+                with _within(exchange):
+                    client = _connect(f"redis://{self._auth}{address}/0{self._query}", self.timeout_s)
+                    try:
+                        reply = client.execute_command("CLUSTER SLOTS")
+                    finally:
+                        client.close()
             except Exception as e:  # any failure: the next node
                 errors.append(f"{address}: {type(e).__name__}: {e}")
+                self._failed_seeds = [a for a in self._failed_seeds if a != address] + [address]
+                if exchange.left_s() <= 0:
+                    break
                 continue
+            self._failed_seeds = [a for a in self._failed_seeds if a != address]
             return _parse_slots(reply, host)
         with self._lock:
             self.stats.errors += 1

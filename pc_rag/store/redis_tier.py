@@ -10,16 +10,19 @@ the client never retries: a down or unreachable server costs one failed call of 
 after which the tiered store skips this tier for a while.
 
 `get_many` fetches a request's blocks in one round trip (a pipeline of GETs, sent as one write and answered
-in one stream), so a slow server costs its latency once per request, not once per block. A read (GET or EXISTS
-pipeline) has one deadline for the whole batch, not one per socket read: `timeout_s` for the first byte plus
-the time the bytes that arrived would take at `min_transfer_bytes_per_s` (16 MiB/s, a 130 Mbit/s link), counted
-up to the bytes the batch is expected to hold where the caller says (the request buffer's slots a block is read
-into). So a healthy large batch that keeps arriving is never cut off, while a server that answers
-`$100000000` and then one byte every 0.3 s (each socket read well within its timeout: such a batch used to
-hang the request forever) is cut off after about `timeout_s`. A batch past its deadline is a miss and a
+in one stream), so a slow server costs its latency once per request, not once per block. Every exchange with the
+server (a read or write batch, a SCAN, an INFO, and the connecting and handshake it may start with: TCP connect,
+AUTH/HELLO, SELECT, CLIENT SETINFO) has one deadline for the whole of it, not one per socket operation:
+`timeout_s` from its start plus the time the bytes moved so far (sent and received) would take at
+`min_transfer_bytes_per_s` (16 MiB/s, a 130 Mbit/s link), the received ones counted up to what the batch is
+expected to hold where the caller says (the request buffer's slots a block is read into). So a healthy large batch
+that keeps arriving is never cut off, while a server that answers one byte every 0.3 s (each socket read well
+within its timeout: a handshake or a `$100000000` reply answered that way used to hold the request for as long as
+the server pleased) is cut off after about `timeout_s`. An exchange past its deadline is a miss and a
 `TierSlowError`, which the TieredStore treats as an unreachable tier: skipped for reads and writes for its
-`retry_after_s`. The deadline is enforced by the client's socket (`_DeadlineSocket`, a plain TCP or Unix
-socket; a TLS connection, rediss://, keeps the per-read timeout only). A value of another
+`retry_after_s`. The deadline is enforced by the client's socket (`_DeadlineSocket`, a plain TCP or Unix socket;
+a TLS connection, rediss://, keeps the per-operation timeouts only) and by the connect timeout, shortened to what
+is left (name resolution is not bounded). A value of another
 Redis type under a block's name (WRONGTYPE) is a corrupt entry for that key only, like a damaged blob.
 `locate` (a pipeline of EXISTS) and `read_into` let a TieredStore read a request's blocks straight into its buffer,
 as the disk tier does: the replies are decoded in the reader threads, compressed blocks into the slots.
@@ -34,7 +37,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..blocks import KVBlock
@@ -75,62 +78,69 @@ class TierSlowError(TierUnavailableError):
 
 
 @dataclass
-class _Transfer:
-    """One batch's deadline: `timeout_s` from its first read (the commands are sent by then; connecting, when the
-    pool has no connection ready, keeps its own timeouts), plus the bytes received so far (at most `cap_bytes`,
-    the bytes the batch is expected to hold, when known) at `min_bytes_per_s`."""
+class _Exchange:
+    """One exchange's deadline: `timeout_s` from its start, plus the bytes moved so far (the received ones counted up
+    to `cap_bytes`, the bytes the batch is expected to hold, when known) at `min_bytes_per_s`."""
 
     timeout_s: float
     min_bytes_per_s: float
-    cap_bytes: int | None
-    start: float | None = None
+    cap_bytes: int | None = None
+    start: float = field(default_factory=time.monotonic)
     received: int = 0
+    sent: int = 0
 
-    def left_s(self) -> float:
-        if self.start is None:
-            self.start = time.monotonic()
-        counted = self.received if self.cap_bytes is None else min(self.received, self.cap_bytes)
-        return self.start + self.timeout_s + counted / self.min_bytes_per_s - time.monotonic()
+    def left_s(self, sending: int = 0) -> float:
+        """Seconds left; `sending`: bytes about to be sent, whose time is allowed ahead."""
+        received = self.received if self.cap_bytes is None else min(self.received, self.cap_bytes)
+        moved = received + self.sent + sending
+        return self.start + self.timeout_s + moved / self.min_bytes_per_s - time.monotonic()
 
     def describe(self) -> str:
-        took = 0.0 if self.start is None else time.monotonic() - self.start
-        return (f"{self.received} bytes in {took:.2f} s, under {self.timeout_s:g} s plus "
-                f"{self.min_bytes_per_s / 2**20:g} MiB/s")
+        return (f"{self.sent} bytes sent and {self.received} received in {time.monotonic() - self.start:.2f} s, "
+                f"under {self.timeout_s:g} s plus {self.min_bytes_per_s / 2**20:g} MiB/s")
 
 
-# The batch the current thread is reading, if any: the client's sockets (_DeadlineSocket) bound each read by what
+# The exchange the current thread is in, if any: the client's sockets (_DeadlineSocket) bound each operation by what
 # is left of it. Per thread because redis-py hands each thread its own connection from the pool for a call.
-_BATCH = threading.local()
+_EXCHANGE = threading.local()
+
+
+def _current() -> _Exchange | None:
+    return getattr(_EXCHANGE, "now", None)
 
 
 class _DeadlineSocket(socket.socket):
-    """A client socket whose reads, while its thread reads a batch (`_BATCH.transfer`), wait no longer than the
-    batch's deadline allows and count the bytes that arrive; outside a batch it is a plain socket."""
+    """A client socket whose reads and writes, while its thread is in an exchange (`_EXCHANGE.now`), wait no longer
+    than the exchange's deadline allows and count the bytes they move; outside an exchange it is a plain socket."""
 
     @classmethod
     def adopt(cls, sock: socket.socket) -> socket.socket:
-        if type(sock) is not socket.socket:  # a TLS socket: left as it is (per-read timeouts only)
+        if type(sock) is not socket.socket:  # a TLS socket: left as it is (per-operation timeouts only)
             return sock
         timeout = sock.gettimeout()
         adopted = cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
         adopted.settimeout(timeout)
         return adopted
 
-    def _bounded(self, read, flags: int) -> int | bytes:
-        transfer = getattr(_BATCH, "transfer", None)
+    def _bounded(self, op, flags: int = 0, sending: int | None = None):
+        """`op` (a read, or a write of `sending` bytes) within what is left of the thread's exchange."""
+        exchange = _current()
         timeout = self.gettimeout()
-        if transfer is None or timeout == 0 or flags & socket.MSG_PEEK:
-            return read()
-        left = transfer.left_s()
+        if exchange is None or timeout == 0 or flags & socket.MSG_PEEK:
+            return op()
+        left = exchange.left_s(sending or 0)
         if left <= 0:
-            raise TimeoutError(f"the batch's deadline passed ({transfer.describe()})")
+            raise TimeoutError(f"the exchange's deadline passed ({exchange.describe()})")
         if timeout is None or timeout > left:
             super().settimeout(left)
         try:
-            got = read()
+            got = op()
         finally:
             super().settimeout(timeout)
-        transfer.received += got if isinstance(got, int) else len(got)
+        if sending is None:
+            exchange.received += got if isinstance(got, int) else len(got)
+        else:
+            exchange.sent += sending if got is None else got  # sendall returns None once all is sent
         return got
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
@@ -138,6 +148,13 @@ class _DeadlineSocket(socket.socket):
 
     def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
         return self._bounded(lambda: super(_DeadlineSocket, self).recv_into(buffer, nbytes, flags), flags)
+
+    def sendall(self, data, flags: int = 0) -> None:
+        # A timeout bounds a whole sendall (Python >= 3.5), so the deadline covers every byte of it.
+        return self._bounded(lambda: super(_DeadlineSocket, self).sendall(data, flags), flags, memoryview(data).nbytes)
+
+    def send(self, data, flags: int = 0) -> int:
+        return self._bounded(lambda: super(_DeadlineSocket, self).send(data, flags), flags, memoryview(data).nbytes)
 
 
 @functools.cache
@@ -147,20 +164,22 @@ def _deadline_connections() -> dict[str, type]:
 
     def with_deadline(base: type) -> type:
         def _connect(self):
-            return _DeadlineSocket.adopt(base._connect(self))
+            exchange = _current()
+            if exchange is None:
+                return _DeadlineSocket.adopt(base._connect(self))
+            # The TCP connect waits no longer than the exchange has left; the handshake that follows (AUTH, HELLO,
+            # SELECT, CLIENT SETINFO) goes through the adopted socket, under the same deadline.
+            configured = self.socket_connect_timeout
+            left = exchange.left_s()
+            if left <= 0:
+                raise TimeoutError(f"the exchange's deadline passed before connecting ({exchange.describe()})")
+            self.socket_connect_timeout = left if configured is None else min(configured, left)
+            try:
+                return _DeadlineSocket.adopt(base._connect(self))
+            finally:
+                self.socket_connect_timeout = configured
 
-        def outside_batch(method):  # connecting (TCP, HELLO, SELECT) keeps its own per-read timeouts
-            @functools.wraps(method)
-            def call(self, *args, **kwargs):
-                with _reading(None):
-                    return method(self, *args, **kwargs)
-            return call
-
-        methods = {"_connect": _connect}
-        for name in ("connect", "connect_check_health"):  # redis-py 5 has the first only
-            if hasattr(base, name):
-                methods[name] = outside_batch(getattr(base, name))
-        return type(f"Deadline{base.__name__}", (base,), methods)
+        return type(f"Deadline{base.__name__}", (base,), {"_connect": _connect})
 
     return {"redis": with_deadline(Connection), "unix": with_deadline(UnixDomainSocketConnection)}
 
@@ -223,32 +242,26 @@ class RedisStore(Store):
         self._lock = threading.Lock()
         self.stats = TierStats(self.name)
 
-    def _call(self, what: str, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except self._errors as e:
-            with self._lock:
-                self.stats.errors += 1
-            message = f"redis store {self.url}: {what} failed: {type(e).__name__}: {e}"
-            if _redirected(e):
-                raise ClusterRedirectError(message) from e
-            if isinstance(e, self._unreachable):  # no answer at all: reads and writes fail alike
-                raise TierUnavailableError(message) from e
-            raise StoreError(message) from e  # the server answered with an error (e.g. OOM on SET)
-
-    def _read_batch(self, what: str, fn, expected_bytes: int | None = None):
-        """`_call` for a read, within one deadline for the whole batch (see the module docstring); past it, a
-        TierSlowError. `expected_bytes`: what the replies should hold, when known."""
-        transfer = _Transfer(self.timeout_s, self.min_transfer_bytes_per_s, expected_bytes)
-        with _reading(transfer):
+    def _call(self, what: str, fn, *args, expected_bytes: int | None = None, **kwargs):
+        """`fn(*args, **kwargs)`, one exchange with the server, within one deadline for the whole of it (the
+        module docstring); past it, a TierSlowError. `expected_bytes`: what the replies should hold, when known."""
+        exchange = _Exchange(self.timeout_s, self.min_transfer_bytes_per_s, expected_bytes)
+        with _within(exchange):
             try:
-                return self._call(what, fn)
-            except TierUnavailableError as e:
-                if transfer.start is None or transfer.left_s() > 0:
-                    raise
-                raise TierSlowError(f"redis store {self.url}: {what} was too slow ({transfer.describe()}, "
-                                    f"expected {expected_bytes or 'unknown'} bytes); the tier is skipped for a "
-                                    f"while") from e
+                return fn(*args, **kwargs)
+            except self._errors as e:
+                with self._lock:
+                    self.stats.errors += 1
+                message = f"redis store {self.url}: {what} failed: {type(e).__name__}: {e}"
+                if _redirected(e):
+                    raise ClusterRedirectError(message) from e
+                if isinstance(e, self._unreachable):  # no answer at all: reads and writes fail alike
+                    if exchange.left_s() <= 0:
+                        raise TierSlowError(f"redis store {self.url}: {what} was too slow ({exchange.describe()}, "
+                                            f"expected {expected_bytes or 'unknown'} bytes); the tier is skipped "
+                                            f"for a while") from e
+                    raise TierUnavailableError(message) from e
+                raise StoreError(message) from e  # the server answered with an error (e.g. OOM on SET)
 
     def get(self, key: str) -> KVBlock | None:
         return self.get_many([key])[0]
@@ -286,8 +299,8 @@ class RedisStore(Store):
                 pipe.exists(name)
             return pipe.execute()
 
-        # Under the batch deadline of the reads (`_read_batch`); `locate` counts the misses, `where` nothing.
-        return [bool(n) for n in self._read_batch(f"EXISTS of {len(names)} keys", ask, 64 * len(names))]
+        # `locate` counts the misses, `where` nothing.
+        return [bool(n) for n in self._call(f"EXISTS of {len(names)} keys", ask, expected_bytes=64 * len(names))]
 
     def read_into(self, keys: list[str], sinks: list[ReadTarget | Callable[[KVBlock], bool]]) -> list[bool]:
         """Fetches the blocks of `keys` (one round trip) and hands each one to its sink, as `DiskStore.read_into`:
@@ -328,7 +341,7 @@ class RedisStore(Store):
         expected = None  # known when every block has slots to go to: a blob holds their bytes, or fewer (int8)
         if all(out is not None for out in outs):
             expected = sum(k.nbytes + v.nbytes + BLOB_OVERHEAD_BYTES for k, v in outs)
-        replies = self._read_batch(f"GET of {len(names)} keys", fetch, expected)
+        replies = self._call(f"GET of {len(names)} keys", fetch, expected_bytes=expected)
         timings = {"read_s": time.perf_counter() - t0}  # the round trip and the transfer
         for name, data in zip(names, replies, strict=True):
             if isinstance(data, Exception) and not str(data).startswith("WRONGTYPE"):
@@ -379,9 +392,13 @@ class RedisStore(Store):
 
     def clear(self) -> None:
         """Deletes every key under this store's prefix (on the whole server database, all processes)."""
-        names = self._call("SCAN", lambda: list(self._client.scan_iter(match=self.prefix + "*", count=1000)))
-        for i in range(0, len(names), 1000):
-            self._unlink(names[i : i + 1000])
+        cursor = 0
+        while True:  # one exchange (and deadline) per page of names
+            cursor, names = self._call("SCAN", self._client.scan, cursor, match=self.prefix + "*", count=1000)
+            if names:
+                self._unlink(names)
+            if not int(cursor):
+                return
 
     def _unlink(self, names: list) -> None:
         """One round trip: a pipeline of single-key UNLINKs (a cluster node refuses one UNLINK of keys in several
@@ -405,13 +422,13 @@ class RedisStore(Store):
 
 
 @contextlib.contextmanager
-def _reading(transfer: _Transfer | None) -> Iterator[None]:
-    previous = getattr(_BATCH, "transfer", None)
-    _BATCH.transfer = transfer
+def _within(exchange: _Exchange | None) -> Iterator[None]:
+    previous = _current()
+    _EXCHANGE.now = exchange
     try:
         yield
     finally:
-        _BATCH.transfer = previous
+        _EXCHANGE.now = previous
 
 
 def _decode(key: str, data, out) -> tuple[KVBlock | None, str, dict[str, float]]:

@@ -16,7 +16,8 @@ from .tier import Store, StoreUsageError, as_store, looks_like_store
 from .tiered import TieredStore
 
 SPEC_HELP = (
-    "a store spec is 'memory', 'memory:<size>', 'disk', 'disk:<path>', 'disk:<path>?max_bytes=<size>&compress=int8', "
+    "a store spec is 'memory', 'memory:<size>' (option ?policy=lru|gdsf), 'disk', 'disk:<path>', "
+    "'disk:<path>?max_bytes=<size>&compress=int8', "
     "'redis://host:port/db' (options ?ttl_s=<s>&prefix=<p>&compress=int8), 'redis+cluster://host:port,host:port' "
     "(the same options), a list of those (top tier first), or a "
     "store object; sizes are bytes or use KB/MB/GB/TB or KiB/MiB/GiB/TiB"
@@ -48,7 +49,8 @@ def open_store(spec: str | Store | Sequence[str | Store] | None = None) -> Store
     - a store object: a `Store` subclass is used as is; any other object with get/put/clear/tier_stats (a
       duck-typed store of one's own) is seen through the Store interface (`as_store`: its own methods, the
       defaults for the rest).
-    - "memory" (4 GiB), "memory:2GiB", "memory?max_bytes=2GiB&ttl_s=600".
+    - "memory" (4 GiB), "memory:2GiB", "memory?max_bytes=2GiB&ttl_s=600", "memory:2GiB?policy=gdsf" (which block
+      leaves first: pc_rag.store.memory).
     - "disk" (default directory), "disk:/path/to/dir", "disk:/path?max_bytes=50GiB"; `compress=int8` stores
       8-bit keys and values with scales (lossy, about a quarter of float32's bytes; see docs/store.md).
     - "redis://host:6379/0", "redis://host:6379/0?ttl_s=86400&prefix=pc_rag:&compress=int8" (also rediss://); the size
@@ -95,12 +97,13 @@ def _open_tier(spec: str | Store) -> Store:
     max_bytes = parse_bytes(options.pop("max_bytes")) if "max_bytes" in options else None
     if kind == "memory":
         ttl = options.pop("ttl_s", None)
+        policy = options.pop("policy", "gdsf")
         _no_extra(options, spec)
         if location:
             max_bytes = parse_bytes(location)
         return MemoryStore(
             **({"max_bytes": max_bytes} if max_bytes is not None else {}),
-            ttl_s=_number(ttl, spec) if ttl is not None else None,
+            ttl_s=_number(ttl, spec) if ttl is not None else None, policy=policy,
         )
     if kind == "disk":
         compress = options.pop("compress", None)

@@ -326,9 +326,9 @@ class Store:
         """Loads the blocks of `keys` from the persistent tiers into memory; returns how many were brought up."""
         return 0
 
-    def set_placement(self, fn: Callable[[KVBlock], KVBlock] | None) -> None:
-        """fn(block) -> block for blocks read from a lower tier before they are promoted (TieredStore); a store of
-        one tier places nothing."""
+    def set_device(self, device) -> None:
+        """The device blocks read from a lower tier are moved to before they are promoted (TieredStore); a store of
+        one tier moves nothing."""
 
 
 class ForeignStore(Store):

@@ -10,9 +10,9 @@ serves the blocks it holds, and a tier whose reads fail may still take writes. A
 down, the cache folder not a folder) pauses both. The first failure of each direction logs one warning on
 the "pc_rag.store" logger, recovery logs one info line. No request fails because a tier failed.
 
-`set_placement(fn)`: blocks decoded from a persistent tier are CPU tensors; fn (e.g. a move to the engine's
-device) is applied once to each block that did not come from a non-persistent top tier, before it is
-promoted and returned, so the memory tier holds placed blocks and the next hit needs no move.
+`set_device(device)`: blocks decoded from a persistent tier are CPU tensors; each block that did not come from a
+non-persistent top tier is moved to `device` (the engine's) once, before it is promoted and returned, so the memory
+tier holds blocks where they are used and the next hit needs no move.
 
 `find_many_with_source(keys)` and `read_pending(pending, sinks)`: as `get_many_with_source`, except that a
 tier able to read a block straight into the caller's memory (disk and Redis: `locate`, `read_into`) is only asked
@@ -36,7 +36,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+
+import torch
 
 from ..blocks import KVBlock
 from ..errors import StoreError
@@ -66,18 +68,15 @@ class TieredStore(Store):
         self.tiers = [as_store(t) for t in tiers]  # a user's duck-typed tier is seen through the Store interface
         self._pauses = Pauses(retry_after_s)  # per tier index and direction
         self._lock = threading.Lock()
-        self._placement: Callable[[KVBlock], KVBlock] | None = None
+        self._device: torch.device | None = None
         self._loading: dict[str, threading.Event] = {}  # keys a prefetch is loading -> set when done
         self.prefetch_wait_s = 2.0
 
-    def set_placement(self, fn: Callable[[KVBlock], KVBlock] | None) -> None:
-        """fn(block) -> block, applied once to every block read from a tier below the top (or from a top tier
-        that is persistent: a disk or Redis store used alone) before it is promoted and returned; e.g. a move
-        to the engine's device. Persistent upper tiers are given the block as read, so promotion does not
-        copy it back. None removes the hook. Errors raised by fn propagate to the caller."""
-        if fn is not None and not callable(fn):
-            raise StoreUsageError(f"set_placement expects a function KVBlock -> KVBlock or None, got {fn!r}")
-        self._placement = fn
+    def set_device(self, device: torch.device | str | None) -> None:
+        """Where blocks read from a tier below the top (or from a top tier that is persistent: a disk or Redis store
+        used alone) are moved before they are promoted and returned: the device their reader computes on (None:
+        left where they are read, the CPU). Persistent upper tiers are given the block as read."""
+        self._device = None if device is None else torch.device(device)
 
     def get(self, key: str) -> KVBlock | None:
         return self.get_with_source(key)[0]
@@ -266,8 +265,9 @@ class TieredStore(Store):
 
     def _place_and_promote(self, i: int, key: str, block: KVBlock) -> KVBlock:
         placed = block
-        if self._placement is not None and (i > 0 or self.tiers[i].persistent):
-            placed = check_block(self._placement(block))
+        if self._device is not None and (i > 0 or self.tiers[i].persistent) and block.keys.device != self._device:
+            placed = KVBlock(block.keys.to(self._device), block.values.to(self._device), block.token_ids, block.start,
+                             block.meta)
         for upper in range(i):
             self._put_into(upper, key, block if self.tiers[upper].persistent else placed)
         return placed

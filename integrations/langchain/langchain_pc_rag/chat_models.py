@@ -120,8 +120,8 @@ class ChatPromptCache(EngineFields, BaseChatModel):
     Documents returned by any retriever in the process are found in the prompt with no wrapper
     (`auto_chunks=False` to ignore them). Usage: `usage_metadata["input_token_details"]` has `cache_read`
     (prompt tokens whose KV was reused) and `cache_creation` (prompt tokens whose KV this request stored).
-    Tools: `bind_tools`; structured output: `with_structured_output` (constrained decoding, pc_rag's
-    `structured` extra).
+    Tools: `bind_tools`; structured output: `with_structured_output` (constrained decoding: llguidance, a
+    dependency of pc-rag).
     """
 
     reasoning_effort: str | None = None

@@ -50,7 +50,6 @@ def test_completion_and_chat_logprobs():
 
 
 def test_a_cut_forced_call_raises_naming_max_new_tokens():
-    pytest.importorskip("xgrammar")
     tool = FunctionTool.from_defaults(get_weather)
     llm = PromptCacheLLM(engine=fresh_engine(), max_new_tokens=6)
     with pytest.raises(ReplyCutError, match="max_new_tokens=6"):
@@ -63,7 +62,6 @@ def test_a_cut_forced_call_raises_naming_max_new_tokens():
 
 
 async def test_a_function_agent_whose_call_is_cut_fails_with_that_error():
-    pytest.importorskip("xgrammar")
     agent = FunctionAgent(tools=[FunctionTool.from_defaults(get_weather)], initial_tool_choice="get_weather",
                           llm=PromptCacheLLM(engine=fresh_engine(), max_new_tokens=6))
     with pytest.raises(Exception) as caught:

@@ -13,8 +13,6 @@ import pc_rag
 
 from .tiny_model import fresh_engine
 
-pytest.importorskip("xgrammar", reason="forcing the reply needs pc_rag's structured extra")
-
 THINKS = "<think>[a-z ]{3,20}</think>[a-z][a-z ]{2,19}"
 
 

@@ -78,30 +78,36 @@ class TestChatPromptCacheIntegration(ChatModelIntegrationTests):
     def test_unicode_tool_call_integration(self, model, *, tool_choice=None, force_tool_call=True) -> None:
         super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)
 
-    # The joke's strings are free text: the random model does not close them within max_tokens (it loops), so the
-    # reply is cut inside its JSON. LangChain's lenient parser used to complete the partial JSON into a joke (a
-    # truncated answer taken for a whole one); a cut reply now raises an OutputParserException naming max_tokens,
-    # as ChatOpenAI's structured output raises LengthFinishReasonError (test_openai_options.py tests it).
-    CUT_JSON = ("needs a model that closes its strings: the random model's joke runs past max_tokens, and a reply "
-                "cut inside its JSON raises (test_openai_options.py)")
+    # The pydantic variants validate a whole Joke, two free strings (no maxLength): the random model's greedy strings
+    # run past max_tokens, and a reply cut there is no Joke. With xgrammar they passed by chance: its greedy path
+    # (xgrammar lets the model spell text the grammar forces in any tokens, `set`+`u`+`p`; llguidance only in the
+    # tokenizer's own, `set`+`up`) closed the first string and began the second before the cut, which the parser
+    # completed. The standard suite allows an override only as a whole-method xfail, so the typeddict and
+    # json_schema variants, which check only the keys written and pass, run again below as tests of our own.
+    _JOKE = ("needs a model that understands: the pydantic variant needs a whole Joke (two free strings) within "
+             "max_tokens (the other variants: test_structured_output_keys)")
 
-    @pytest.mark.xfail(reason=CUT_JSON)
+    @pytest.mark.xfail(reason=_JOKE)
     @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
     def test_structured_output(self, model, schema_type) -> None:
         super().test_structured_output(model, schema_type)
 
-    @pytest.mark.xfail(reason=CUT_JSON)
+    @pytest.mark.xfail(reason=_JOKE)
     @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
     async def test_structured_output_async(self, model, schema_type) -> None:
         await super().test_structured_output_async(model, schema_type)
 
-    @pytest.mark.xfail(reason=CUT_JSON)
+    @pytest.mark.xfail(reason=_JOKE)
     def test_structured_output_pydantic_2_v1(self, model) -> None:
         super().test_structured_output_pydantic_2_v1(model)
 
-    @pytest.mark.xfail(reason=CUT_JSON)
-    def test_structured_output_optional_param(self, model) -> None:
-        super().test_structured_output_optional_param(model)
+    @pytest.mark.parametrize("schema_type", ["typeddict", "json_schema"])
+    def test_structured_output_keys(self, model, schema_type) -> None:
+        ChatModelIntegrationTests.test_structured_output(self, model, schema_type)
+
+    @pytest.mark.parametrize("schema_type", ["typeddict", "json_schema"])
+    async def test_structured_output_keys_async(self, model, schema_type) -> None:
+        await ChatModelIntegrationTests.test_structured_output_async(self, model, schema_type)
 
     def invoke_with_cache_creation_input(self, *, stream: bool = False) -> AIMessage:
         # A document no earlier request sent, on an engine with an empty store: encoding it stores its KV.

@@ -64,7 +64,6 @@ def test_the_completion_class_reports_openai_completions_logprobs():
 
 
 def test_a_forced_call_cut_by_max_tokens_is_an_invalid_tool_call_never_markup():
-    pytest.importorskip("xgrammar")
     whole = ChatPromptCache(engine=fresh_engine(), max_tokens=100).bind_tools([get_weather], tool_choice="any")
     (call,) = whole.invoke([HumanMessage("Weather?")]).tool_calls
     cut = ChatPromptCache(engine=fresh_engine(), max_tokens=8).bind_tools([get_weather], tool_choice="any")
@@ -82,7 +81,6 @@ def test_a_forced_call_cut_by_max_tokens_is_an_invalid_tool_call_never_markup():
 
 
 def test_create_agent_does_not_take_a_cut_call_for_an_answer_or_a_call():
-    pytest.importorskip("xgrammar")
     from langchain.agents.middleware import wrap_model_call
 
     @wrap_model_call
@@ -99,7 +97,6 @@ def test_create_agent_does_not_take_a_cut_call_for_an_answer_or_a_call():
 
 @pytest.mark.parametrize("method", ["function_calling", "json_schema"])
 def test_structured_output_cut_by_max_tokens_says_so(method):
-    pytest.importorskip("xgrammar")
     llm = ChatPromptCache(engine=fresh_engine(), max_tokens=4)
     with pytest.raises(OutputParserException, match="max_tokens"):
         llm.with_structured_output(City, method=method).invoke("Which city?")
