@@ -7,7 +7,7 @@ each a RAG prompt (a system text, two document chunks warm in the store, its own
 `--max-new-tokens` tokens. For every N, two engines over the same loaded model, each with a fresh store
 warmed with the same chunks and one question answered before the burst (so its system text is cached, as on
 a server that has been running; each burst then asks new questions):
-- serial:  `batch_decoding=False`, the engine before batching: each request runs its own decode loop and
+- serial:  `pc_rag.testing.one_at_a_time`, the engine before batching: each request runs its own decode loop and
            the requests take turns at every forward step;
 - batched: the default, continuous batching (pc_rag/batch.py): one forward step for every request decoding.
 Reported per row: aggregate decode tokens/s (the tokens after each request's first, divided by the time
@@ -138,7 +138,8 @@ def run_engine(engine, batch: list, max_new_tokens: int) -> tuple[list[dict], fl
 
 def fresh_engine(model, tokenizer, chunks: list[str], batched: bool):
     engine = pc_rag.Engine(model, tokenizer, store=MemoryStore(max_bytes=8 << 30))
-    engine.batch_decoding = batched
+    if not batched:
+        pc_rag.testing.one_at_a_time(engine)
     engine.warm(chunks, progress=False)
     # One question answered first: the system text's blocks are then stored, and a burst's prompts each have
     # their question left to compute (docs/speed.md#batching-and-concurrent-streams).

@@ -175,8 +175,7 @@ def disk_row(name, model, tok, p, docs, tol) -> Row:
 
 
 def batch_row(name, model, tok, prompts, check: str = "batched decode") -> Row:
-    serial = pc_rag.Engine(model, tok, store=MemoryStore())
-    serial.batch_decoding = False
+    serial = pc_rag.testing.one_at_a_time(pc_rag.Engine(model, tok, store=MemoryStore()))
     alone = [serial.generate(p, mode="full", max_new_tokens=24).token_ids for p in prompts]
     batched = pc_rag.Engine(model, tok, store=MemoryStore())
     got = [None] * len(prompts)

@@ -2,7 +2,7 @@
 
 from . import testing
 from .blocks import KVBlock
-from .engine import Engine, ExplainRow, Explanation, Generation, SegmentSource
+from .engine import Engine
 from .errors import (
     CheckpointError,
     OptionError,
@@ -13,9 +13,11 @@ from .errors import (
     StoreError,
     UnsupportedModelError,
 )
+from .explain import ExplainRow, Explanation
 from .grammar import Grammar
 from .options import GenerationOptions
 from .pml import PML, Schema, SchemaRegistry
+from .request import Generation, SegmentSource
 from .segments import Chunk, Text
 
 __all__ = [

@@ -203,8 +203,45 @@ class Assembler:
         present = {b.slot for b in wanted if cache.holds(b.key, b.slot, b.n, b.position)}
         cache.hold(tuple(b for b in wanted if b.slot in present))  # until the copies below are all in
         plan = plan.with_events(events + self._read(plan, blocks, cache, in_hand, present))
-        built = plan.as_built()
-        pieces = built.pieces
+        pieces = plan.as_built().pieces
+        fresh, cached = self._copy_in(pieces, cache, in_hand, present)
+        # Slots already hold the cached blocks; cache.length must cover them before any forward, whose writes
+        # (runner.py) then mark where the blocks recorded here stop being intact.
+        cache.length = total
+        cache.hold(tuple(_held(p) for p in pieces if p.load in (Load.COPY, Load.READ, Load.ENCODE, Load.STORED)))
+        if total - 1 not in fresh:
+            # The prompt ends inside a cached block: recompute its last token so we have its logits.
+            fresh.add(total - 1)
+            if self._reused(pieces, total - 1):
+                cached -= 1
+        deferred = 0
+        if (defer and len(fresh) <= defer and min(fresh) == total - len(fresh)
+                and (recompute is None or recompute.ratio == 0)):
+            deferred = len(fresh)  # a contiguous tail: the slots before it are all filled
+            cache.length = total - deferred
+            logits, recomputed = None, set()
+        else:
+            logits, recomputed = self._forward(pieces, cache, ids, positions, fresh, recompute)
+        reused_recomputed = sum(1 for s in recomputed if self._reused(pieces, s))
+        cached -= reused_recomputed
+        return Assembled(
+            cache=cache,
+            logits=logits,
+            plan=plan,
+            prompt_tokens=total,
+            cached_tokens=cached,
+            computed_tokens=total - cached,
+            recomputed_tokens=reused_recomputed,
+            last_position=positions[-1],
+            read={p.key: blocks[p.key] for p in pieces if p.load == Load.READ},
+            deferred=deferred,
+        )
+
+    def _copy_in(self, pieces: Sequence[Piece], cache: SlotCache, in_hand: Mapping[int, KVBlock],
+                 present: set[int]) -> tuple[set[int], int]:
+        """Step 2, build: every reused block not already in its slots (read there, or held from the buffer's last
+        request) copied in, relocated blocks' keys rotated to their positions. Returns the fresh slots (for the
+        forward) and the tokens reused from the store."""
         fresh: set[int] = set()
         cached = 0
         for p in pieces:
@@ -223,41 +260,15 @@ class Assembler:
             dv.copy_(values)
             if p.origin != COMPUTED:  # encoded by this very request: computed, not reused
                 cached += p.n
-        # Slots already hold the cached blocks; cache.length must cover them before any forward, whose writes
-        # (runner.py) then mark where the blocks recorded here stop being intact.
-        cache.length = total
-        cache.hold(tuple(_held(p) for p in pieces if p.load in (Load.COPY, Load.READ, Load.ENCODE, Load.STORED)))
-        if total - 1 not in fresh:
-            # The prompt ends inside a cached block: recompute its last token so we have its logits.
-            fresh.add(total - 1)
-            if self._reused(pieces, total - 1):
-                cached -= 1
-        deferred = 0
-        if (defer and len(fresh) <= defer and min(fresh) == total - len(fresh)
-                and (recompute is None or recompute.ratio == 0)):
-            deferred = len(fresh)  # a contiguous tail: the slots before it are all filled
-            cache.length = total - deferred
-            logits, recomputed = None, set()
-        elif recompute is not None and recompute.ratio > 0:
-            logits, recomputed = self._blend(pieces, cache, ids, positions, fresh, recompute)
-        else:
-            order = sorted(fresh)
-            logits, recomputed = self.runner.forward(cache, [ids[s] for s in order], [positions[s] for s in order],
-                                                     order), set()
-        reused_recomputed = sum(1 for s in recomputed if self._reused(pieces, s))
-        cached -= reused_recomputed
-        return Assembled(
-            cache=cache,
-            logits=logits,
-            plan=plan,
-            prompt_tokens=total,
-            cached_tokens=cached,
-            computed_tokens=total - cached,
-            recomputed_tokens=reused_recomputed,
-            last_position=positions[-1],
-            read={p.key: blocks[p.key] for p in pieces if p.load == Load.READ},
-            deferred=deferred,
-        )
+        return fresh, cached
+
+    def _forward(self, pieces, cache: SlotCache, ids, positions, fresh: set[int],
+                 recompute: Recompute | None) -> tuple[torch.Tensor, set[int]]:
+        """Step 3: one forward over the fresh slots (and, in blend, a share of the reused chunk tokens)."""
+        if recompute is not None and recompute.ratio > 0:
+            return self._blend(pieces, cache, ids, positions, fresh, recompute)
+        order = sorted(fresh)
+        return self.runner.forward(cache, [ids[s] for s in order], [positions[s] for s in order], order), set()
 
     def _index(self, plan: Plan) -> None:
         """The prefix blocks the plan found, into the prefix index (and the partial matches it used, marked used),
@@ -463,21 +474,27 @@ class Assembler:
                 planner.prefixes.add(ref.parent, ref.key, block.token_ids, positions[ref.start: ref.end])
                 written.add(ref.key)
                 stored.append(HeldBlock(ref.key, ref.start, ref.end - ref.start, positions[ref.start]))
-            for i, key in groups:
-                members = refs[i: i + EXTENT_BLOCKS]
-                if key in plan.hits:  # read from it
-                    self._note_extent(key)
-                    continue
-                if key in skip or key in self.extents_stored:
-                    continue
-                a, b = members[0].start, members[-1].end
-                k, v = assembled.cache.block_views(a, b)
-                block = KVBlock(k.clone(), v.clone(), ids[a:b], positions[a], {"kind": "prefix"})
-                self.store.put_persistent(key, block)
-                self._note_extent(key)
-                written.add(key)
+            written |= self._save_extents(assembled.cache, refs, groups, ids, positions, plan.hits | skip)
         assembled.cache.hold(assembled.cache.held + tuple(stored))
         return frozenset(written)
+
+    def _save_extents(self, cache: SlotCache, refs, groups: list[tuple[int, str]], ids, positions,
+                      known: frozenset[str]) -> set[str]:
+        """A run's whole groups of blocks, each as one extent in the persistent tiers (prefix.py), unless it was
+        read (then only noted) or written already; returns the keys written."""
+        written = set()
+        for i, key in groups:
+            if key in known:  # read from it, or written by this request already
+                self._note_extent(key)
+                continue
+            if key in self.extents_stored:
+                continue
+            a, b = refs[i].start, refs[i + EXTENT_BLOCKS - 1].end
+            k, v = cache.block_views(a, b)
+            self.store.put_persistent(key, KVBlock(k.clone(), v.clone(), ids[a:b], positions[a], {"kind": "prefix"}))
+            self._note_extent(key)
+            written.add(key)
+        return written
 
     def _note_extent(self, key: str) -> None:
         with self._extents_lock:

@@ -23,7 +23,7 @@ Fairness between prefill and decode. Forward passes take turns on the runner's `
 first served), and while requests decode a long prefill runs as several forwards of at most
 `model.PREFILL_CHUNK_TOKENS` fresh tokens each, so a newcomer's prefill stalls the decoding requests for one
 chunk at a time, not for the whole prompt. The engine lets one request prefill at a time
-(`Engine._prefill_turn`, also a TurnLock): with every prefill advancing together, a burst of 16 requests would
+(`Engine.prefill_turn`, also a TurnLock): with every prefill advancing together, a burst of 16 requests would
 all get their first token only once the 16th prefill was done; one at a time, in arrival order, the first
 answers after one prefill.
 """

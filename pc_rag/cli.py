@@ -420,7 +420,7 @@ def _checked(engine, *rest):
 def _in_own_thread(fn):
     """fn() run in a thread that exits when it returns. A thread that ran torch's parallel ops keeps an OpenMP
     team for as long as it lives; the model loaded on the main thread (idle under the event loop afterwards)
-    slowed the request threads' forward passes by a third on the 2-core machine (see Engine._requests)."""
+    slowed the request threads' forward passes by a third on the 2-core machine (see Engine.shares_steps)."""
     result: list = []
 
     def call():

@@ -77,6 +77,13 @@ def marker_pattern(markers: Iterable[str]) -> re.Pattern | None:
     return re.compile("|".join(map(re.escape, texts))) if texts else None
 
 
+def tokenizer_markers(tokenizer) -> re.Pattern | None:
+    """`marker_pattern` of a tokenizer's special tokens (those of its chat template among them)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return marker_pattern([*getattr(tokenizer, "all_special_tokens", ()),
+                           *(t.content for t in added.values() if getattr(t, "special", False))])
+
+
 def passage_spans(text: str, start: int = 0, end: int | None = None,
                   markers: re.Pattern | None = None) -> list[tuple[int, int]]:
     """The passages of text[start:end] as (start, end) character spans of `text`, in order, not overlapping, each

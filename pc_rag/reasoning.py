@@ -16,7 +16,7 @@ whose generation prompt already opened `<think>` (DeepSeek-R1's) makes the reply
 What reads tool calls out of a reply (pc_rag.tools.CallFilter) sees only the answer: a call written inside the
 thinking is not a call. Chat templates drop earlier turns' thinking (Qwen3's keeps only the answer), so the next
 turn's prompt holds the answer right after the previous prompt: the engine remembers the answer as that prompt's
-reply (`Engine._remember_reply`), so the next turn still reuses the previous prompt.
+reply (`after_reply.remember_reply`), so the next turn still reuses the previous prompt.
 """
 
 from __future__ import annotations

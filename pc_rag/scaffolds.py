@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .plan import Planner
@@ -60,7 +60,7 @@ class CoRetrievalCounter:
 
 class ScaffoldBuilder:
     """Declared and automatic scaffolds of one engine. `assembler.ensure_stored(want)` stores a group's joint block
-    (encoding it when no tier holds it); `describe(group)` words a group for the log.
+    (encoding it when no tier holds it); `tokenizer` words a group for the log (`describe`).
 
     `after`: with automatic scaffolds (`Engine(auto_scaffold_after=n)`), a group of chunks seen together in n
     prompts is encoded jointly in the background and declared only once its KV is stored, so no request waits
@@ -68,11 +68,11 @@ class ScaffoldBuilder:
     thread. `lock` guards the planner's scaffold dict against snapshots (`stats()` iterating it while a build
     added a group raised "dictionary changed size during iteration"), the thread list and the failure count."""
 
-    def __init__(self, planner: Planner, assembler: Assembler, describe: Callable[[Group], str],
+    def __init__(self, planner: Planner, assembler: Assembler, tokenizer,
                  after: int | None = None):
         self.planner = planner
         self.assembler = assembler
-        self.describe = describe
+        self.tokenizer = tokenizer
         self.counter = CoRetrievalCounter(after) if after else None
         self.lock = threading.Lock()
         self.failed = 0  # automatic builds that raised (logged on the "pc_rag" logger)
@@ -87,6 +87,17 @@ class ScaffoldBuilder:
         with self.lock:
             automatic = [g for groups in self.planner.auto_scaffolds.values() for g in groups.values()]
             return list(self.planner.scaffolds.values()) + automatic, self.failed
+
+    def describe(self, group: Group) -> str:
+        """A group in words for the log: each chunk's first words and its length."""
+        def preview(ids):
+            try:
+                text = self.tokenizer.decode(list(ids[:12]), skip_special_tokens=True)
+            except Exception:  # describing the failure must not fail in turn
+                text = f"token ids {list(ids[:6])}"
+            return f"{text!r}... ({len(ids)} tokens)"
+
+        return f"{len(group)} chunks: " + ", ".join(preview(ids) for ids in group)
 
     def observe(self, segments: Sequence[TokenSegment], namespace: str | None = None) -> None:
         """Count the prompt's group of chunks (its chunks in order, at consecutive positions) in its cache

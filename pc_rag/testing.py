@@ -313,6 +313,16 @@ def loaded(path: str):
     return base.model, base.tokenizer
 
 
+def one_at_a_time(engine):
+    """`engine` as it was before decoding was batched, for tests and benchmarks to compare with: each request decodes
+    on its own thread (concurrent ones take turns at every forward) and prefills are not kept in arrival order."""
+    import contextlib
+
+    engine.shares_steps = lambda: False
+    engine.prefill_turn = contextlib.nullcontext()
+    return engine
+
+
 def fresh_engine(path: str):
     """An Engine over `path`'s (shared) weights with an empty memory-only store: nothing cached yet."""
     from .engine import Engine

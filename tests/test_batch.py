@@ -3,7 +3,7 @@
 References: the scheduler against a fake step (plain Python, exact); `decode_batch` with one request against
 `LlamaRunner.forward` bit for bit, with several within 1e-5 (fp32: matrix products over B rows may round
 differently); concurrent greedy requests against the same requests run one at a time by the engine's own
-serial loop (`batch_decoding=False`), token for token; a chunked prefill against the unchunked one within 1e-5;
+serial loop (`pc_rag.testing.one_at_a_time`), token for token; a chunked prefill against the unchunked one within 1e-5;
 a step with newcomers' prompt tokens (`LlamaRunner.step`) against each request's own forward within 1e-4, and a
 new question joining the loop against the same question answered alone, token for token.
 """
@@ -19,6 +19,7 @@ import torch
 import pc_rag
 from pc_rag import Chunk, Text
 from pc_rag.batch import BatchDecoder, TurnLock, decode_steps_needed
+from pc_rag.request import prefill
 from pc_rag.store import MemoryStore
 
 from .conftest import prompt_ids
@@ -218,7 +219,7 @@ def test_decode_steps_needed():
 
 # ---- decode_batch against the model's own forward ---------------------------------------------------------
 def _prefilled(engine, prompts, extra=16):
-    return [engine._prefill(p, "full", extra_capacity=extra, recompute_ratio=0.15) for p in prompts]
+    return [prefill(engine, p, "full", None, 0.15, extra_capacity=extra) for p in prompts]
 
 
 def _clone(runner, cache):
@@ -394,8 +395,7 @@ def _concurrently(fn, items):
 def test_concurrent_greedy_requests_batch_and_equal_one_at_a_time(loaded, docs, mode):
     model, tok = loaded
     prompts = _questions(docs, 8)
-    serial = pc_rag.Engine(model, tok, store=MemoryStore())
-    serial.batch_decoding = False
+    serial = pc_rag.testing.one_at_a_time(pc_rag.Engine(model, tok, store=MemoryStore()))
     expected = [serial.generate(p, mode=mode, max_new_tokens=24) for p in prompts]
     batched = pc_rag.Engine(model, tok, store=MemoryStore())
     got = _concurrently(lambda p: batched.generate(p, mode=mode, max_new_tokens=24), prompts)
@@ -414,8 +414,7 @@ def test_seeded_sampling_and_stop_strings_hold_per_request_under_batching(loaded
     model, tok = loaded
     prompts = _questions(docs, 6)
     kwargs = [dict(temperature=0.8, top_p=0.9, seed=i) if i % 2 else dict(stop=[" the", "\n"]) for i in range(6)]
-    serial = pc_rag.Engine(model, tok, store=MemoryStore())
-    serial.batch_decoding = False
+    serial = pc_rag.testing.one_at_a_time(pc_rag.Engine(model, tok, store=MemoryStore()))
     expected = [serial.generate(p, max_new_tokens=20, **k) for p, k in zip(prompts, kwargs, strict=True)]
     batched = pc_rag.Engine(model, tok, store=MemoryStore())
     got = _concurrently(lambda i: batched.generate(prompts[i], max_new_tokens=20, **kwargs[i]), list(range(6)))
@@ -517,8 +516,7 @@ def test_a_prompt_sent_again_ending_in_an_eos_token_computes_that_token_itself(l
 def test_serial_and_batched_engines_agree_on_a_single_request(loaded, docs):
     model, tok = loaded
     prompt = _questions(docs, 1)[0]
-    serial = pc_rag.Engine(model, tok, store=MemoryStore())
-    serial.batch_decoding = False
+    serial = pc_rag.testing.one_at_a_time(pc_rag.Engine(model, tok, store=MemoryStore()))
     batched = pc_rag.Engine(model, tok, store=MemoryStore())
     a, b = serial.generate(prompt, max_new_tokens=32), batched.generate(prompt, max_new_tokens=32)
     assert a.token_ids == b.token_ids and a.text == b.text

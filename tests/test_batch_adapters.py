@@ -3,7 +3,7 @@
 batched decode loop).
 
 Reference: the same calls through the same class over an engine that decodes one request at a time
-(`batch_decoding=False`), greedy: the same text; and the engine's own count of the largest batch it decoded.
+(`pc_rag.testing.one_at_a_time`), greedy: the same text; and the engine's own count of the largest batch it decoded.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ QUESTIONS = [f"In one line: what does item {i} of the list do?" for i in range(6
 
 def _engines(loaded):
     model, tok = loaded
-    serial = pc_rag.Engine(model, tok, store=MemoryStore())
-    serial.batch_decoding = False
+    serial = pc_rag.testing.one_at_a_time(pc_rag.Engine(model, tok, store=MemoryStore()))
     return serial, pc_rag.Engine(model, tok, store=MemoryStore())
 
 

@@ -25,8 +25,8 @@ def _prompt(docs):
 
 def test_one_prefill_n_rows(engine, docs, monkeypatch):
     prefills = []
-    real = engine._prefill
-    monkeypatch.setattr(engine, "_prefill", lambda *a, **k: prefills.append(1) or real(*a, **k))
+    real = engine.assembler.assemble
+    monkeypatch.setattr(engine.assembler, "assemble", lambda *a, **k: prefills.append(1) or real(*a, **k))
     single = engine.generate(_prompt(docs), mode="full", max_new_tokens=24)
     got = engine.generate(_prompt(docs), mode="full", max_new_tokens=24, n=3, logprobs=1)
     assert len(prefills) == 2  # one for the single reply, one for the three

@@ -118,8 +118,7 @@ def test_constrained_and_free_rows_in_one_batch_equal_each_alone(loaded, docs):
                 Grammar.regex(r"[a-z]{3,8}"), Grammar.json_schema(flag)]
     kwargs = [dict(grammar=g, max_new_tokens=40) for g in grammars]
     kwargs[3].update(temperature=0.9, seed=3)
-    serial = pc_rag.Engine(model, tok, store=MemoryStore())
-    serial.batch_decoding = False
+    serial = pc_rag.testing.one_at_a_time(pc_rag.Engine(model, tok, store=MemoryStore()))
     expected = [serial.generate(p, **k) for p, k in zip(prompts, kwargs, strict=True)]
     batched = pc_rag.Engine(model, tok, store=MemoryStore())
     got = [None] * len(prompts)
