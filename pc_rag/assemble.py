@@ -45,14 +45,26 @@ class Recompute:
             "progressive" (CacheBlend as published): the same, narrowed layer by layer, from PROGRESSIVE_START
             times the share at layer 1 down to the share at the last layer.
             `tokens_per_layer` says what each computes; what each recovers and costs: docs/results.md, "Blend".
+    target: a quality target in [0, 1] instead of a fixed ratio (`Engine.recompute_target`): the probe measures
+            each candidate's key deviation at layer 1 (how far its cached keys are from keys computed in context,
+            relative to their size), and the fewest tokens are recomputed, those that deviate most, for the
+            deviation left to be at most (1 - target) of the prompt's own, and never below (1 - target) of
+            `reference` per token (the model's typical deviation of a chunk after unrelated ones:
+            quality.deviation_reference). A prompt whose chunks barely deviate costs the probe only (modular's KV),
+            one where they deviate much gets more; 1 recomputes every token that deviates at all (full), 0 none
+            (modular). Narrowed as "progressive" from there.
     """
 
     ratio: float
     select: str  # the engine's `blend_selection`: one default, there
+    target: float | None = None
+    reference: float = 1.0
 
     def __post_init__(self):
         if not 0.0 <= self.ratio <= 1.0:
             raise PCRagError(f"recompute_ratio must be in [0, 1], got {self.ratio}")
+        if self.target is not None and not 0.0 <= self.target <= 1.0:
+            raise PCRagError(f"recompute_target must be None or in [0, 1], got {self.target}")
         if self.select not in SELECTIONS:
             raise PCRagError(f"unknown blend selection {self.select!r}; choose one of {', '.join(SELECTIONS)}")
 
@@ -72,6 +84,7 @@ class Assembled:
     last_position: int
     read: Mapping[str, PendingBlock]  # blocks read straight into the cache, by key (`save_prefix` promotes them)
     deferred: int = 0  # the prompt's last tokens left to the caller to compute (logits None)
+    deviation: float | None = None  # blend's probe: the mean relative key deviation of the reused chunk tokens
 
     @property
     def pieces(self) -> tuple[Piece, ...]:
@@ -214,14 +227,14 @@ class Assembler:
             fresh.add(total - 1)
             if self._reused(pieces, total - 1):
                 cached -= 1
-        deferred = 0
+        deferred, deviation = 0, None
         if (defer and len(fresh) <= defer and min(fresh) == total - len(fresh)
                 and (recompute is None or recompute.ratio == 0)):
             deferred = len(fresh)  # a contiguous tail: the slots before it are all filled
             cache.length = total - deferred
             logits, recomputed = None, set()
         else:
-            logits, recomputed = self._forward(pieces, cache, ids, positions, fresh, recompute)
+            logits, recomputed, deviation = self._forward(pieces, cache, ids, positions, fresh, recompute)
         reused_recomputed = sum(1 for s in recomputed if self._reused(pieces, s))
         cached -= reused_recomputed
         return Assembled(
@@ -235,6 +248,7 @@ class Assembler:
             last_position=positions[-1],
             read={p.key: blocks[p.key] for p in pieces if p.load == Load.READ},
             deferred=deferred,
+            deviation=deviation,
         )
 
     def _copy_in(self, pieces: Sequence[Piece], cache: SlotCache, in_hand: Mapping[int, KVBlock],
@@ -263,12 +277,14 @@ class Assembler:
         return fresh, cached
 
     def _forward(self, pieces, cache: SlotCache, ids, positions, fresh: set[int],
-                 recompute: Recompute | None) -> tuple[torch.Tensor, set[int]]:
-        """Step 3: one forward over the fresh slots (and, in blend, a share of the reused chunk tokens)."""
-        if recompute is not None and recompute.ratio > 0:
+                 recompute: Recompute | None) -> tuple[torch.Tensor, set[int], float | None]:
+        """Step 3: one forward over the fresh slots (and, in blend, a share of the reused chunk tokens); returns the
+        logits, the chunk slots recomputed and blend's measured deviation."""
+        if recompute is not None and (recompute.ratio > 0 or recompute.target is not None):
             return self._blend(pieces, cache, ids, positions, fresh, recompute)
         order = sorted(fresh)
-        return self.runner.forward(cache, [ids[s] for s in order], [positions[s] for s in order], order), set()
+        logits = self.runner.forward(cache, [ids[s] for s in order], [positions[s] for s in order], order)
+        return logits, set(), None
 
     def _index(self, plan: Plan) -> None:
         """The prefix blocks the plan found, into the prefix index (and the partial matches it used, marked used),
@@ -376,38 +392,50 @@ class Assembler:
         return False
 
     def _blend(self, pieces, cache: SlotCache, ids, positions, fresh: set[int],
-               recompute: Recompute) -> tuple[torch.Tensor, set[int]]:
-        """Blend's forward: the fresh slots plus a `recompute.ratio` share of the relocated chunk tokens, chosen
-        by `recompute.select`. Returns the last token's logits and the chunk slots whose KV was recomputed (in
-        the last layer)."""
+               recompute: Recompute) -> tuple[torch.Tensor, set[int], float | None]:
+        """Blend's forward: the fresh slots plus a share of the relocated chunk tokens (`recompute.ratio`, or as many
+        as `recompute.target` asks), chosen by `recompute.select`. Returns the last token's logits, the chunk slots
+        whose KV was recomputed (in the last layer) and the mean relative key deviation the probe measured."""
         spans = [[s for s in range(p.slot, p.slot + p.n) if s not in fresh]
                  for p in pieces if p.source in (Source.CHUNK, Source.SCAFFOLD)]
         spans = [span for span in spans if span]
         candidates = sorted(s for span in spans for s in span)
         k = round(recompute.ratio * len(candidates))
         runner = self.runner
+        auto = recompute.target is not None and bool(candidates)
 
-        def run(chosen: set[int]) -> tuple[torch.Tensor, set[int]]:
+        def run(chosen: set[int]) -> tuple[torch.Tensor, set[int], None]:
             order = sorted(fresh | chosen)
-            return runner.forward(cache, [ids[s] for s in order], [positions[s] for s in order], order), chosen
+            return runner.forward(cache, [ids[s] for s in order], [positions[s] for s in order], order), chosen, None
 
-        if k == 0:
+        if not auto and k == 0:
             return run(set())
-        if recompute.select == "chunk_start":
+        if not auto and recompute.select == "chunk_start":
             return run(set(first_tokens(spans, k)))
         # Key deviation (CacheBlend): every candidate runs layer 0 in context (layer 0's keys never see context,
         # so layer 1 is the first whose keys can show what the chunk missed); from layer 1 on, the candidates
         # whose fresh keys moved least from their cached ones are dropped and keep their cached KV.
-        schedule = tokens_per_layer(recompute.select, k, len(candidates), runner.shape.num_layers)
+        layers = runner.shape.num_layers
+        # A target keeps every candidate until layer 1 has measured how far they deviate.
+        schedule = [len(candidates)] * layers if auto else tokens_per_layer(recompute.select, k, len(candidates),
+                                                                            layers)
         cand = torch.tensor(candidates, device=cache.keys.device)
         kept: list[torch.Tensor] = []
+        measured: list[float] = []
 
         def narrow(layer: int, slots: torch.Tensor, keys: torch.Tensor):
             is_cand = torch.isin(slots, cand)
+            cached = cache.keys[layer, 0][:, slots].float()
+            moved = (keys.float() - cached).norm(dim=-1).sum(0)  # [rows]
+            if layer == 1 and not measured:
+                relative = moved / keys.float().norm(dim=-1).sum(0).clamp_min(1e-12)
+                measured.append(float(relative[is_cand].mean()))
+                if auto:
+                    schedule[:] = tokens_per_layer("progressive", target_tokens(relative[is_cand], recompute),
+                                                   len(candidates), layers)
             n = schedule[layer]
             if n >= int(is_cand.sum()):
                 return None
-            moved = (keys.float() - cache.keys[layer, 0][:, slots].float()).norm(dim=-1).sum(0)  # [rows]
             moved = torch.where(is_cand, moved, torch.inf)  # fresh tokens always stay
             keep = torch.topk(moved, n + int((~is_cand).sum())).indices.sort().values
             kept[:] = [slots[keep]]
@@ -417,7 +445,7 @@ class Assembler:
         logits = runner.forward_layers(cache, [ids[s] for s in order], [positions[s] for s in order], order,
                                        narrow=narrow)
         final = set(kept[0].tolist()) if kept else set(order)
-        return logits, final & set(candidates)
+        return logits, final & set(candidates), (measured[0] if measured else None)
 
     def save_prefix(self, assembled: Assembled, generated: Sequence[int] = (),
                     skip: frozenset[str] = frozenset()) -> frozenset[str]:
@@ -524,6 +552,15 @@ def tokens_per_layer(select: str, k: int, candidates: int, layers: int) -> list[
         return [candidates] + [k] * (layers - 1)
     return [candidates] + [k if i == layers - 1 else min(candidates, max(1, PROGRESSIVE_START + 1 - i) * k)
                            for i in range(1, layers)]
+
+
+def target_tokens(relative: torch.Tensor, recompute: Recompute) -> int:
+    """How many of the candidates (their relative key deviations at layer 1) a quality target recomputes: the
+    fewest, taken from the most deviating, for the deviation left to be at most (1 - target) of this prompt's own,
+    or of the model's reference when the prompt deviates less than that (`Recompute.target`)."""
+    allowed = (1.0 - recompute.target) * max(recompute.reference * len(relative), float(relative.sum()))
+    left = torch.sort(relative.float()).values.cumsum(0)  # what stays if only the i+1 smallest are kept cached
+    return len(relative) - int((left <= allowed + 1e-12).sum())
 
 
 def recompute_work(select: str, ratio: float, candidates: int, layers: int) -> float:

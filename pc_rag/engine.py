@@ -62,6 +62,8 @@ class Engine:
     # keep more tokens (token-layers 0.55 of a full recompute at 4 layers, 0.24 at 32); "chunk_start" costs
     # exactly the ratio. The measured TTFT of each is in docs/results.md.
     blend_selection = "progressive"
+    # Blend's quality target for requests that give none (`recompute_target`): None keeps `recompute_ratio`.
+    recompute_target: float | None = None
     # Documents the framework hooks discover are prefetched from disk/Redis into memory (pc_rag.prefetch).
     prefetch_on_discover = True
 
@@ -123,6 +125,7 @@ class Engine:
         self.prefetcher = prefetcher if prefetcher is not None else PREFETCHER
         self._decoder: BatchDecoder | None = None  # built on the first batched request (max_batch read then)
         self._decoder_lock = threading.Lock()
+        self.measured_deviation: float | None = None  # quality.deviation_reference, once measured
         self._requests = 0  # running now (`counted`): alone, a request decodes on its own thread (`shares_steps`)
         self._requests_lock = threading.Lock()
         self.runner.others_decoding = self.busy  # long prefills are chunked while others run
@@ -146,15 +149,16 @@ class Engine:
                  recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, cache_salt: str | None = None,
                  grammar: Grammar | None = None, *, n: int = 1, logprobs: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 logit_bias: Mapping[int, float] | None = None) -> Generation:
+                 logit_bias: Mapping[int, float] | None = None, recompute_target: float | None = None) -> Generation:
         """Generate a reply; the arguments are those of `GenerationOptions` (checked before any work).
         `cache_salt`: the request's cache namespace (see the module docstring); `grammar`: constrained
         decoding (`pc_rag.Grammar`); `n`: replies to the one prompt (`Generation.choices`); `logprobs=k`: each
         token's log-probability and the k most likely (`Generation.logprobs`); `presence_penalty`,
-        `frequency_penalty`, `logit_bias`: OpenAI's."""
+        `frequency_penalty`, `logit_bias`: OpenAI's; `recompute_target`: blend recomputes what this prompt needs
+        for that quality target (assemble.Recompute; `Generation.deviation` says what its probe measured)."""
         options = self.checked_options(GenerationOptions(
             mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt, grammar, n, logprobs,
-            presence_penalty, frequency_penalty, logit_bias))
+            presence_penalty, frequency_penalty, logit_bias, recompute_target))
         *_, generation = self._stream_generation(prompt, options)
         return generation
 
@@ -163,7 +167,7 @@ class Engine:
                recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, cache_salt: str | None = None,
                grammar: Grammar | None = None, *, n: int = 1, logprobs: int | None = None,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               logit_bias: Mapping[int, float] | None = None) -> Iterator[str]:
+               logit_bias: Mapping[int, float] | None = None, recompute_target: float | None = None) -> Iterator[str]:
         """Text pieces as they are decoded; never splits a multi-byte character or emits part of a stop string.
         With `logprobs`, every piece is a `decode.Piece` (a str) carrying its tokens' logprobs; with `n` > 1 the
         choices' pieces interleave, and `decode.choice_of(piece)` says which each belongs to.
@@ -172,7 +176,7 @@ class Engine:
         the first `next()`."""
         options = self.checked_options(GenerationOptions(
             mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt, grammar, n, logprobs,
-            presence_penalty, frequency_penalty, logit_bias))
+            presence_penalty, frequency_penalty, logit_bias, recompute_target))
         return (item for item in self._stream_generation(prompt, options) if isinstance(item, str))
 
     def stream_generation(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32,
@@ -180,12 +184,13 @@ class Engine:
                           seed: int | None = None, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
                           cache_salt: str | None = None, grammar: Grammar | None = None, *, n: int = 1,
                           logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                          logit_bias: Mapping[int, float] | None = None) -> Iterator[str | Generation]:
+                          logit_bias: Mapping[int, float] | None = None,
+                          recompute_target: float | None = None) -> Iterator[str | Generation]:
         """Like `stream`, then the final `Generation` (token counts, TTFT) as the last item; options are
         checked at the call, as in `stream`."""
         options = self.checked_options(GenerationOptions(
             mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt, grammar, n, logprobs,
-            presence_penalty, frequency_penalty, logit_bias))
+            presence_penalty, frequency_penalty, logit_bias, recompute_target))
         return self._stream_generation(prompt, options)
 
     def checked_options(self, options: GenerationOptions) -> GenerationOptions:
@@ -289,13 +294,15 @@ class Engine:
 
     @releasing_team
     def next_token_logits(self, prompt: Prompt, mode: str = "modular", recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
-                          cache_salt: str | None = None) -> torch.Tensor:
+                          cache_salt: str | None = None, recompute_target: float | None = None) -> torch.Tensor:
         """Next-token logits after the prompt, [vocab] float32. Like `generate`, it leaves the prompt's prefix
         blocks behind (stored after the logits are computed, in namespace `cache_salt`), so scoring many
         continuations of one long context computes the context once."""
-        options = GenerationOptions(mode=mode, recompute_ratio=recompute_ratio, cache_salt=cache_salt)
+        options = GenerationOptions(mode=mode, recompute_ratio=recompute_ratio, cache_salt=cache_salt,
+                                    recompute_target=recompute_target)
         with self.counted():
-            asm = prefill(self, prompt, options.mode, options.cache_salt, options.recompute_ratio)
+            asm = prefill(self, prompt, options.mode, options.cache_salt, options.recompute_ratio,
+                          recompute_target=options.recompute_target)
             try:
                 self.assembler.save_prefix(asm)
             finally:

@@ -60,6 +60,8 @@ class GenerationOptions:
                      reply's tokens so far; the prompt's are not counted).
     logit_bias:      None, or {token id: bias in [-100, 100]} added to those logits at every step (OpenAI's);
                      stored as sorted (id, bias) pairs. The engine checks the ids against its vocabulary.
+    recompute_target: blend only: None (the engine's `recompute_target`, else `recompute_ratio`), or a quality
+                     target in [0, 1]: as many reused chunk tokens recomputed as this prompt needs (assemble.Recompute).
     """
 
     mode: str = "modular"
@@ -76,6 +78,7 @@ class GenerationOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    recompute_target: float | None = None
 
     def __post_init__(self):
         check_mode(self.mode)
@@ -87,6 +90,9 @@ class GenerationOptions:
         set_(self, "stop", checked_stop(self.stop))
         ratio = checked_number("recompute_ratio", self.recompute_ratio, 0.0, 1.0, hint="0 = modular, 1 = full")
         set_(self, "recompute_ratio", ratio)
+        if self.recompute_target is not None:
+            set_(self, "recompute_target", checked_number("recompute_target", self.recompute_target, 0.0, 1.0,
+                                                          hint="0 = modular, 1 = every deviating token"))
         set_(self, "cache_salt", checked_cache_salt(self.cache_salt))
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise OptionTypeError(f"grammar must be None or a pc_rag.Grammar (Grammar.json_schema(...), ...), got "

@@ -28,6 +28,7 @@ from .model.cache import SlotCache
 from .options import MODES, GenerationOptions
 from .plan import REUSING_CHUNKS, Plan
 from .pml import PML
+from .quality import deviation_reference
 from .segments import Prompt, TokenSegment
 
 
@@ -78,6 +79,9 @@ class Generation:
     # Every reply of the request, choices[0] being this one's text, token_ids, finish_reason and logprobs (n > 1
     # asks for more; the prompt's counts and times above are the request's, shared by its choices).
     choices: tuple[Choice, ...] = ()
+    # blend: the mean relative key deviation of the reused chunk tokens its probe measured (layer 1), None without
+    # a probe; what it recomputed is `recomputed_tokens`.
+    deviation: float | None = None
 
     def __post_init__(self):
         if not self.choices:
@@ -116,9 +120,10 @@ def prompt_segments(engine, prompt: Prompt | str | PML, mode: str, namespace: st
 
 
 def prefill(engine, prompt, mode: str, namespace: str | None, recompute_ratio: float, extra_capacity: int = 0,
-            defer: int = 0) -> Assembled:
+            defer: int = 0, recompute_target: float | None = None) -> Assembled:
     """Plan, then carry it out (`Assembler.assemble`): the first logits. Lookups keep what the store answered, so
-    the store is asked once; every key is in the request's cache `namespace`."""
+    the store is asked once; every key is in the request's cache `namespace`. Blend recomputes `recompute_ratio`
+    of the reused chunk tokens, or what `recompute_target` (else the engine's) asks (assemble.Recompute)."""
     segments, extra_capacity = prompt_segments(engine, prompt, mode, namespace, extra_capacity)
     if mode in REUSING_CHUNKS:  # refused (UnsupportedModelError) where relocated keys would be wrong
         engine.runner.check_relocation()
@@ -126,7 +131,11 @@ def prefill(engine, prompt, mode: str, namespace: str | None, recompute_ratio: f
     plan = engine.planner.plan(segments, mode, lookups, namespace)
     if mode in REUSING_CHUNKS:
         engine.scaffolds.observe(segments, namespace)
-    recompute = Recompute(recompute_ratio, engine.blend_selection) if mode == "blend" else None
+    recompute = None
+    if mode == "blend":
+        target = recompute_target if recompute_target is not None else engine.recompute_target
+        recompute = Recompute(recompute_ratio, engine.blend_selection, target,
+                              deviation_reference(engine) if target is not None else 1.0)
     return engine.assembler.assemble(plan, lookups.blocks, extra_capacity, recompute, defer)
 
 
@@ -182,7 +191,7 @@ class Request:
                  and (decoder is None or decoder.has_room()) else 0)
         with engine.prefill_turn:
             return prefill(engine, self.prompt, options.mode, options.cache_salt, options.recompute_ratio,
-                           options.max_new_tokens, defer)
+                           options.max_new_tokens, defer, options.recompute_target)
 
     def _first_tokens(self, asm: Assembled, steps: int) -> list[int]:
         """Each reply's first token: sampled from the prefill's logits, or chosen by the shared step that computes
@@ -280,7 +289,7 @@ class Request:
             ttft_s=self.ttft_s, total_s=total_s,
             sources=tuple(SegmentSource(p.kind, p.n, p.source, p.origin) for p in asm.pieces),
             prompt_ids=asm.plan.ids, plan=asm.plan, logprobs=first.logprobs, inter_token_s=first.inter_token_s,
-            choices=choices)
+            choices=choices, deviation=asm.deviation)
 
 
 def copy_of_prompt(runner, asm: Assembled) -> SlotCache:

@@ -155,3 +155,40 @@ def test_scaffold_is_closer_to_full_than_independent_chunks(engine, docs, record
     # a different order is not the declared group: the chunks are used one by one
     gen = engine.generate(rag(docs, (0, 2, 1)), max_new_tokens=1)
     assert "scaffold" not in [s.kind for s in gen.sources]
+
+
+# ---- a quality target instead of a fixed ratio (assemble.Recompute.target) ------------------------------------
+def _reordered(docs):
+    return [Text("You answer questions about Python.\n\n"), Chunk(docs[2]), Text("\n\n"), Chunk(docs[0]),
+            Text("\n\n"), Chunk(docs[1]), Text("\n\nQuestion: what do they say?\nAnswer:")]
+
+
+def test_a_quality_target_spans_modular_to_full(engine, docs):
+    """References: target 0 recomputes nothing and gives modular's logits, target 1 recomputes every token that
+    deviates (all of them) and gives full's, within 1e-4 (fp32); in between, a higher target never recomputes
+    fewer tokens; the probe's deviation is reported."""
+    prompt = _reordered(docs)
+    engine.warm(docs[:3], progress=False)
+    modular = engine.next_token_logits(prompt, "modular")
+    full = engine.next_token_logits(prompt, "full")
+    assert (engine.next_token_logits(prompt, "blend", recompute_target=0.0) - modular).abs().max().item() <= 1e-4
+    assert (engine.next_token_logits(prompt, "blend", recompute_target=1.0) - full).abs().max().item() <= 1e-4
+    counts = [engine.generate(prompt, mode="blend", max_new_tokens=1, recompute_target=t).recomputed_tokens
+              for t in (0.0, 0.5, 0.8, 0.95, 1.0)]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] > 0
+    gen = engine.generate(prompt, mode="blend", max_new_tokens=1, recompute_target=0.8)
+    assert gen.deviation is not None and gen.deviation > 0 and engine.measured_deviation > 0
+
+
+def test_an_easy_prompt_costs_modulars_work(engine, docs):
+    """A lone chunk first sits where it was encoded: its keys do not deviate, so a target recomputes nothing
+    (reference: full, which a lone chunk first equals), where the same target on reordered chunks recomputes some."""
+    engine.warm(docs[:3], progress=False)
+    lone = [Chunk(docs[0]), Text("\n\nQuestion: what is it?")]
+    easy = engine.generate(lone, mode="blend", max_new_tokens=4, recompute_target=0.9)
+    assert easy.recomputed_tokens == 0 and easy.deviation < 1e-3
+    assert easy.token_ids == engine.generate(lone, mode="full", max_new_tokens=4).token_ids
+    hard = engine.generate(_reordered(docs), mode="blend", max_new_tokens=1, recompute_target=0.9)
+    assert hard.recomputed_tokens > 0 and hard.deviation > easy.deviation
+    with pytest.raises(pc_rag.OptionError):
+        engine.generate(lone, mode="blend", recompute_target=1.5)
