@@ -13,7 +13,7 @@ Per user request (one LLM call, or several: condense_plus_context condenses the 
 - bound share: the tokens the request shares with earlier ones, over input_tokens: for each call, the
   longest common token prefix with any earlier call's prompt_ids + its reply (as generated, token_ids[:-1]:
   every generated token but the last was fed back; or as a chat template writes it back, trimmed), and in
-  modular mode also every chunk segment whose token ids were a chunk in an earlier call (the union of both,
+  modular mode also every chunk or passage segment whose token ids were one in an earlier call (the union of both,
   so a chunk inside the prefix counts once).
 - ratio: reuse / bound (1.0: everything reusable was reused). In modular mode it can miss 1 by a little
   either way: separators between chunks are relocated blocks too, reused even from earlier in the same
@@ -107,7 +107,7 @@ class RecordingEngine:
     def _call(self, laid_out, generation) -> Call:
         chunks, offset = [], 0
         for seg in laid_out:
-            if seg.kind == "chunk":
+            if seg.kind == "chunk" or seg.passage:  # a passage is reused like a chunk once an earlier call sent it
                 chunks.append((offset, offset + len(seg)))
             offset += len(seg)
         ids = tuple(getattr(generation, "prompt_ids", None) or (t for s in laid_out for t in s.token_ids))
@@ -118,8 +118,8 @@ class RecordingEngine:
 
 def shared_tokens(call: Call, earlier: list[Call], mode: str) -> int:
     """The tokens of `call` that earlier calls computed: the longest common prefix with any earlier prompt and
-    its reply (as generated, or as a chat template writes it back: trimmed), plus (modular) chunk segments whose
-    ids were a chunk before (the union of both)."""
+    its reply (as generated, or as a chat template writes it back: trimmed), plus (modular) chunk and passage
+    segments whose ids were one before (the union of both)."""
     prefix = max((common_prefix(call.prompt_ids, c.prompt_ids + reply)
                   for c in earlier for reply in (c.reply_ids[:-1], c.written_ids)), default=0)
     if mode != "modular":

@@ -35,6 +35,7 @@ from .passages import tokenizer_markers
 from .plan import COMPUTED, Planner
 from .pml import PML, Schema, SchemaRegistry
 from .prefetch import PREFETCHER, Prefetcher
+from .quality import deviation_reference
 from .request import Generation, Request, prefill
 from .scaffolds import ScaffoldBuilder
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment
@@ -332,6 +333,10 @@ class Engine:
                 want = self.planner.chunk_wanted(segment, 0, namespace)
                 encoded += self.assembler.ensure_stored(want) == COMPUTED
         return encoded
+
+    def deviation_reference(self) -> float:
+        """This model's typical key deviation of a reused chunk (quality.py), measured on first use."""
+        return deviation_reference(self)
 
     def stats(self) -> dict:
         """Store tiers' counters; scaffolds: groups declared, bytes of their joint KV, automatic builds that

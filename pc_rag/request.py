@@ -28,7 +28,6 @@ from .model.cache import SlotCache
 from .options import MODES, GenerationOptions
 from .plan import REUSING_CHUNKS, Plan
 from .pml import PML
-from .quality import deviation_reference
 from .segments import Prompt, TokenSegment
 
 
@@ -135,7 +134,7 @@ def prefill(engine, prompt, mode: str, namespace: str | None, recompute_ratio: f
     if mode == "blend":
         target = recompute_target if recompute_target is not None else engine.recompute_target
         recompute = Recompute(recompute_ratio, engine.blend_selection, target,
-                              deviation_reference(engine) if target is not None else 1.0)
+                              engine.deviation_reference() if target is not None else 1.0)
     return engine.assembler.assemble(plan, lookups.blocks, extra_capacity, recompute, defer)
 
 
