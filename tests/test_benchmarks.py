@@ -17,6 +17,7 @@ from benchmarks.retrieval_task import make_example, names, values
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "benchmarks" / "retrieval-model"
+DEEP = REPO / "benchmarks" / "deep-retrieval-model"
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,23 @@ def test_accuracy_answers_exact_equals_full_and_blend_end_points(engine):
             # recomputing every reused token is a full prefill; recomputing none is modular
             assert got["blend 1 chunk_start"] == got["full"] == got["blend 1 deviation"], ex
             assert got["blend 0 deviation"] == got["modular"], ex
+
+
+def test_deep_model_exact_equals_full_blend_end_points_and_a_lone_chunk_first():
+    """The 8-layer testbed (grown, GQA 8/4): the same end points as the 4-layer model, on its three tasks."""
+    engine = pc_rag.Engine.from_pretrained(DEEP, store="memory")
+    assert engine.runner.shape.num_layers == 8
+    rng = random.Random(4)
+    for task in ("single", "two_hop", "alias"):
+        for _ in range(3):
+            ex = make_example(rng, task, 4, names(), values())
+            got = accuracy.answers(engine, ex, ["1.0:chunk_start", "0.0:deviation"])
+            assert got["exact"] == got["full"] == got["blend 1 chunk_start"], ex
+            assert got["blend 0 deviation"] == got["modular"], ex
+        # a lone chunk first (right after BOS) is where it was encoded: modular is a full prefill
+        prompt = [pc_rag.Chunk(ex.chunks[0]), pc_rag.Text(";"), pc_rag.Text(ex.question)]
+        full = engine.next_token_logits(prompt, mode="full")
+        assert torch.allclose(engine.next_token_logits(prompt, mode="modular"), full, atol=1e-4 * full.abs().max())
 
 
 def test_accuracy_rejects_a_bad_blend_setting():
