@@ -174,15 +174,18 @@ class CheckReport:
         else:
             lines.append(f"No mode reaches agreement >= {self.target:g} on these prompts: use full, or look at the KL "
                          "and first-divergence columns to see how far the nearest one is.")
-        low, high = self.modes[0].agreement_interval if self.modes else (0.0, 1.0)
-        lines += [f"Agreement is measured on {self.prompts} prompts: a figure of {self.modes[0].agreement:.2f} "
-                  f"means somewhere in [{low:.2f}, {high:.2f}] (95%)." if self.modes else "",
-                  "What this cannot tell: " + self.cannot_tell,
+        measured = [m for m in self.modes if not m.refused]
+        if measured:  # the spread an agreement figure has on this many prompts, shown on the least certain one
+            m = min(measured, key=lambda m: abs(m.agreement - 0.5))
+            low, high = m.agreement_interval
+            lines.append(f"Agreement is measured on {self.prompts} prompts: {m.name}'s {m.agreement:.2f} means "
+                         f"somewhere in [{low:.2f}, {high:.2f}] (95%).")
+        lines += ["What this cannot tell: " + self.cannot_tell,
                   "TTFT: the first request of each prompt in each mode, its documents already encoded (a new question "
                   "over documents seen before); exact reuses only a prefix seen in the same order.",
                   f"Took {self.seconds:.0f} s; load average {self.load.get('before', '?')} before, "
                   f"{self.load.get('after', '?')} after, on {self.load.get('cpus', '?')} CPUs."]
-        return "\n".join(line for line in lines if line is not None)
+        return "\n".join(lines)
 
 
 def check(engine, prompts: Sequence, modes: Sequence[str | Setting] = DEFAULT_MODES, max_new_tokens: int = 16,
