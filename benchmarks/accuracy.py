@@ -2,7 +2,8 @@
 
     python -m benchmarks.accuracy --model benchmarks/retrieval-model --prompts 200 --chunks 2 4 6 --out bench_out
 
-The model comes from `benchmarks/train_retrieval.py`. Each held-out prompt (see retrieval_task.py) is a
+The model comes from `benchmarks/train_retrieval.py` (benchmarks/retrieval-model, 4 layers; the deeper testbed
+benchmarks/deep-retrieval-model, 8 layers, also knows the alias task). Each held-out prompt (see retrieval_task.py) is a
 system text, k fact chunks (each its own pc_rag.Chunk) with ";" texts between them, and the question text
 last; the answer is one token. Per task (single hop, two hop) and chunk count, the fraction of prompts whose
 greedy first token is the right answer, in each mode:
@@ -12,6 +13,8 @@ greedy first token is the right answer, in each mode:
 - blend R S: modular, then a share R of the reused chunk tokens recomputed in context (in the last layer),
   chosen by S (`chunk_start`: the first tokens of each chunk; `deviation`: where cached and fresh keys of layer
   1 differ most; `progressive`: the same, narrowed layer by layer; see pc_rag/assemble.py `tokens_per_layer`);
+- auto T: blend with a quality target T (`recompute_target`): its layer-1 probe decides per prompt how many
+  chunk tokens to recompute (pc_rag/assemble.py `target_tokens`), so its work varies by prompt (the mean is shown);
 - scaffold: modular with the prompt's chunks declared as a scaffold (encoded jointly, so each sees those
   before it);
 - modular int8 (with --codec int8): modular with every chunk block read back from a disk tier that stores
@@ -40,11 +43,12 @@ import pc_rag
 from pc_rag.assemble import SELECTIONS, recompute_work
 
 from .fidelity import kl
-from .retrieval_task import TASKS, make_example, names, token_ids, values
+from .retrieval_task import ALL_TASKS, TASKS, make_example, names, token_ids, values
 
 BASE_MODES = ("full", "exact", "modular", "scaffold")
 DEFAULT_BLENDS = ("0.2:chunk_start", "0.2:deviation", "0.1:progressive", "0.15:progressive", "0.2:progressive",
                   "0.3:progressive")
+DEFAULT_TARGETS = (0.8, 0.9)
 
 
 def blend_name(spec: str) -> str:
@@ -59,12 +63,20 @@ def parse_blend(spec: str) -> tuple[float, str]:
     return float(ratio), selection
 
 
-TASK_TITLES = {"single": "single hop", "two_hop": "two hop"}
+TASK_TITLES = {"single": "single hop", "two_hop": "two hop", "alias": "alias"}
 
 
-def answer_logprobs(engine, example, blends: list[str], coded: dict | None = None) -> dict[str, torch.Tensor]:
+def auto_name(target: float) -> str:
+    return f"auto {target:g}"
+
+
+def answer_logprobs(engine, example, blends: list[str], coded: dict | None = None, targets: list[float] = (),
+                    recomputed: dict | None = None) -> dict[str, torch.Tensor]:
     """Per mode, the log-probabilities of the answer token (the next token after the prompt). `coded`: codec
-    name -> an engine on the same model over a disk tier that stores blocks with that codec."""
+    name -> an engine on the same model over a disk tier that stores blocks with that codec. `targets`: blend
+    with these quality targets; `recomputed` (when given) receives, per such mode, the chunk tokens it recomputed."""
+    from pc_rag.request import prefill
+
     prompt = example.prompt()
     out = {}
     for codec, other in (coded or {}).items():
@@ -83,6 +95,13 @@ def answer_logprobs(engine, example, blends: list[str], coded: dict | None = Non
             out[blend_name(spec)] = logp("blend", ratio)
     finally:
         engine.blend_selection = selection
+    for target in targets:
+        with engine.counted():
+            asm = prefill(engine, prompt, "blend", None, 0.0, recompute_target=target)
+            engine.runner.release_cache(asm.cache)
+        out[auto_name(target)] = torch.log_softmax(asm.logits.float(), -1)
+        if recomputed is not None:
+            recomputed[auto_name(target)] = asm.recomputed_tokens
     engine.add_scaffold(list(example.chunks))
     engine.next_token_logits(prompt, mode="modular")  # the first use encodes the group
     engine.wait_for_background()
@@ -104,12 +123,13 @@ def answers(engine, example, blends: list[str]) -> dict[str, str]:
 
 
 def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: list[str],
-        codecs: list[str] = (), tasks: tuple[str, ...] = TASKS) -> dict:
+        codecs: list[str] = (), tasks: tuple[str, ...] = TASKS, targets: list[float] = ()) -> dict:
     engine = pc_rag.Engine.from_pretrained(model, store="memory")
     # A disk tier alone: a block is written compressed and every later request reads it back from there.
     folder = Path(tempfile.mkdtemp(prefix="pc_rag_accuracy_"))
     coded = {c: pc_rag.Engine(engine.model, engine.tokenizer, store=f"disk:{folder / c}?compress={c}") for c in codecs}
-    modes = [*BASE_MODES[:3], *(f"modular {c}" for c in codecs), *(blend_name(b) for b in blends), BASE_MODES[3]]
+    modes = [*BASE_MODES[:3], *(f"modular {c}" for c in codecs), *(blend_name(b) for b in blends),
+             *(auto_name(t) for t in targets), BASE_MODES[3]]
     name_list, value_list = names(), values()
     layers = engine.runner.shape.num_layers
     rng = random.Random(seed)
@@ -119,17 +139,20 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
             right = dict.fromkeys(modes, 0)
             agree = dict.fromkeys(modes, 0)
             kls = dict.fromkeys(modes, 0.0)
-            work = {blend_name(b): 0.0 for b in blends}
+            work = {**{blend_name(b): 0.0 for b in blends}, **{auto_name(t): 0.0 for t in targets}}
             t0 = time.time()
             for _ in range(prompts):
                 ex = make_example(rng, task, k, name_list, value_list)
                 ids = [i for s in engine.segmenter.segments(ex.prompt()) for i in s.token_ids]
                 assert ids == token_ids(engine.tokenizer, ex), "engine tokenization differs from training"
-                logps = answer_logprobs(engine, ex, blends, coded)
+                recomputed = {}
+                logps = answer_logprobs(engine, ex, blends, coded, targets, recomputed)
                 chunk_tokens = sum(len(engine.segmenter.ids(c)) for c in ex.chunks)
                 for b in blends:
                     ratio, select = parse_blend(b)
                     work[blend_name(b)] += recompute_work(select, ratio, chunk_tokens, layers) / prompts
+                for name, chosen in recomputed.items():  # the probe, then the tokens it chose, narrowed as progressive
+                    work[name] += recompute_work("progressive", chosen / chunk_tokens, chunk_tokens, layers) / prompts
                 got = greedy(engine.tokenizer, logps)
                 for m in modes:
                     right[m] += got[m] == ex.answer
@@ -182,7 +205,7 @@ def markdown(result: dict) -> str:
             acc = f"{100 * r['accuracy'][m]:.1f}%"
             cells.append(acc if m == "full" else f"{acc} ({100 * r['agreement_with_full'][m]:.0f}%)")
         lines.append(f"| {TASK_TITLES[r['task']]} | {r['chunks']} | {r['prompts']} | " + " | ".join(cells) + " |")
-    blends = [m for m in modes if m.startswith("blend")]
+    blends = [m for m in modes if m.startswith(("blend", "auto"))]
     lines += [
         "",
         "Share of modular's loss recovered, (mode - modular) / (full - modular), and for blends the compute: "
@@ -215,9 +238,13 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=200, help="held-out prompts per task and chunk count")
     ap.add_argument("--chunks", type=int, nargs="+", default=[4])
     ap.add_argument("--blend", nargs="*", default=list(DEFAULT_BLENDS), help="RATIO:SELECTION settings to compare")
+    ap.add_argument("--auto", nargs="*", type=float, default=list(DEFAULT_TARGETS),
+                    help="quality targets: blend with recompute_target T, rows named 'auto T'")
     ap.add_argument("--codec", nargs="*", default=[], choices=["int8"],
                     help="also modular with chunk blocks stored with this codec (read back from a disk tier)")
-    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(ALL_TASKS),
+                    help="alias: a chunk naming an entity only an earlier chunk defines (a model trained on it: "
+                         "benchmarks/deep-retrieval-model)")
     ap.add_argument("--seed", type=int, default=777)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench_out")
@@ -225,7 +252,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     for spec in args.blend:
         parse_blend(spec)
-    result = run(args.model, args.prompts, args.chunks, args.seed, args.blend, args.codec, tuple(args.tasks))
+    result = run(args.model, args.prompts, args.chunks, args.seed, args.blend, args.codec, tuple(args.tasks),
+                 args.auto)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"accuracy-seed{args.seed}.json").write_text(json.dumps(result, indent=1))

@@ -7,7 +7,12 @@ A prompt is a system text, k fact chunks separated by ";" texts, and a question 
 
 - single hop: "what is the code of NAME" -> the VALUE of "VALUE is the code of NAME ." among distractors;
 - two hop: "what is the code of the partner of NAME1" -> the VALUE of "VALUE is the code of NAME2 ." where
-  another chunk says "NAME2 works with NAME1 ." (distractors include the code of NAME1 itself).
+  another chunk says "NAME2 works with NAME1 ." (distractors include the code of NAME1 itself);
+- alias (a chunk that needs an earlier one): "what is the code of NAME" -> the VALUE of "VALUE is the code of
+  ALIAS .", where an earlier chunk (always earlier) says "ALIAS is the alias of NAME .". The chunk holding the
+  value names an entity only the earlier chunk defines: in a full prefill its tokens can resolve the alias in
+  place, encoded alone (modular) they cannot, and the question must make both hops. Distractors: codes of other
+  names, other aliases (some with a code of their own), partners.
 
 The tokenizer is word-level (one token per name and per value), so the answer is one token. Training uses
 the same segment layout as the engine: BOS, then each segment tokenized on its own, concatenated.
@@ -26,7 +31,9 @@ WORDS = ["the", "code", "of", "is", ".", "works", "with", "partner", "?", "facts
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 N_NAMES = 128
 N_VALUES = 64
-TASKS = ("single", "two_hop")
+TASKS = ("single", "two_hop")  # what the 4-layer model learned; the defaults of training and of the benchmark
+ALL_TASKS = (*TASKS, "alias")
+ALIAS_WORDS = ["alias"]  # appended after the values, so the first two tasks keep their token ids
 
 
 def names() -> list[str]:
@@ -47,11 +54,13 @@ def values() -> list[str]:
     return [str(v) for v in sorted(rng.sample(range(100, 1000), N_VALUES))]
 
 
-def build_tokenizer():
+def build_tokenizer(tasks=TASKS):
+    """The word-level tokenizer of `tasks`: the alias task adds its word at the end of the vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS + names() + values())}
+    extra = ALIAS_WORDS if "alias" in tasks else []
+    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS + names() + values() + extra)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
@@ -69,6 +78,11 @@ def code_fact(name: str, value: str) -> str:
 def works_fact(a: str, b: str) -> str:
     """b is a's partner."""
     return f"{b} works with {a} ."
+
+
+def alias_fact(alias: str, name: str) -> str:
+    """`alias` names `name` (the name last, as in the other facts)."""
+    return f"{alias} is the alias of {name} ."
 
 
 def code_question(name: str) -> str:
@@ -100,12 +114,20 @@ class Example:
 
 def make_example(rng: random.Random, task: str, k: int, name_list: list[str], value_list: list[str],
                  p_code: float = 0.6) -> Example:
-    """k fact chunks (k >= 2), shuffled; every name and value distinct within the prompt."""
+    """k fact chunks (k >= 2), shuffled (an alias always before the code that uses it); every name and value
+    distinct within the prompt."""
     ns = rng.sample(name_list, 2 * k + 2)
     vs = rng.sample(value_list, k + 1)
     codes: dict[str, str] = {}
     works: list[tuple[str, str]] = []
-    if task == "single":
+    aliases: list[tuple[str, str]] = []  # (alias, name)
+    if task == "alias":
+        name, alias = ns[0], ns[1]
+        aliases.append((alias, name))
+        codes[alias] = vs[0]
+        question, answer = code_question(name), vs[0]
+        free = 2
+    elif task == "single":
         codes[ns[0]] = vs[0]
         question, answer = code_question(ns[0]), vs[0]
         free = 1
@@ -118,8 +140,15 @@ def make_example(rng: random.Random, task: str, k: int, name_list: list[str], va
         if k > 2 and rng.random() < 0.5:  # the code of the asked name itself: only the hop tells them apart
             codes[a] = vs[1]
     vi = 2
-    while len(codes) + len(works) < k:
-        if rng.random() < p_code:
+    while len(codes) + len(works) + len(aliases) < k:
+        # (the first test keeps the other tasks' random stream as it was before the alias task existed)
+        if task == "alias" and rng.random() < 0.4:
+            aliases.append((ns[free], ns[free + 1]))
+            if len(codes) + len(works) + len(aliases) < k and rng.random() < 0.5:  # an alias with a code of its own
+                codes[ns[free]] = vs[vi]
+                vi += 1
+            free += 2
+        elif rng.random() < p_code:
             codes[ns[free]] = vs[vi]
             vi += 1
             free += 1
@@ -127,9 +156,16 @@ def make_example(rng: random.Random, task: str, k: int, name_list: list[str], va
             works.append((ns[free], ns[free + 1]))
             free += 2
     facts = [code_fact(n, v) for n, v in codes.items()] + [works_fact(a, b) for a, b in works]
+    facts += [alias_fact(a, n) for a, n in aliases]
     rng.shuffle(facts)
+    for a, n in aliases:  # the definition before its use
+        if a in codes:
+            i, j = facts.index(alias_fact(a, n)), facts.index(code_fact(a, codes[a]))
+            if j < i:
+                facts[i], facts[j] = facts[j], facts[i]
     queries = [(code_question(n), v) for n, v in codes.items()]
     queries += [(partner_question(a), codes[b]) for a, b in works if b in codes]
+    queries += [(code_question(n), codes[a]) for a, n in aliases if a in codes]
     queries = [q for q in queries if q[0] != question]
     rng.shuffle(queries)
     return Example(task, tuple(facts), question, answer, tuple([(question, answer)] + queries))

@@ -18,6 +18,12 @@ benchmarks/retrieval-model took three stages (the second and third with two thir
 cosine decay, which took two hop from 77% to 99% at 3 chunks); its training_log.json keeps every stage's
 record and the README lists the stage commands (benchmarks/report.py derives them from that log).
 Chance on these prompts: about 1 / (number of codes in the prompt).
+
+The deeper testbed (benchmarks/deep-retrieval-model: 8 layers, 5.6M parameters, GQA 8 query / 4 key-value heads)
+adds the alias task (--tasks single two_hop alias) and starts from the 4-layer model, grown (--grow-from, see
+grow.py): a step of that size costs about 9 CPU-seconds here (batch 32), and from scratch it would need the tens of
+thousands of steps the 4-layer model took (25,100), far past two hours on 2 cores. Its training_log.json keeps the
+command.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .retrieval_task import TASKS, build_tokenizer, make_example, names, token_ids, values
+from .retrieval_task import ALL_TASKS, TASKS, build_tokenizer, make_example, names, token_ids, values
 
 
 def encode_fast(vocab: dict[str, int], bos: int, example) -> list[int]:
@@ -90,6 +96,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--intermediate", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4, help="query heads")
+    ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=200)
@@ -105,6 +113,11 @@ def main(argv=None):
     ap.add_argument("--init", help="continue from this checkpoint (its weights; the optimizer starts afresh)")
     ap.add_argument("--start-level", type=int, default=2, help="curriculum level (chunks per prompt) to start at")
     ap.add_argument("--two-hop-share", type=float, default=0.5, help="fraction of training prompts that are two hop")
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(ALL_TASKS),
+                    help="tasks trained and evaluated (the alias task adds a word to the vocabulary)")
+    ap.add_argument("--alias-share", type=float, default=0.0, help="fraction of training prompts of the alias task")
+    ap.add_argument("--grow-from", help="start from this smaller trained checkpoint, grown to this run's shape "
+                    "(grow.py: the same function at the start)")
     ap.add_argument("--decay", action="store_true", help="cosine learning-rate decay to 0 at --max-steps")
     ap.add_argument("--until-step", type=int, help="stop after this step without changing the schedule (to "
                     "reproduce a run that --max-minutes cut short)")
@@ -114,18 +127,22 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = build_tokenizer()
+    tasks = tuple(t for t in ALL_TASKS if t in args.tasks)
+    if "alias" in tasks and args.alias_share <= 0 or args.alias_share > 0 and "alias" not in tasks:
+        raise SystemExit("--alias-share > 0 goes with --tasks ... alias")
+    tok = build_tokenizer(tasks)
     vocab = tok.get_vocab()
     bos, pad = tok.bos_token_id, tok.pad_token_id
     name_list, value_list = names(), values()
     check = random.Random(99)
-    for task in TASKS:  # the fast encoder is the engine's segment tokenization
+    for task in tasks:  # the fast encoder is the engine's segment tokenization
         ex = make_example(check, task, 4, name_list, value_list)
         assert encode_fast(vocab, bos, ex) == token_ids(tok, ex)
 
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=128,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=bos,
         eos_token_id=tok.eos_token_id, pad_token_id=pad, tie_word_embeddings=True, initializer_range=0.02,
     )
@@ -133,6 +150,10 @@ def main(argv=None):
         model = LlamaForCausalLM.from_pretrained(args.init)
         if model.config.vocab_size != len(tok):
             raise SystemExit(f"--init {args.init}: vocabulary {model.config.vocab_size} != this task's {len(tok)}")
+    elif args.grow_from:
+        from .grow import grow
+
+        model = grow(LlamaForCausalLM.from_pretrained(args.grow_from), config, seed=args.seed)
     else:
         model = LlamaForCausalLM(config)
     model.train()
@@ -154,7 +175,7 @@ def main(argv=None):
 
     eval_rng = random.Random(10_000 + args.seed)  # held-out: a separate stream from training
     held = {(task, k): [sample(eval_rng, task, k) for _ in range(args.eval_n)]
-            for k in range(2, args.max_chunks + 1) for task in TASKS}
+            for k in range(2, args.max_chunks + 1) for task in tasks}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(out)
@@ -163,14 +184,29 @@ def main(argv=None):
     level = args.start_level
     n_two_hop = round(args.batch * args.two_hop_share)
     majority = "two_hop" if 2 * n_two_hop > args.batch else "single"
+    if "alias" in tasks:  # rows by share, interleaved (the two-task order below is the committed model's)
+        n_alias = round(args.batch * args.alias_share)
+        counts = {"two_hop": n_two_hop if "two_hop" in tasks else 0, "alias": n_alias}
+        counts["single"] = args.batch - sum(counts.values()) if "single" in tasks else 0
+        if min(counts.values()) < 0 or sum(counts.values()) != args.batch:
+            raise SystemExit(f"task shares {counts} do not fill a batch of {args.batch}")
+        row_tasks = [t for j in range(args.batch) for t in tasks if j < counts[t]][: args.batch]
     log = []
+    if args.grow_from:  # where growth starts: the small model's accuracy (grow.py keeps its function)
+        log.append({"step": 0, "minutes": 0.0, "loss": None, "level": level,
+                    "acc_level": {task: accuracy(model, held[(task, level)], pad) for task in tasks},
+                    "acc_max_chunks": {task: accuracy(model, held[(task, args.max_chunks)], pad) for task in tasks}})
+        print(json.dumps(log[-1]), flush=True)
     t0 = time.time()
     loss_acc = 0.0
     for step in range(1, args.max_steps + 1):
         rows, ri, pi, answers = [], [], [], []
         for i in range(args.batch):
             # alternating while both tasks remain (the first-stage run's order, kept bit for bit), then the rest
-            task = TASKS[i % 2] if i < 2 * min(n_two_hop, args.batch - n_two_hop) else majority
+            if "alias" in tasks:
+                task = row_tasks[i]
+            else:
+                task = TASKS[i % 2] if i < 2 * min(n_two_hop, args.batch - n_two_hop) else majority
             r, targets = train_sample(rng, task, rng.randint(max(2, level - 1), level) if level > 2 else 2)
             rows.append(r)
             for pos, a in targets:
@@ -187,8 +223,9 @@ def main(argv=None):
         sched.step()
         loss_acc += float(loss.detach())
         if step % args.eval_every == 0 or step == args.max_steps or step == args.until_step:
-            acc = {task: accuracy(model, held[(task, level)], pad) for task in TASKS}
-            final = {task: accuracy(model, held[(task, args.max_chunks)], pad) for task in TASKS}
+            acc = {task: accuracy(model, held[(task, level)], pad) for task in tasks}
+            final = acc if level == args.max_chunks else {
+                task: accuracy(model, held[(task, args.max_chunks)], pad) for task in tasks}
             minutes = (time.time() - t0) / 60
             entry = {"step": step, "minutes": round(minutes, 2), "loss": round(loss_acc / args.eval_every, 4),
                      "level": level, "acc_level": acc, "acc_max_chunks": final}
@@ -196,18 +233,24 @@ def main(argv=None):
             log.append(entry)
             print(json.dumps(entry), flush=True)
             model.save_pretrained(out)
+            write_record(args, argv, log, out)  # an interrupted run leaves its record beside its checkpoint
             done = all(v > args.stop for v in final.values())
             if level < args.max_chunks and all(v > args.advance for v in acc.values()):
                 level += 1
             if done or minutes > args.max_minutes or step == args.until_step:
                 break
-    record = {"args": vars(args), "argv": list(argv if argv is not None else sys.argv[1:]), "log": log}
-    if args.init and (Path(args.init) / "training_log.json").exists():
-        # the earlier stage's record, so that the checkpoint's whole history stays with it
-        record["init_record"] = json.loads((Path(args.init) / "training_log.json").read_text())
-    (out / "training_log.json").write_text(json.dumps(record, indent=1))
+    write_record(args, argv, log, out)
     print(f"saved {out} after {step} steps, {(time.time() - t0) / 60:.1f} min; "
           f"params {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
+
+
+def write_record(args, argv, log: list, out: Path) -> None:
+    record = {"args": vars(args), "argv": list(argv if argv is not None else sys.argv[1:]), "log": log}
+    for arg, field in ((args.init, "init_record"), (args.grow_from, "grown_from_record")):
+        if arg and (Path(arg) / "training_log.json").exists():
+            # the earlier stage's record, so that the checkpoint's whole history stays with it
+            record[field] = json.loads((Path(arg) / "training_log.json").read_text())
+    (out / "training_log.json").write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

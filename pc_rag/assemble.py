@@ -558,9 +558,10 @@ def target_tokens(relative: torch.Tensor, recompute: Recompute) -> int:
     """How many of the candidates (their relative key deviations at layer 1) a quality target recomputes: the
     fewest, taken from the most deviating, for the deviation left to be at most (1 - target) of this prompt's own,
     or of the model's reference when the prompt deviates less than that (`Recompute.target`)."""
+    relative = relative.double()  # the sum and the running sum must agree at target 0 (float32 rounding does not)
     allowed = (1.0 - recompute.target) * max(recompute.reference * len(relative), float(relative.sum()))
-    left = torch.sort(relative.float()).values.cumsum(0)  # what stays if only the i+1 smallest are kept cached
-    return len(relative) - int((left <= allowed + 1e-12).sum())
+    left = torch.sort(relative).values.cumsum(0)  # what stays if only the i+1 smallest are kept cached
+    return len(relative) - int((left <= allowed * (1 + 1e-9) + 1e-12).sum())
 
 
 def recompute_work(select: str, ratio: float, candidates: int, layers: int) -> float:

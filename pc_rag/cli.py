@@ -1,4 +1,4 @@
-"""The `pc-rag` command (also `python -m pc_rag`): demo, warm, explain, stats, clear, bench, serve.
+"""The `pc-rag` command (also `python -m pc_rag`): demo, warm, explain, check, stats, clear, bench, serve.
 
 Cache folder (`--cache-dir`, default $PC_RAG_CACHE_DIR, else $XDG_CACHE_HOME/pc_rag, else ~/.cache/pc_rag):
 
@@ -110,6 +110,37 @@ def _parser() -> argparse.ArgumentParser:
                    help=".txt/.md files or folders whose chunks are documents (repeatable)")
     p.add_argument("--json", action="store_true", help="print the rows and totals as JSON")
     p.set_defaults(run=_explain)
+
+    p = sub.add_parser("check", parents=[common, model],
+                       help="how often each reusing mode answers as full does on your documents, and how much faster",
+                       description="Answer each question (retrieved from --docs as the demo does) or each prompt of "
+                                   "--prompts in full and in each reusing mode, and report per mode: the share of "
+                                   "greedy answers identical to full's, where they first differ, the mean next-token "
+                                   "KL from full over full's answer (teacher-forced), the median time to first "
+                                   "token; then the cheapest mode within --target. Documents are encoded before "
+                                   "measuring (a new question over documents seen before). See pc_rag/check.py.")
+    p.add_argument("--docs", action="append", default=[], metavar="DIR_OR_FILE",
+                   help=".txt/.md files or folders to retrieve from, cut as `warm` cuts them (repeatable; default: "
+                        "the demo's corpus, Python's documentation topics)")
+    p.add_argument("--questions", type=Path, metavar="FILE", help="questions, one per line")
+    p.add_argument("--prompts", type=Path, metavar="FILE",
+                   help="instead of --docs/--questions: prompts, one JSON value per line: a string (sent as it is, "
+                        "its documents reused as passages), or {\"system\": ..., \"documents\": [...], "
+                        "\"question\": ...} (each document a chunk)")
+    p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
+                   help="modes to compare with full: exact, modular, blend[:RATIO[:SELECTION]] (SELECTION: "
+                        "progressive, deviation, chunk_start); default: " + " ".join(_check_defaults()))
+    p.add_argument("--target", type=float, default=0.9, help="agreement a mode must reach to be recommended (0.9)")
+    p.add_argument("-k", type=int, default=4, help="chunks retrieved per question (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=16,
+                   help="length of the greedy answers compared (default 16)")
+    p.add_argument("--plain", action="store_true",
+                   help="send each prompt as one string, as apps that join the documents in themselves do (the "
+                        "documents are then reused as passages)")
+    p.add_argument("--max-chunks", type=int, default=None, metavar="N",
+                   help="retrieve from the first N chunks only (quick runs)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=_check)
 
     p = sub.add_parser("stats", parents=[common], help="what the cache folder holds")
     p.add_argument("--json", action="store_true")
@@ -309,6 +340,115 @@ def _explain(args, _extra) -> int:
     else:
         print(explained)
     return 0
+
+
+def _check_defaults() -> tuple[str, ...]:
+    from .check import DEFAULT_MODES
+
+    return DEFAULT_MODES
+
+
+def _check(args, _extra) -> int:
+    import json
+
+    from .check import Setting, check
+
+    modes = [Setting.parse(m) for m in (args.modes or _check_defaults())]  # a bad mode fails before the model loads
+    if not 0.0 <= args.target <= 1.0:
+        raise PCRagError(f"--target is an agreement share in [0, 1], got {args.target}")
+    if args.k < 1 or args.max_new_tokens < 1:
+        raise PCRagError("-k and --max-new-tokens must be >= 1")
+    if args.prompts is not None:
+        if args.questions is not None or args.docs:
+            raise PCRagError("--prompts holds whole prompts: give it alone, or --docs and --questions")
+        prompts = _read_prompts(args.prompts, args.plain)
+    elif args.questions is None:
+        raise PCRagError("give --questions FILE (one question per line, answered over --docs) or --prompts FILE")
+    else:
+        questions = _read_questions(args.questions)
+        if args.docs:
+            from .demo.retrieval import read_documents
+
+            chunks = read_documents(args.docs)  # a bad path fails before the model loads
+        else:
+            from .demo.retrieval import corpus_chunks
+
+            chunks = corpus_chunks(args.max_chunks)
+        if args.max_chunks is not None:
+            chunks = chunks[: args.max_chunks]
+    cache_dir = _cache_dir(args)
+    progress = sys.stderr.isatty()
+    args.store = args.store or ["memory"]  # the check's prompts stay out of the cache folder unless asked
+    engine, path, random_weights = _engine(args, cache_dir)
+    if args.prompts is None:
+        from .check import rag_prompt
+        from .demo import SYSTEM
+        from .demo.embeddings import SentenceEmbedder
+        from .demo.retrieval import VectorIndex
+
+        index = VectorIndex.build(chunks, SentenceEmbedder(), cache_dir=cache_dir / "embeddings", progress=progress)
+        prompts = [rag_prompt([c for c, _ in index.search(q, args.k)], q, SYSTEM, args.plain) for q in questions]
+    report = check(engine, prompts, modes, max_new_tokens=args.max_new_tokens, target=args.target, progress=progress)
+    if args.json:
+        out = report.as_dict()
+        out.update(model=path, random_weights=random_weights, plain=args.plain)
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"model: {path}" + (" (random weights: its answers are meaningless words; the comparison is real)"
+                                  if random_weights else ""))
+        print(report)
+    return 0
+
+
+def _read_questions(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PCRagError(f"--questions {path}: no such file") from None
+    except UnicodeDecodeError:
+        raise PCRagError(f"--questions {path}: not UTF-8 text") from None
+    questions = [line.strip() for line in text.splitlines() if line.strip()]
+    if not questions:
+        raise PCRagError(f"--questions {path}: no questions in it (one per line)")
+    return questions
+
+
+def _read_prompts(path: Path, plain: bool) -> list:
+    import json
+
+    from .check import rag_prompt
+
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise PCRagError(f"--prompts {path}: no such file") from None
+    except UnicodeDecodeError:
+        raise PCRagError(f"--prompts {path}: not UTF-8 text") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError:
+            raise PCRagError(f"--prompts {path}:{n}: not JSON; write one JSON string or object per line") from None
+        if isinstance(value, str) and value.strip():
+            prompts.append(value)
+            continue
+        if not isinstance(value, dict) or not isinstance(value.get("question"), str) or not value["question"].strip():
+            raise PCRagError(f"--prompts {path}:{n}: expected a non-empty string or an object with a \"question\" "
+                             f"string (and optional \"system\" string, \"documents\" list of strings)")
+        extra = set(value) - {"system", "documents", "question"}
+        docs, system = value.get("documents", []), value.get("system", "")
+        if extra or not isinstance(system, str) or not isinstance(docs, list) or \
+                not all(isinstance(d, str) and d.strip() for d in docs):
+            raise PCRagError(f"--prompts {path}:{n}: an object holds \"question\" (a string), optional \"system\" "
+                             f"(a string) and \"documents\" (non-empty strings), nothing else"
+                             + (f"; unknown: {', '.join(sorted(extra))}" if extra else ""))
+        prompts.append(rag_prompt(docs, value["question"], system, plain))
+    if not prompts:
+        raise PCRagError(f"--prompts {path}: no prompts in it (one JSON value per line)")
+    return prompts
 
 
 def _stats(args, _extra) -> int:

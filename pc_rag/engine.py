@@ -334,6 +334,13 @@ class Engine:
                 encoded += self.assembler.ensure_stored(want) == COMPUTED
         return encoded
 
+    def check(self, prompts, modes=None, max_new_tokens: int = 16, target: float = 0.9, progress: bool = True):
+        """Each reusing mode against full on these prompts (`pc_rag.check.check`: agreement of greedy answers, first
+        divergence, KL along full's answer, TTFT, the cheapest mode within `target`); a `CheckReport`."""
+        from .check import DEFAULT_MODES, check
+
+        return check(self, prompts, modes if modes is not None else DEFAULT_MODES, max_new_tokens, target, progress)
+
     def deviation_reference(self) -> float:
         """This model's typical key deviation of a reused chunk (quality.py), measured on first use."""
         return deviation_reference(self)

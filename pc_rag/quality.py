@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 
+from .errors import PromptError
 from .segments import Chunk, Text
 
 REFERENCE_CHUNKS = 3
@@ -20,12 +21,13 @@ REFERENCE_CHARS = 600
 _lock = threading.Lock()
 
 
-def reference_prompt() -> list[Text | Chunk]:
-    """Unrelated chunks of Python's documentation after a short instruction, and a question."""
+def reference_prompt(chars: int = REFERENCE_CHARS) -> list[Text | Chunk]:
+    """Unrelated chunks of Python's documentation (`chars` characters each) after a short instruction, and a
+    question."""
     from pydoc_data.topics import topics
 
     keys = sorted(topics)
-    chunks = [" ".join(topics[keys[i]].split())[:REFERENCE_CHARS] for i in (5, 40, 75)][:REFERENCE_CHUNKS]
+    chunks = [" ".join(topics[keys[i]].split())[:chars] for i in (5, 40, 75)][:REFERENCE_CHUNKS]
     parts: list[Text | Chunk] = [Text("Answer from the documents below.\n\n")]
     for c in chunks:
         parts += [Chunk(c), Text("\n\n")]
@@ -45,7 +47,15 @@ def deviation_reference(engine) -> float:
             planner = Planner(engine.planner.fingerprint, engine.planner.sink_ids, rope_type=engine.runner.rope_type,
                               relocatable=engine.runner.relocatable)
             assembler = Assembler(engine.runner, MemoryStore(), planner)
-            segments, _ = prompt_segments(engine, reference_prompt(), "blend")
+            chars = REFERENCE_CHARS
+            while True:  # shorter chunks for a model whose context the reference prompt would not fit
+                try:
+                    segments, _ = prompt_segments(engine, reference_prompt(chars), "blend")
+                    break
+                except PromptError:
+                    if chars <= 16:
+                        raise
+                    chars //= 2
             for seg in segments:  # each chunk's own encoding first, as a warm cache holds it
                 if seg.kind == "chunk":
                     assembler.ensure_stored(planner.chunk_wanted(seg))

@@ -17,6 +17,7 @@ from benchmarks.retrieval_task import make_example, names, values
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "benchmarks" / "retrieval-model"
+DEEP = REPO / "benchmarks" / "deep-retrieval-model"
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,23 @@ def test_accuracy_answers_exact_equals_full_and_blend_end_points(engine):
             # recomputing every reused token is a full prefill; recomputing none is modular
             assert got["blend 1 chunk_start"] == got["full"] == got["blend 1 deviation"], ex
             assert got["blend 0 deviation"] == got["modular"], ex
+
+
+def test_deep_model_exact_equals_full_blend_end_points_and_a_lone_chunk_first():
+    """The 8-layer testbed (grown, GQA 8/4): the same end points as the 4-layer model, on its three tasks."""
+    engine = pc_rag.Engine.from_pretrained(DEEP, store="memory")
+    assert engine.runner.shape.num_layers == 8
+    rng = random.Random(4)
+    for task in ("single", "two_hop", "alias"):
+        for _ in range(3):
+            ex = make_example(rng, task, 4, names(), values())
+            got = accuracy.answers(engine, ex, ["1.0:chunk_start", "0.0:deviation"])
+            assert got["exact"] == got["full"] == got["blend 1 chunk_start"], ex
+            assert got["blend 0 deviation"] == got["modular"], ex
+        # a lone chunk first (right after BOS) is where it was encoded: modular is a full prefill
+        prompt = [pc_rag.Chunk(ex.chunks[0]), pc_rag.Text(";"), pc_rag.Text(ex.question)]
+        full = engine.next_token_logits(prompt, mode="full")
+        assert torch.allclose(engine.next_token_logits(prompt, mode="modular"), full, atol=1e-4 * full.abs().max())
 
 
 def test_accuracy_rejects_a_bad_blend_setting():
@@ -60,6 +78,74 @@ def test_training_is_reproducible(tmp_path):
                           "--two-hop-share", "0.75", "--decay"])
     c = load_file(tmp_path / "c" / "model.safetensors")
     assert a.keys() == c.keys() and not all(a[k].equal(c[k]) for k in a)
+
+
+def test_alias_prompts_define_before_use_and_keep_the_other_tasks_ids():
+    from benchmarks.retrieval_task import ALL_TASKS, alias_fact, build_tokenizer, code_fact, token_ids
+
+    rng = random.Random(5)
+    name_list, value_list = names(), values()
+    tok = build_tokenizer(ALL_TASKS)
+    # the alias word comes after every other token: the two-task models' ids are unchanged
+    assert {w: i for w, i in tok.get_vocab().items() if w != "alias"} == build_tokenizer().get_vocab()
+    for k in (2, 3, 4, 6):
+        for _ in range(50):
+            ex = make_example(rng, "alias", k, name_list, value_list)
+            assert len(ex.chunks) == k and ex.question.startswith("what is the code of ")
+            asked = ex.question.split()[-1]
+            # the asked name appears only in its alias's definition, and the code names only the alias
+            [definition] = [c for c in ex.chunks if c.endswith(f" {asked} .")]
+            alias = definition.split()[0]
+            assert definition == alias_fact(alias, asked)
+            assert ex.chunks.index(definition) < ex.chunks.index(code_fact(alias, ex.answer))
+            assert tok.unk_token_id not in token_ids(tok, ex)
+
+
+def test_grown_model_computes_what_the_small_one_did():
+    """Reference: the committed 4-layer model's logits; the grown model (more layers, width, heads and one more
+    token) must give the same on the small model's vocabulary, up to RMSNorm's epsilon."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.grow import grow
+    from benchmarks.retrieval_task import build_tokenizer, token_ids
+
+    small = LlamaForCausalLM.from_pretrained(MODEL).eval()
+    config = LlamaConfig(vocab_size=small.config.vocab_size + 1, hidden_size=192, intermediate_size=384,
+                         num_hidden_layers=7, num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=128,
+                         rope_parameters=small.config.rope_parameters, tie_word_embeddings=True)
+    big = grow(small, config).eval()
+    tok = build_tokenizer()
+    rng = random.Random(1)
+    for task in ("single", "two_hop"):
+        ids = torch.tensor([token_ids(tok, make_example(rng, task, 4, names(), values()))])
+        with torch.no_grad():
+            want, got = small(ids).logits[0], big(ids).logits[0, :, : small.config.vocab_size]
+        assert torch.allclose(got, want, atol=5e-3, rtol=1e-4), (got - want).abs().max()
+        assert got.argmax(-1).equal(want.argmax(-1))
+    with pytest.raises(ValueError, match="head size"):
+        grow(small, LlamaConfig(**{**config.to_dict(), "num_attention_heads": 4}))
+
+
+def test_training_grows_a_model_and_learns_the_alias_task_reproducibly(tmp_path):
+    args = ["--grow-from", str(MODEL), "--layers", "5", "--hidden", "128", "--intermediate", "256", "--batch", "6",
+            "--max-steps", "2", "--eval-every", "2", "--eval-n", "4", "--max-chunks", "3", "--start-level", "3",
+            "--tasks", "single", "two_hop", "alias", "--two-hop-share", "0.34", "--alias-share", "0.34"]
+    for run in ("a", "b"):
+        train_retrieval.main([*args, "--out", str(tmp_path / run)])
+    a = load_file(tmp_path / "a" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    import json
+
+    log = json.loads((tmp_path / "a" / "training_log.json").read_text())
+    assert log["log"][0]["step"] == 0 and log["log"][0]["acc_level"]["two_hop"] > 0.5  # grown: it starts trained
+    assert set(log["log"][-1]["acc_level"]) == {"single", "two_hop", "alias"} and "grown_from_record" in log
+    engine = pc_rag.Engine.from_pretrained(tmp_path / "a", store="memory")
+    ex = make_example(random.Random(2), "alias", 3, names(), values())
+    got = accuracy.answers(engine, ex, ["1.0:chunk_start"])
+    assert got["exact"] == got["full"] == got["blend 1 chunk_start"]
+    with pytest.raises(SystemExit, match="alias-share"):
+        train_retrieval.main([*args[:-4], "--out", str(tmp_path / "c")])
 
 
 def test_ttft_benchmark_runs_and_stores_the_formula_bytes(tiny_path, tmp_path):
