@@ -26,7 +26,7 @@ from . import after_reply
 from .assemble import Assembler
 from .batch import MAX_BATCH, BatchDecoder, RowTokens, TurnLock
 from .decode import Sampler
-from .errors import OptionError, PromptError
+from .errors import OptionError, PromptError, UnsupportedModelError
 from .explain import Explanation, explain
 from .grammar import Grammar, Grammars
 from .model import LlamaRunner, release_team, releasing_team
@@ -35,7 +35,7 @@ from .passages import tokenizer_markers
 from .plan import COMPUTED, Planner
 from .pml import PML, Schema, SchemaRegistry
 from .prefetch import PREFETCHER, Prefetcher
-from .quality import deviation_reference
+from .quality import Calibration, calibrate, deviation_reference
 from .request import Generation, Request, prefill
 from .scaffolds import ScaffoldBuilder
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment
@@ -65,6 +65,10 @@ class Engine:
     blend_selection = "progressive"
     # Blend's quality target for requests that give none (`recompute_target`): None keeps `recompute_ratio`.
     recompute_target: float | None = None
+    # The gate per model (quality.calibrate): with a bound, the first modular or blend request measures modular's
+    # agreement with full on built-in prompts, and modular is refused on this model when it is below the bound.
+    # Off (None) by default: it costs two prefills per built-in prompt at first use, and its prompts are English.
+    min_agreement: float | None = None
     # Documents the framework hooks discover are prefetched from disk/Redis into memory (pc_rag.prefetch).
     prefetch_on_discover = True
 
@@ -127,6 +131,7 @@ class Engine:
         self._decoder: BatchDecoder | None = None  # built on the first batched request (max_batch read then)
         self._decoder_lock = threading.Lock()
         self.measured_deviation: float | None = None  # quality.deviation_reference, once measured
+        self.calibration: Calibration | None = None  # quality.calibrate, once measured (min_agreement set)
         self._requests = 0  # running now (`counted`): alone, a request decodes on its own thread (`shares_steps`)
         self._requests_lock = threading.Lock()
         self.runner.others_decoding = self.busy  # long prefills are chunked while others run
@@ -341,6 +346,19 @@ class Engine:
 
         return check(self, prompts, modes if modes is not None else DEFAULT_MODES, max_new_tokens, target, progress)
 
+    def check_quality(self, mode: str) -> None:
+        """The gate (`min_agreement`): refuse modular on a model whose modular agreed with full on fewer of the
+        built-in prompts than the bound (quality.calibrate). Blend stays allowed: it recomputes."""
+        if self.min_agreement is None or mode not in ("modular", "blend"):
+            return
+        cal = calibrate(self)
+        if mode == "modular" and cal.agreement < self.min_agreement:
+            raise UnsupportedModelError(
+                f"modular refused on this model: its next token agreed with full's on {cal.agreement:.2f} of "
+                f"{len(cal.prompts)} built-in prompts (mean KL {cal.kl:.3g} nats), below engine.min_agreement = "
+                f"{self.min_agreement:g}; use blend (recompute_target=0.9), exact or full, or measure your own "
+                f"documents with `pc-rag check`")
+
     def deviation_reference(self) -> float:
         """This model's typical key deviation of a reused chunk (quality.py), measured on first use."""
         return deviation_reference(self)
@@ -352,7 +370,8 @@ class Engine:
         (`indexed`, in `namespaces`), and what they did (`PassageCounts`); decode: batched decode steps, the tokens they
         produced (first_tokens of them the requests' first, after the prompt_tokens the steps computed for
         them), the largest batch seen, requests decoding and waiting for a row now; relocation_check: the
-        RoPE relocation self-check of this model (run before its first modular or blend request; None before)."""
+        RoPE relocation self-check of this model (run before its first modular or blend request; None before);
+        quality_gate: what `min_agreement`'s calibration measured (quality.Calibration.as_dict; None before)."""
         groups, failed = self.scaffolds.snapshot()  # background builds may add groups meanwhile
         decoder = self._decoder
         check = self.runner.relocation_check
@@ -367,7 +386,9 @@ class Engine:
                 "passages": self.planner.passages.stats(),
                 "decode": decode,
                 "backends": self.runner.backends.as_dict(),
-                "relocation_check": check.as_dict() if check is not None else None}
+                "relocation_check": check.as_dict() if check is not None else None,
+                "quality_gate": None if self.calibration is None else {
+                    "min_agreement": self.min_agreement, **self.calibration.as_dict()}}
 
     def wait_for_background(self, timeout: float | None = None) -> None:
         """Wait for background work (automatic scaffold encodes) to finish."""

@@ -6,32 +6,151 @@ deviation (at layer 1, as blend's probe measures it) of chunks placed after unre
 (Python's own documentation), so that a quality target means the same share of that deviation on every model
 (`assemble.Recompute.target`): a prompt whose chunks deviate less than the reference, because they need little of
 what precedes them, is left as modular left it, and one whose chunks deviate more gets more recomputed.
+
+`calibrate` is the gate per model (`Engine.min_agreement`, off by default): on built-in prompts (chunks of the
+same documentation in several orders, each after unrelated ones) it relates each prompt's deviation to whether
+modular's next token is full's, once per engine, before its first modular or blend request. When modular agrees
+with full on fewer of them than the engine's bound, modular is refused on this model (UnsupportedModelError
+naming the figures) and blend stays allowed: the user chose to pay for recomputation there. It is off by default
+because it costs two prefills per built-in prompt at first use (seconds on a 7B model on a CPU) and because its
+prompts are English prose: a model trained for something else (the retrieval testbeds) is not judged by it;
+`pc-rag check` measures the user's own documents and questions.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+
+import torch
 
 from .errors import PromptError
 from .segments import Chunk, Text
 
 REFERENCE_CHUNKS = 3
 REFERENCE_CHARS = 600
+CALIBRATION_TOPICS = (5, 40, 75, 32, 48, 64)  # pydoc topics: 8 prompts of 3 of these in different orders
+CALIBRATION_ORDERS = ((0, 1, 2), (2, 0, 1), (3, 4, 5), (5, 3, 4), (1, 3, 5), (4, 2, 0), (2, 5, 1), (0, 4, 3))
+CALIBRATION_QUESTIONS = ("Question: what do these describe?\nAnswer:", "Question: which one is about syntax?\nAnswer:")
+
+
+@dataclass(frozen=True)
+class CalibrationPrompt:
+    deviation: float  # blend's probe: mean relative key deviation of the reused chunk tokens at layer 1
+    agrees: bool  # modular's most likely next token is full's
+    kl: float  # KL(full || modular) of the next-token distribution, nats
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The gate's measurement on built-in prompts (`calibrate`)."""
+
+    prompts: tuple[CalibrationPrompt, ...]
+
+    @property
+    def agreement(self) -> float:
+        return sum(p.agrees for p in self.prompts) / len(self.prompts)
+
+    @property
+    def kl(self) -> float:
+        return sum(p.kl for p in self.prompts) / len(self.prompts)
+
+    @property
+    def deviation(self) -> float:
+        return sum(p.deviation for p in self.prompts) / len(self.prompts)
+
+    def as_dict(self) -> dict:
+        """For `Engine.stats()`: the figures, and the mean deviation of the prompts where modular agreed and of
+        those where it did not (how the deviation blend measures relates to agreement on this model)."""
+        def mean(xs):
+            xs = list(xs)
+            return sum(xs) / len(xs) if xs else None
+
+        return {"prompts": len(self.prompts), "agreement": self.agreement, "kl": self.kl,
+                "deviation": self.deviation,
+                "deviation_agreeing": mean(p.deviation for p in self.prompts if p.agrees),
+                "deviation_differing": mean(p.deviation for p in self.prompts if not p.agrees)}
 
 _lock = threading.Lock()
 
 
-def reference_prompt(chars: int = REFERENCE_CHARS) -> list[Text | Chunk]:
+def reference_prompt(chars: int = REFERENCE_CHARS, topics_at=(5, 40, 75),
+                     question: str = CALIBRATION_QUESTIONS[0]) -> list[Text | Chunk]:
     """Unrelated chunks of Python's documentation (`chars` characters each) after a short instruction, and a
     question."""
     from pydoc_data.topics import topics
 
     keys = sorted(topics)
-    chunks = [" ".join(topics[keys[i]].split())[:chars] for i in (5, 40, 75)][:REFERENCE_CHUNKS]
+    chunks = [" ".join(topics[keys[i]].split())[:chars] for i in topics_at][:REFERENCE_CHUNKS]
     parts: list[Text | Chunk] = [Text("Answer from the documents below.\n\n")]
     for c in chunks:
         parts += [Chunk(c), Text("\n\n")]
-    return [*parts, Text("Question: what do these describe?\nAnswer:")]
+    return [*parts, Text(question)]
+
+
+def calibration_prompts(chars: int = REFERENCE_CHARS) -> list[list[Text | Chunk]]:
+    """The gate's built-in prompts: the same documentation chunks in several orders, each after unrelated ones."""
+    return [reference_prompt(chars, [CALIBRATION_TOPICS[j] for j in order],
+                             CALIBRATION_QUESTIONS[i % len(CALIBRATION_QUESTIONS)])
+            for i, order in enumerate(CALIBRATION_ORDERS)]
+
+
+def _fitting(engine, build):
+    """The segments of `build(chars)`, with shorter chunks for a model whose context the prompt would not fit."""
+    from .request import prompt_segments
+
+    chars = REFERENCE_CHARS
+    while True:
+        try:
+            return prompt_segments(engine, build(chars), "blend")[0]
+        except PromptError:
+            if chars <= 16:
+                raise
+            chars //= 2
+
+
+def _own_assembler(engine):
+    """A planner and assembler over a store of their own: nothing measured here is kept in the engine's store."""
+    from .assemble import Assembler
+    from .plan import Planner
+    from .store import MemoryStore
+
+    planner = Planner(engine.planner.fingerprint, engine.planner.sink_ids, rope_type=engine.runner.rope_type,
+                      relocatable=engine.runner.relocatable)
+    return planner, Assembler(engine.runner, MemoryStore(), planner)
+
+
+def _measure(engine, planner, assembler, segments) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Full's next-token logits (blend recomputing every chunk token: full up to float rounding), modular's, and
+    the deviation blend's probe measured."""
+    from .assemble import Recompute
+
+    for seg in segments:  # each chunk's own encoding first, as a warm cache holds it
+        if seg.kind == "chunk":
+            assembler.ensure_stored(planner.chunk_wanted(seg))
+    out = []
+    for mode, recompute in (("blend", Recompute(1.0, "deviation")), ("modular", None)):
+        lookups = assembler.lookups()
+        asm = assembler.assemble(planner.plan(segments, mode, lookups), lookups.blocks, 0, recompute)
+        engine.runner.release_cache(asm.cache)
+        out.append(asm)
+    return out[0].logits.float(), out[1].logits.float(), max(out[0].deviation or 0.0, 1e-6)
+
+
+def calibrate(engine) -> Calibration:
+    """The engine's calibration (see the module docstring), measured on first use and remembered."""
+    with _lock:
+        if engine.calibration is None:
+            planner, assembler = _own_assembler(engine)
+            measured = []
+            for i in range(len(CALIBRATION_ORDERS)):
+                segments = _fitting(engine, lambda chars, i=i: calibration_prompts(chars)[i])
+                full, modular, deviation = _measure(engine, planner, assembler, segments)
+                logp_full, logp_mod = torch.log_softmax(full, -1), torch.log_softmax(modular, -1)
+                kl = float((logp_full.exp() * (logp_full - logp_mod)).sum())
+                measured.append(CalibrationPrompt(deviation, int(full.argmax()) == int(modular.argmax()), kl))
+            engine.calibration = Calibration(tuple(measured))
+        return engine.calibration
 
 
 def deviation_reference(engine) -> float:
@@ -39,23 +158,10 @@ def deviation_reference(engine) -> float:
     of its own, so nothing of it is kept) and remembered."""
     with _lock:
         if engine.measured_deviation is None:
-            from .assemble import Assembler, Recompute
-            from .plan import Planner
-            from .request import prompt_segments
-            from .store import MemoryStore
+            from .assemble import Recompute
 
-            planner = Planner(engine.planner.fingerprint, engine.planner.sink_ids, rope_type=engine.runner.rope_type,
-                              relocatable=engine.runner.relocatable)
-            assembler = Assembler(engine.runner, MemoryStore(), planner)
-            chars = REFERENCE_CHARS
-            while True:  # shorter chunks for a model whose context the reference prompt would not fit
-                try:
-                    segments, _ = prompt_segments(engine, reference_prompt(chars), "blend")
-                    break
-                except PromptError:
-                    if chars <= 16:
-                        raise
-                    chars //= 2
+            planner, assembler = _own_assembler(engine)
+            segments = _fitting(engine, reference_prompt)
             for seg in segments:  # each chunk's own encoding first, as a warm cache holds it
                 if seg.kind == "chunk":
                     assembler.ensure_stored(planner.chunk_wanted(seg))

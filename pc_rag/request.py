@@ -126,6 +126,7 @@ def prefill(engine, prompt, mode: str, namespace: str | None, recompute_ratio: f
     segments, extra_capacity = prompt_segments(engine, prompt, mode, namespace, extra_capacity)
     if mode in REUSING_CHUNKS:  # refused (UnsupportedModelError) where relocated keys would be wrong
         engine.runner.check_relocation()
+        engine.check_quality(mode)  # and modular where the gate measured it too far from full (min_agreement)
     lookups = engine.assembler.lookups()
     plan = engine.planner.plan(segments, mode, lookups, namespace)
     if mode in REUSING_CHUNKS:
