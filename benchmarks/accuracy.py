@@ -96,7 +96,7 @@ def answer_logprobs(engine, example, blends: list[str], coded: dict | None = Non
     finally:
         engine.blend_selection = selection
     for target in targets:
-        with engine.counted():
+        with engine.traffic.counted():
             asm = prefill(engine, prompt, "blend", None, 0.0, recompute_target=target)
             engine.runner.release_cache(asm.cache)
         out[auto_name(target)] = torch.log_softmax(asm.logits.float(), -1)

@@ -103,7 +103,7 @@ def remember_continuation(engine, text: str, after: str, asm: Assembled | None, 
     bench model). Skipped, the next turn computes the same tokens as fresh ones."""
     alt = engine.segmenter.ids(text, namespace)  # how the next turn's prompt tokenizes it (a hard cut)
     engine.replies.remember(text, alt, after, namespace)
-    if asm is None or engine.busy():
+    if asm is None or engine.traffic.busy():
         return
     layout = asm.plan.layout  # the request's stored prefix must run to the prompt's end for a reply to continue it
     continues = bool(layout) and getattr(layout[-1], "end", None) == asm.prompt_tokens
@@ -130,7 +130,7 @@ def remember_passages(engine, plan: Plan) -> None:
     todo = {w.key: w for w in plan.passages if w.key not in plan.passages_held and w.key not in encoded}
     try:
         for want in todo.values():
-            if engine.busy():
+            if engine.traffic.busy():
                 break
             index.count(encoded_after_reply=engine.assembler.ensure_stored(want) == COMPUTED)
     except Exception:  # speculative work: the reply is out and must stay a success

@@ -23,13 +23,14 @@ Fairness between prefill and decode. Forward passes take turns on the runner's `
 first served), and while requests decode a long prefill runs as several forwards of at most
 `model.PREFILL_CHUNK_TOKENS` fresh tokens each, so a newcomer's prefill stalls the decoding requests for one
 chunk at a time, not for the whole prompt. The engine lets one request prefill at a time
-(`Engine.prefill_turn`, also a TurnLock): with every prefill advancing together, a burst of 16 requests would
+(`Traffic.prefill_turn`, also a TurnLock): with every prefill advancing together, a burst of 16 requests would
 all get their first token only once the 16th prefill was done; one at a time, in arrival order, the first
 answers after one prefill.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -279,6 +280,63 @@ class BatchDecoder:
                 for row in done:
                     self._active.remove(row)
                     self._leave(row)
+
+
+class Traffic:
+    """What an engine's requests share while they run: how many run now, the one-prefill-at-a-time turn, and the
+    decode loop they join (built on the first batched request by `make_decoder`, which reads `max_batch` then)."""
+
+    def __init__(self, make_decoder: Callable[[], BatchDecoder], release_team: Callable[[], None]):
+        self._make_decoder, self._release_team = make_decoder, release_team
+        self._decoder: BatchDecoder | None = None
+        self._decoder_lock = threading.Lock()
+        self.running = 0  # requests between the start of their prefill and their last token (`counted`)
+        self._running_lock = threading.Lock()
+        # One prefill at a time, in arrival order (module docstring: a burst's first request answers after one).
+        self.prefill_turn = TurnLock()
+
+    @contextlib.contextmanager
+    def counted(self):
+        """While inside, a request is running (between the start of its prefill and its last token)."""
+        with self._running_lock:
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self._running_lock:
+                self.running -= 1
+
+    def busy(self) -> bool:
+        """Whether a request other than the caller's (which is counted) is running."""
+        return self.running > 1
+
+    def shares_steps(self) -> bool:
+        """Whether a request decodes as a row of the shared step: when others run. One alone decodes on its own
+        thread: with the loop's thread computing too, two threads hold OpenMP teams, and on 2 cores every
+        parallel op then paid a wake-up (a lone decode ran at 65-70% of its speed, bench model)."""
+        return self.busy()
+
+    def decoder(self, create: bool = True) -> BatchDecoder | None:
+        with self._decoder_lock:
+            if self._decoder is None and create:
+                self._decoder = self._make_decoder()
+            return self._decoder
+
+    def join(self, cache, sampler, tokens: list[int], positions: list[int], slot: int, steps: int,
+             prompt: bool = False) -> RowTokens:
+        """A request's row in the shared decode loop, after `tokens` (at `positions`, their KV to go to slots from
+        `slot` on: the first token chosen, or the prompt's tokens left to compute), for at most `steps` more
+        forward passes. The loop starts computing the next token now, while this thread hands out the first."""
+        joined = self.decoder().join(cache, sampler, tokens, positions, slot, steps, prompt)
+        self._release_team()  # this thread now waits for the loop's tokens (pc_rag/model/threads.py)
+        return joined
+
+    def stats(self, max_batch: int) -> dict:
+        decoder = self._decoder
+        if decoder is not None:
+            return decoder.stats()
+        return {"active": 0, "waiting": 0, "steps": 0, "tokens": 0, "max_batch": max_batch, "max_batch_seen": 0,
+                "first_tokens": 0, "prompt_tokens": 0}
 
 
 def decode_steps_needed(max_new_tokens: int, room: int) -> int:

@@ -14,19 +14,15 @@ and automatic scaffolds are kept per namespace too (blocks.py says how keys carr
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
 
-from . import after_reply
 from .assemble import Assembler
-from .batch import MAX_BATCH, BatchDecoder, RowTokens, TurnLock
-from .decode import Sampler
-from .errors import OptionError, PromptError, UnsupportedModelError
+from .batch import MAX_BATCH, BatchDecoder, Traffic
+from .errors import OptionError, PromptError
 from .explain import Explanation, explain
 from .grammar import Grammar, Grammars
 from .model import LlamaRunner, release_team, releasing_team
@@ -35,10 +31,10 @@ from .passages import tokenizer_markers
 from .plan import COMPUTED, Planner
 from .pml import PML, Schema, SchemaRegistry
 from .prefetch import PREFETCHER, Prefetcher
-from .quality import Calibration, calibrate, deviation_reference
-from .request import Generation, Request, prefill
+from .quality import Calibration, deviation_reference, gate
+from .request import Generation, Request, next_token_logits
 from .scaffolds import ScaffoldBuilder
-from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment
+from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment, chunk_list
 from .store import open_store
 from .text_index import DISCOVERY, ChunkIndex, Discovery, ReplyIndex, marked, resolve, with_passages
 
@@ -110,13 +106,9 @@ class Engine:
         # Blocks read from disk or Redis go to the model's device once, when promoted (a TieredStore; a store of one
         # tier places nothing, and lookups place what it returns).
         self.store.set_device(self.runner.device)
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if tokenizer.eos_token_id is not None:
-            eos.append(tokenizer.eos_token_id)
-        self.eos_ids = frozenset(eos)
+        self.eos_ids = self.runner.eos_ids
         # Constrained decoding (`grammar=`): grammars compiled for this tokenizer, kept LRU (pc_rag.grammar).
-        self.grammars = Grammars(tokenizer, getattr(model.config, "vocab_size", None) or len(tokenizer), self.eos_ids)
+        self.grammars = Grammars(tokenizer, self.runner.vocab_size, self.eos_ids)
         # Texts a plain-string prompt is cut at: chunks registered with this engine (`register`), replies it
         # generated (given back their generated tokens), and the documents the framework hooks discovered.
         self.chunks = ChunkIndex()
@@ -128,15 +120,13 @@ class Engine:
         self.discovery = discovery if discovery is not None else DISCOVERY
         self.discovery.watch(self)
         self.prefetcher = prefetcher if prefetcher is not None else PREFETCHER
-        self._decoder: BatchDecoder | None = None  # built on the first batched request (max_batch read then)
-        self._decoder_lock = threading.Lock()
+        # What running requests share: their count, the prefill turn, the decode loop (built on the first batched
+        # request: max_batch is read then).
+        self.traffic = Traffic(lambda: BatchDecoder(self.runner.step, self.eos_ids, self.max_batch, release_team,
+                                                    self.runner.prefill_chunk_tokens), release_team)
         self.measured_deviation: float | None = None  # quality.deviation_reference, once measured
         self.calibration: Calibration | None = None  # quality.calibrate, once measured (min_agreement set)
-        self._requests = 0  # running now (`counted`): alone, a request decodes on its own thread (`shares_steps`)
-        self._requests_lock = threading.Lock()
-        self.runner.others_decoding = self.busy  # long prefills are chunked while others run
-        # One prefill at a time, in arrival order (batch.py: a burst's first request answers after one prefill).
-        self.prefill_turn = TurnLock()
+        self.runner.others_decoding = self.traffic.busy  # long prefills are chunked while others run
         release_team()  # loading and packing the weights computed on this thread, which may serve none (threads.py)
 
     @classmethod
@@ -203,7 +193,7 @@ class Engine:
         """`options`, once what they cannot check alone fits this engine: logit_bias ids in the vocabulary, n
         choices in one decode batch (else an OptionError). The server checks a request's options with it before
         the request waits in line."""
-        vocab = getattr(self.model.config, "vocab_size", None) or len(self.tokenizer)
+        vocab = self.runner.vocab_size
         if options.logit_bias and options.logit_bias[-1][0] >= vocab:  # sorted by id
             raise OptionError(f"logit_bias names token {options.logit_bias[-1][0]}, beyond the vocabulary of "
                               f"{vocab} tokens (ids 0 to {vocab - 1})")
@@ -286,8 +276,7 @@ class Engine:
         """Declare chunks that are retrieved together: whenever they appear in a prompt in this order (with
         only text between them), they are encoded jointly once and reused as one block, so inside the group
         each chunk sees the ones before it, as in a full prefill."""
-        texts = [(c if isinstance(c, Chunk) else Chunk(c)).text for c in chunks]  # Chunk() checks the text
-        group = [self.segmenter.ids(t) for t in texts]
+        group = [self.segmenter.ids(c.text) for c in chunk_list(chunks, "add_scaffold")]
         self.scaffolds.declare(group)
 
     def add_schema(self, pml: str) -> Schema:
@@ -298,23 +287,13 @@ class Engine:
                 self.add_scaffold(texts)
         return schema
 
-    @releasing_team
     def next_token_logits(self, prompt: Prompt, mode: str = "modular", recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
                           cache_salt: str | None = None, recompute_target: float | None = None) -> torch.Tensor:
         """Next-token logits after the prompt, [vocab] float32. Like `generate`, it leaves the prompt's prefix
         blocks behind (stored after the logits are computed, in namespace `cache_salt`), so scoring many
         continuations of one long context computes the context once."""
-        options = GenerationOptions(mode=mode, recompute_ratio=recompute_ratio, cache_salt=cache_salt,
-                                    recompute_target=recompute_target)
-        with self.counted():
-            asm = prefill(self, prompt, options.mode, options.cache_salt, options.recompute_ratio,
-                          recompute_target=options.recompute_target)
-            try:
-                self.assembler.save_prefix(asm)
-            finally:
-                self.runner.release_cache(asm.cache)
-            after_reply.remember_passages(self, asm.plan)
-        return asm.logits
+        return next_token_logits(self, prompt, GenerationOptions(
+            mode=mode, recompute_ratio=recompute_ratio, cache_salt=cache_salt, recompute_target=recompute_target))
 
     @releasing_team
     def warm(self, chunks: Iterable[Chunk | str], progress: bool = True, cache_salt: str | None = None) -> int:
@@ -323,15 +302,8 @@ class Engine:
         from tqdm.auto import tqdm
 
         namespace = checked_cache_salt(cache_salt)
-        if isinstance(chunks, (str, Chunk)):  # a lone string would be warmed character by character
-            raise PromptError("warm takes a list of chunks (str or pc_rag.Chunk), not a single one: warm([chunk])")
-        chunks = list(chunks)
-        for i, c in enumerate(chunks):  # all checked before the first (slow) encode
-            if not isinstance(c, (str, Chunk)):
-                raise PromptError(f"warm: chunks[{i}] is a {type(c).__name__}; pass str or pc_rag.Chunk")
         encoded = 0
-        for c in tqdm(chunks, desc="pc_rag: encoding chunks", unit="chunk", disable=not progress):
-            c = Chunk(c) if isinstance(c, str) else c
+        for c in tqdm(chunk_list(chunks, "warm"), desc="pc_rag: encoding chunks", unit="chunk", disable=not progress):
             ids = self.segmenter.ids(c.text, namespace)
             if ids:
                 segment = TokenSegment("chunk", ids, 0, c.encode_position, public=c.public)
@@ -347,44 +319,27 @@ class Engine:
         return check(self, prompts, modes if modes is not None else DEFAULT_MODES, max_new_tokens, target, progress)
 
     def check_quality(self, mode: str) -> None:
-        """The gate (`min_agreement`): refuse modular on a model whose modular agreed with full on fewer of the
-        built-in prompts than the bound (quality.calibrate). Blend stays allowed: it recomputes."""
-        if self.min_agreement is None or mode not in ("modular", "blend"):
-            return
-        cal = calibrate(self)
-        if mode == "modular" and cal.agreement < self.min_agreement:
-            raise UnsupportedModelError(
-                f"modular refused on this model: its next token agreed with full's on {cal.agreement:.2f} of "
-                f"{len(cal.prompts)} built-in prompts (mean KL {cal.kl:.3g} nats), below engine.min_agreement = "
-                f"{self.min_agreement:g}; use blend (recompute_target=0.9), exact or full, or measure your own "
-                f"documents with `pc-rag check`")
+        """The gate per model (`min_agreement`, quality.gate): raises where it refuses `mode`."""
+        gate(self, mode)
 
     def deviation_reference(self) -> float:
         """This model's typical key deviation of a reused chunk (quality.py), measured on first use."""
         return deviation_reference(self)
 
     def stats(self) -> dict:
-        """Store tiers' counters; scaffolds: groups declared, bytes of their joint KV, automatic builds that
-        failed (each logged on the "pc_rag" logger); prefix blocks this process's index knows; texts registered
-        as chunks with this engine and replies it remembers; passages: passages of plain-string prompts remembered
-        (`indexed`, in `namespaces`), and what they did (`PassageCounts`); decode: batched decode steps, the tokens they
-        produced (first_tokens of them the requests' first, after the prompt_tokens the steps computed for
-        them), the largest batch seen, requests decoding and waiting for a row now; relocation_check: the
-        RoPE relocation self-check of this model (run before its first modular or blend request; None before);
-        quality_gate: what `min_agreement`'s calibration measured (quality.Calibration.as_dict; None before)."""
+        """tiers: the store's counters; scaffolds: groups, bytes of their joint KV, failed builds (each logged);
+        prefix: blocks indexed; registered: chunks and remembered replies; passages: those remembered and what they
+        did (`PassageCounts`); decode: the shared loop's steps, tokens (first_tokens, prompt_tokens), largest batch,
+        rows decoding and waiting; backends; relocation_check and quality_gate: None until they ran."""
         groups, failed = self.scaffolds.snapshot()  # background builds may add groups meanwhile
-        decoder = self._decoder
         check = self.runner.relocation_check
-        decode = decoder.stats() if decoder is not None else {
-            "active": 0, "waiting": 0, "steps": 0, "tokens": 0, "max_batch": self.max_batch, "max_batch_seen": 0,
-            "first_tokens": 0, "prompt_tokens": 0}
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
                 "scaffolds": {"groups": sum(len(g) for g in groups), "bytes": self.assembler.scaffold_bytes,
                               "failed": failed},
                 "prefix": {"blocks_indexed": len(self.planner.prefixes), "block_tokens": self.planner.block_tokens},
                 "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
                 "passages": self.planner.passages.stats(),
-                "decode": decode,
+                "decode": self.traffic.stats(self.max_batch),
                 "backends": self.runner.backends.as_dict(),
                 "relocation_check": check.as_dict() if check is not None else None,
                 "quality_gate": None if self.calibration is None else {
@@ -393,42 +348,3 @@ class Engine:
     def wait_for_background(self, timeout: float | None = None) -> None:
         """Wait for background work (automatic scaffold encodes) to finish."""
         self.scaffolds.wait(timeout)
-
-    # ---- what requests share (request.py carries each one) -----------------------------------------------
-    @contextlib.contextmanager
-    def counted(self):
-        """While inside, a request is running (between the start of its prefill and its last token)."""
-        with self._requests_lock:
-            self._requests += 1
-        try:
-            yield
-        finally:
-            with self._requests_lock:
-                self._requests -= 1
-
-    def busy(self) -> bool:
-        """Whether a request other than the caller's (which is counted) is running."""
-        return self._requests > 1
-
-    def shares_steps(self) -> bool:
-        """Whether a request decodes as a row of the shared step (batch.py): when others run. One alone decodes on
-        its own thread: with the loop's thread computing too, two threads hold OpenMP teams, and on 2 cores every
-        parallel op then paid a wake-up (a lone decode ran at 65-70% of its speed, bench model)."""
-        return self.busy()
-
-    def decoder(self, create: bool = True) -> BatchDecoder | None:
-        """The shared decode loop (built on the first batched request: `max_batch` is read then)."""
-        with self._decoder_lock:
-            if self._decoder is None and create:
-                self._decoder = BatchDecoder(self.runner.step, self.eos_ids, self.max_batch, release_team,
-                                             self.runner.prefill_chunk_tokens)
-            return self._decoder
-
-    def join_batch(self, cache, sampler: Sampler, tokens: list[int], positions: list[int], slot: int, steps: int,
-                   prompt: bool = False) -> RowTokens:
-        """A request's row in the shared decode loop, after `tokens` (at `positions`, their KV to go to slots from
-        `slot` on: the first token chosen, or the prompt's tokens left to compute), for at most `steps` more
-        forward passes. The loop starts computing the next token now, while this thread hands out the first."""
-        joined = self.decoder().join(cache, sampler, tokens, positions, slot, steps, prompt)
-        release_team()  # this thread now waits for the loop's tokens (pc_rag/model/threads.py)
-        return joined

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import PromptError
+from .errors import PromptError, UnsupportedModelError
 from .segments import Chunk, Text
 
 REFERENCE_CHUNKS = 3
@@ -171,3 +171,17 @@ def deviation_reference(engine) -> float:
             engine.runner.release_cache(asm.cache)
             engine.measured_deviation = max(asm.deviation or 0.0, 1e-6)
         return engine.measured_deviation
+
+
+def gate(engine, mode: str) -> None:
+    """The gate per model (`Engine.min_agreement`): refuse modular on a model whose modular agreed with full on
+    fewer of the built-in prompts than the bound (`calibrate`). Blend stays allowed: it recomputes."""
+    if engine.min_agreement is None or mode not in ("modular", "blend"):
+        return
+    cal = calibrate(engine)
+    if mode == "modular" and cal.agreement < engine.min_agreement:
+        raise UnsupportedModelError(
+            f"modular refused on this model: its next token agreed with full's on {cal.agreement:.2f} of "
+            f"{len(cal.prompts)} built-in prompts (mean KL {cal.kl:.3g} nats), below engine.min_agreement = "
+            f"{engine.min_agreement:g}; use blend (recompute_target=0.9), exact or full, or measure your own "
+            f"documents with `pc-rag check`")

@@ -23,7 +23,7 @@ from .assemble import Assembled, Recompute
 from .batch import RowTokens, decode_steps_needed
 from .decode import Sampler, Sampling, TextStream, TokenLogprob, TokenTexts
 from .errors import PromptError
-from .model import release_team
+from .model import release_team, releasing_team
 from .model.cache import SlotCache
 from .options import MODES, GenerationOptions
 from .plan import REUSING_CHUNKS, Plan
@@ -139,6 +139,20 @@ def prefill(engine, prompt, mode: str, namespace: str | None, recompute_ratio: f
     return engine.assembler.assemble(plan, lookups.blocks, extra_capacity, recompute, defer)
 
 
+@releasing_team
+def next_token_logits(engine, prompt, options: GenerationOptions):
+    """`Engine.next_token_logits`: a request that stops at the first logits, leaving its prefix blocks behind."""
+    with engine.traffic.counted():
+        asm = prefill(engine, prompt, options.mode, options.cache_salt, options.recompute_ratio,
+                      recompute_target=options.recompute_target)
+        try:
+            engine.assembler.save_prefix(asm)
+        finally:
+            engine.runner.release_cache(asm.cache)
+        after_reply.remember_passages(engine, asm.plan)
+    return asm.logits
+
+
 class Request:
     """One call of `Engine.generate`/`stream`: its prompt and options, and, as it runs, its buffers and replies."""
 
@@ -159,7 +173,7 @@ class Request:
         """The text pieces as they are decoded (`decode.Piece`s naming their choice where it matters); returns the
         `Generation`. Closing it early (an abandoned stream) still runs `finish`."""
         t0 = time.perf_counter()
-        with self.engine.counted():
+        with self.engine.traffic.counted():
             asm = self._prefill()
             done = False
             try:
@@ -186,10 +200,10 @@ class Request:
         forward of its own (docs/speed.md#batching-and-concurrent-streams); not when the batch is full, where the
         first token would wait for a row to leave, nor for several replies."""
         engine, options = self.engine, self.options
-        decoder = engine.decoder(create=False)
-        defer = (engine.runner.prefill_chunk_tokens if options.n == 1 and engine.shares_steps()
+        decoder = engine.traffic.decoder(create=False)
+        defer = (engine.runner.prefill_chunk_tokens if options.n == 1 and engine.traffic.shares_steps()
                  and (decoder is None or decoder.has_room()) else 0)
-        with engine.prefill_turn:
+        with engine.traffic.prefill_turn:
             return prefill(engine, self.prompt, options.mode, options.cache_salt, options.recompute_ratio,
                            options.max_new_tokens, defer, options.recompute_target)
 
@@ -203,7 +217,7 @@ class Request:
             asm.cache.length = asm.prompt_tokens
             asm = replace(asm, logits=engine.runner.forward(asm.cache, ids, positions, list(tail)))
         if asm.logits is None:
-            self.rows[0] = engine.join_batch(asm.cache, self.samplers[0], ids, positions, tail.start, steps + 1,
+            self.rows[0] = engine.traffic.join(asm.cache, self.samplers[0], ids, positions, tail.start, steps + 1,
                                              prompt=True)
             return [self.rows[0].next()]
         return [sampler(asm.logits) for sampler in self.samplers]
@@ -218,8 +232,8 @@ class Request:
         self.caches += [copy_of_prompt(engine.runner, asm) for _ in range(self.options.n - 1)]
         # Several replies always decode as rows of the shared step (one forward a step for all of them); one does
         # too while other requests decode.
-        if self.rows[0] is None and (self.options.n > 1 or engine.shares_steps()):
-            self.rows = [engine.join_batch(cache, sampler, [token], [asm.last_position + 1], asm.prompt_tokens, steps)
+        if self.rows[0] is None and (self.options.n > 1 or engine.traffic.shares_steps()):
+            self.rows = [engine.traffic.join(cache, sampler, [token], [asm.last_position + 1], asm.prompt_tokens, steps)
                          for cache, sampler, token in zip(self.caches, self.samplers, tokens, strict=True)]
         live = list(range(self.options.n))
         for step in range(max_new_tokens):
@@ -257,8 +271,8 @@ class Request:
         engine, sampler = self.engine, self.samplers[i]
         pos, slot = asm.last_position + 1 + step, asm.prompt_tokens + step
         nxt = sampler(engine.runner.forward(asm.cache, [token], [pos], [slot]))
-        if engine.shares_steps():
-            self.rows[i] = engine.join_batch(asm.cache, sampler, [nxt], [pos + 1], slot + 1, steps - step - 1)
+        if engine.traffic.shares_steps():
+            self.rows[i] = engine.traffic.join(asm.cache, sampler, [nxt], [pos + 1], slot + 1, steps - step - 1)
         return nxt
 
     def _finish(self, asm: Assembled, done: bool) -> None:

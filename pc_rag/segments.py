@@ -96,6 +96,17 @@ def _check_segment(seg, text, **positions) -> None:
         object.__setattr__(seg, name, int(value))  # numpy ints from a retriever become plain ints
 
 
+def chunk_list(chunks, caller: str) -> list[Chunk]:
+    """`chunks` (str or Chunk each) as Chunks, every item checked before any slow work starts."""
+    if isinstance(chunks, (str, Chunk)):  # a lone string would be taken character by character
+        raise PromptError(f"{caller} takes a list of chunks (str or pc_rag.Chunk), not a single one: {caller}([chunk])")
+    chunks = list(chunks)
+    for i, c in enumerate(chunks):
+        if not isinstance(c, (str, Chunk)):
+            raise PromptError(f"{caller}: chunks[{i}] is a {type(c).__name__}; pass str or pc_rag.Chunk")
+    return [Chunk(c) if isinstance(c, str) else c for c in chunks]
+
+
 def _preview(text: str, n: int = 30) -> str:
     return repr(text if len(text) <= n else text[:n] + "...")
 

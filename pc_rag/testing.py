@@ -318,8 +318,8 @@ def one_at_a_time(engine):
     on its own thread (concurrent ones take turns at every forward) and prefills are not kept in arrival order."""
     import contextlib
 
-    engine.shares_steps = lambda: False
-    engine.prefill_turn = contextlib.nullcontext()
+    engine.traffic.shares_steps = lambda: False
+    engine.traffic.prefill_turn = contextlib.nullcontext()
     return engine
 
 

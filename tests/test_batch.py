@@ -452,11 +452,12 @@ def test_a_prompt_sent_again_leaves_its_last_token_to_the_shared_step(loaded, do
     engine.generate(prompt, mode="exact", max_new_tokens=16)  # computed once; its blocks stored
     alone = engine.generate(prompt, mode="exact", max_new_tokens=16)
     seeded = engine.generate(prompt, mode="exact", max_new_tokens=16, temperature=0.9, seed=3)
-    assert alone.computed_tokens == 1 and engine._decoder is None  # alone: its own forward, no shared loop
+    # alone: its own forward, no shared loop
+    assert alone.computed_tokens == 1 and engine.traffic.decoder(create=False) is None
     for kwargs, want in (({}, alone), ({"temperature": 0.9, "seed": 3}, seeded)):
         stream = engine.stream_generation(other_prompt, max_new_tokens=30)
         next(stream)  # in flight: the next request finds another one running
-        before = engine.stats()["decode"]["tokens"] if engine._decoder is not None else 0
+        before = engine.stats()["decode"]["tokens"] if engine.traffic.decoder(create=False) is not None else 0
         got = engine.generate(prompt, mode="exact", max_new_tokens=16, **kwargs)
         # every one of its tokens, the first included, came out of the shared loop's steps
         assert engine.stats()["decode"]["tokens"] - before == len(got.token_ids)
@@ -521,7 +522,7 @@ def test_serial_and_batched_engines_agree_on_a_single_request(loaded, docs):
     a, b = serial.generate(prompt, max_new_tokens=32), batched.generate(prompt, max_new_tokens=32)
     assert a.token_ids == b.token_ids and a.text == b.text
     # Alone, a request decodes on its own thread: the shared loop (and its thread) is never started.
-    assert batched.stats()["decode"]["steps"] == 0 and batched._decoder is None
+    assert batched.stats()["decode"]["steps"] == 0 and batched.traffic.decoder(create=False) is None
 
 
 def test_request_buffers_are_freed_without_the_cyclic_collector(loaded):

@@ -80,4 +80,4 @@ def test_n_is_checked_and_the_buffers_go_back(loaded, docs):
     next(stream)
     stream.close()  # abandoned mid-reply: every row leaves, every buffer returns
     assert engine.stats()["decode"]["active"] == 0
-    assert engine._requests == 0
+    assert engine.traffic.running == 0

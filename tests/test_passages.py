@@ -233,13 +233,13 @@ def test_passages_are_reused_only_in_the_namespace_that_sent_them(loaded):
 
 def test_a_busy_engine_encodes_passages_when_they_repeat(loaded):
     engine = new_engine(loaded)
-    engine._requests += 1  # another request in flight: no speculative encodes after the reply
+    engine.traffic.running += 1  # another request in flight: no speculative encodes after the reply
     try:
         engine.generate(rag([0, 1], "q1?"), max_new_tokens=2)
         assert engine.stats()["passages"]["encoded_after_reply"] == 0
         second = engine.generate(rag([1, 0], "q2?"), max_new_tokens=2)
     finally:
-        engine._requests -= 1
+        engine.traffic.running -= 1
     assert kinds(second) == [("passage", "computed"), ("passage", "computed")]  # sent before: encoded now
     assert engine.stats()["passages"]["encoded"] == 2
     third = engine.generate(rag([3, 0, 1], "q3?"), max_new_tokens=2)

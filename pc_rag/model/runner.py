@@ -217,6 +217,19 @@ class LlamaRunner:
         return cls(model.to(device), tokenizer)
 
     @property
+    def eos_ids(self) -> frozenset[int]:
+        """The tokens that end a reply: the generation config's (one id or several) and the tokenizer's."""
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        return frozenset(eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return getattr(self.config, "vocab_size", None) or len(self.tokenizer)
+
+    @property
     def relocatable(self) -> bool:
         """Whether every RoPE table's frequencies are fixed (rope.RELOCATABLE_ROPE_TYPES)."""
         return self.rope.relocatable

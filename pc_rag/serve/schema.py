@@ -30,8 +30,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from ..assemble import MODES
-from ..options import DEFAULT_RECOMPUTE_RATIO
+from ..options import DEFAULT_RECOMPUTE_RATIO, MODES
 
 MAX_CACHE_SALT_CHARS = 256
 EXTENSIONS = ("mode", "recompute_ratio", "chunks", "cache_salt")
