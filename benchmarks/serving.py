@@ -12,15 +12,37 @@ disk, then put) at a byte budget of `--budget` of the corpus' KV, for each polic
 (POLICIES): the share of the requests' chunk tokens found in memory. Block sizes follow each chunk's tokens (the
 tensors are small stand-ins: a policy sees only sizes, keys and the order of uses), beside two bounds no policy
 can pass (`bounds`). Prints a table, writes serving.json: `eviction.<policy>.<alpha>.hit_ratio`.
+
+Load (`--systems`, default every one found): the trace sent to each server in turn, one at a time on this
+machine, with the `openai` async client as an app sends it: a system message, then one user message holding the
+retrieved documents as plain text (joined by blank lines) and the question; a follow-up sends the conversation
+so far (the earlier answer included) and one more question. Answers of 32-64 tokens (seeded per request),
+streamed, greedy. Rates double from `--rates`' first value while the TTFT p99 stays under `--slo`, and one
+rate past it is measured too (2x the saturation rate); each rate sends `--requests-per-rate` requests (fresh
+ones of the same trace, so the server's cache carries over from rate to rate as a live service's would).
+Systems: `pc-rag modular` and `pc-rag exact` (`pc-rag serve`, plain text), `pc-rag modular marked` (the same
+documents as content parts with `cache_control`: what an app that hands the documents over gets), `vllm`
+(vLLM's OpenAI server, prefix caching on) and `llamacpp` (llama-cpp-python's server) from `--peers`
+(benchmarks/peers_env.sh). Records per rate TTFT p50/p90/p99, inter-token latency, output tokens/s, the prompt
+tokens the server reports as cached (where it reports them), refused and lost requests; per system the highest
+rate under the SLO; for pc-rag, whether greedy answers under load equal a one-at-a-time replay of the same
+requests on the same server. serving.json: `systems.<name>.max_rate_rps`, `systems.<name>.rates[]`; serving.md
+and serving.png (TTFT p99 against rate).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import random
+import statistics
+import subprocess
 import sys
-from dataclasses import dataclass
+import tempfile
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,6 +59,8 @@ class Request:
     chunks: tuple[int, ...]  # corpus indexes, in prompt order
     question: str
     turn: int  # 0: a new question; > 0: a follow-up in the same conversation
+    index: int = -1  # in the trace
+    parent: int | None = None  # the trace index of the request a follow-up continues
 
 
 def corpus_chunks(n: int, words_per_chunk: int = 190) -> list[str]:
@@ -59,7 +83,7 @@ def rag_trace(n_chunks: int, n_requests: int, alpha: float, seed: int = 0, follo
     for i in range(n_requests):
         if out and rng.random() < follow_ups:
             prev = rng.choice(out[-50:])
-            out.append(Request(0.0, prev.chunks, prev.question + " And then?", prev.turn + 1))
+            out.append(Request(0.0, prev.chunks, f"And then? ({i})", prev.turn + 1, i, prev.index))
             continue
         k = rng.randint(4, 8)
         picked: list[int] = []
@@ -67,7 +91,7 @@ def rag_trace(n_chunks: int, n_requests: int, alpha: float, seed: int = 0, follo
             c = ranks[rng.choices(range(n_chunks), weights)[0]]
             if c not in picked:
                 picked.append(c)
-        out.append(Request(0.0, tuple(picked), f"Question {i}: what does the documentation say about it?", 0))
+        out.append(Request(0.0, tuple(picked), f"Question {i}: what does the documentation say about it?", 0, i))
     return out
 
 
@@ -77,7 +101,7 @@ def arrivals(trace: list[Request], rate_rps: float, seed: int = 0) -> list[Reque
     t, out = 0.0, []
     for r in trace:
         t += rng.expovariate(rate_rps)
-        out.append(Request(t, r.chunks, r.question, r.turn))
+        out.append(replace(r, t_s=t))
     return out
 
 
@@ -142,17 +166,318 @@ def bounds(chunks: list[str], trace: list[Request], budget: float, alpha: float)
     return {"static": static, "belady": hit / asked}
 
 
+# ---- load: the trace sent to servers -----------------------------------------------------------------------------
+SYSTEM = "You answer questions about Python from the documents the user gives. Be brief."
+PC_RAG_SYSTEMS = ("pc-rag modular", "pc-rag exact", "pc-rag modular marked")
+PEER_SYSTEMS = ("vllm", "llamacpp")
+
+
+def messages(req: Request, chunks: list[str], marked: bool, earlier: list[dict] | None = None) -> list[dict]:
+    """What an app sends: the documents as plain text in the user message (or, `marked`, as content parts with
+    `cache_control`, the way an app that hands its documents over sends them); `earlier`: a follow-up's
+    conversation so far."""
+    if earlier is not None:
+        return [*earlier, {"role": "user", "content": req.question}]
+    docs = [chunks[c] for c in req.chunks]
+    if marked:
+        parts = [{"type": "text", "text": "Documents:\n\n"}]
+        for d in docs:
+            parts += [{"type": "text", "text": d, "cache_control": {"type": "ephemeral"}},
+                      {"type": "text", "text": "\n\n"}]
+        content: str | list = [*parts, {"type": "text", "text": f"Question: {req.question}"}]
+    else:
+        content = "Documents:\n\n" + "\n\n".join(docs) + f"\n\nQuestion: {req.question}"
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]
+
+
+def percentile(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))] if values else float("nan")
+
+
+async def send_rate(url: str, trace: list[Request], chunks: list[str], marked: bool, extra_body: dict,
+                    max_tokens: list[int], timeout_s: float,
+                    history: dict[int, list[dict]]) -> tuple[list[dict], float]:
+    """Every request of `trace` at its arrival time (seconds from now), streamed. A follow-up sends its
+    conversation so far (`history`: trace index -> the messages sent and the answer, filled as answers come); one
+    whose parent is in this part waits for that answer (a user reads before asking again) and is sent then or at
+    its own time, whichever is later; one whose parent got no answer starts a conversation of its own. Returns one
+    record per request and the wall time."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=timeout_s)
+    done = {r.index: asyncio.Event() for r in trace}
+    records: list[dict] = [{} for _ in trace]
+    t0 = time.perf_counter()
+
+    async def one(i: int, req: Request) -> None:
+        await asyncio.sleep(max(0.0, req.t_s - (time.perf_counter() - t0)))
+        if req.parent in done:
+            await done[req.parent].wait()
+        sent = messages(req, chunks, marked, history.get(req.parent) if req.parent is not None else None)
+        start = time.perf_counter()
+        first, stamps, text, usage = None, [], [], None
+        try:
+            stream = await client.chat.completions.create(
+                model="m", messages=sent, max_tokens=max_tokens[i], temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body=extra_body)
+            async for event in stream:
+                if event.choices and event.choices[0].delta.content:
+                    now = time.perf_counter()
+                    first = first or now
+                    stamps.append(now)
+                    text.append(event.choices[0].delta.content)
+                if event.usage is not None:
+                    usage = event.usage
+            end = time.perf_counter()
+            details = getattr(usage, "prompt_tokens_details", None) if usage else None
+            answer = "".join(text)
+            history[req.index] = [*sent, {"role": "assistant", "content": answer}]
+            records[i] = {"ttft_s": (first or end) - start, "total_s": end - start,
+                          "itl_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None,
+                          "prompt_tokens": usage.prompt_tokens if usage else 0,
+                          "completion_tokens": usage.completion_tokens if usage else len(stamps),
+                          "cached_tokens": (getattr(details, "cached_tokens", None) or 0) if details else None,
+                          "answer": answer, "turn": req.turn}
+        except Exception as e:  # counted: a refusal (429/503) or a lost answer
+            status = getattr(e, "status_code", None)
+            records[i] = {"error": f"{type(e).__name__}: {str(e)[:200]}", "refused": status in (429, 503)}
+        finally:
+            done[req.index].set()
+
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(trace)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    return records, wall
+
+
+def summarize(rate: float, records: list[dict], wall_s: float) -> dict:
+    ok = [r for r in records if "error" not in r]
+    ttft = [r["ttft_s"] for r in ok]
+    itl = [r["itl_s"] for r in ok if r["itl_s"] is not None]
+    cached = [r for r in ok if r["cached_tokens"] is not None]
+    return {"rate": rate, "requests": len(records), "answered": len(ok),
+            "refused": sum(1 for r in records if r.get("refused")),
+            "lost": sum(1 for r in records if "error" in r and not r.get("refused")),
+            "errors": sorted({r["error"] for r in records if "error" in r})[:3],
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
+            "itl_mean_s": statistics.fmean(itl) if itl else None,
+            "output_tokens_per_s": sum(r["completion_tokens"] for r in ok) / wall_s,
+            "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in ok) if ok else 0,
+            "hit_ratio": (sum(r["cached_tokens"] for r in cached) / max(1, sum(r["prompt_tokens"] for r in cached))
+                          if cached else None),
+            "wall_s": wall_s}
+
+
+class PeerServer:
+    """A peer's OpenAI server in a child process on a free port, in its own virtualenv under --peers."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict):
+        from pc_rag.serve.process import free_port
+
+        self.name, self.port = name, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [c.replace("{port}", str(self.port)) for c in cmd]
+        self.env = env
+        self.log = tempfile.NamedTemporaryFile(prefix=f"serving_{name}_", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self):
+        import urllib.request
+
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {Path(self.log.name).read_text(errors='replace')[-3000:]}")
+            try:
+                urllib.request.urlopen(self.url + "/v1/models", timeout=5).read()
+                return self
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"{self.name} did not start in 600 s")
+
+    def __exit__(self, *exc):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def peer_server(name: str, peers: Path, model: Path, max_len: int, work: Path) -> PeerServer | None:
+    from .peers import gguf, peer_python
+
+    python = peer_python(peers, name)
+    if python is None:
+        return None
+    threads = str(os.cpu_count() or 1)
+    env = dict(os.environ)
+    if name == "vllm":
+        tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+        if os.path.exists(tcmalloc):  # vLLM's CPU docs ask for it
+            env["LD_PRELOAD"] = tcmalloc
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{int(threads) - 1}")
+        return PeerServer(name, [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                                 "--served-model-name", "m", "--port", "{port}", "--dtype", "float32",
+                                 "--enable-prefix-caching", "--max-model-len", str(max_len),
+                                 "--disable-log-requests"], env)
+    if subprocess.run([str(python), "-c", "import llama_cpp.server"], capture_output=True).returncode:
+        print("[serving] llamacpp: llama_cpp.server does not import (pip install 'llama-cpp-python[server]' "
+              "in its venv); skipped", file=sys.stderr)
+        return None
+    path = gguf(peers, model, "float32", work)
+    if path is None:
+        return None
+    return PeerServer(name, [str(python), "-m", "llama_cpp.server", "--model", str(path), "--model_alias", "m",
+                             "--port", "{port}", "--n_ctx", str(max_len), "--n_threads", threads,
+                             "--n_threads_batch", threads], env)
+
+
+def replay_equal(url: str, trace: list[Request], chunks: list[str], marked: bool, extra_body: dict,
+                 max_tokens: list[int], records: list[dict], n: int = 12) -> float:
+    """Share of `n` answered first-turn requests whose greedy answer under load equals the same request sent
+    alone afterwards to the same server (the engine's cache state then differs only by what later requests
+    added)."""
+    picked = [i for i, r in enumerate(trace) if r.turn == 0 and "answer" in records[i]][:n]
+    if not picked:
+        return float("nan")
+    same = 0
+    for i in picked:
+        alone = [replace(trace[i], t_s=0.0)]
+        rec, _ = asyncio.run(send_rate(url, alone, chunks, marked, extra_body, [max_tokens[i]], 600, {}))
+        same += rec[0].get("answer") == records[i]["answer"]
+    return same / len(picked)
+
+
+def run_system(name: str, server, trace: list[Request], chunks: list[str], args) -> dict:
+    marked = name.endswith("marked")
+    extra = {"mode": name.split()[1]} if name.startswith("pc-rag") else {}
+    rng = random.Random(args.seed + 1)
+    max_tokens = [rng.randint(32, 64) for _ in trace]
+    rows, offset, rate = [], 0, args.rates[0]
+    with server:
+        warm = [Request(0.0, (0, 1, 2, 3), "A warm-up question.", 0)]  # load, allocator, kernels: outside timing
+        asyncio.run(send_rate(server.url, warm, chunks, marked, extra, [8], 600, {}))
+        history: dict[int, list[dict]] = {}
+        while offset + args.requests_per_rate <= len(trace) and rate <= args.max_rate:
+            part = arrivals(trace[offset:offset + args.requests_per_rate], rate, args.seed + offset)
+            records, wall = asyncio.run(send_rate(server.url, part, chunks, marked, extra,
+                                                  max_tokens[offset:offset + len(part)], args.timeout, history))
+            row = summarize(rate, records, wall)
+            if name.startswith("pc-rag") and args.replay:
+                row["equal_to_one_at_a_time"] = replay_equal(server.url, part, chunks, marked, extra,
+                                                             max_tokens[offset:offset + len(part)], records)
+            rows.append(row)
+            print(f"[serving] {name:22} {rate:6.2f} req/s: TTFT p50 {row['ttft_p50_s']:.2f} s p99 "
+                  f"{row['ttft_p99_s']:.2f} s  {row['output_tokens_per_s']:.0f} tok/s  cached "
+                  f"{row['hit_ratio'] if row['hit_ratio'] is None else round(row['hit_ratio'], 3)}  refused "
+                  f"{row['refused']} lost {row['lost']}", flush=True)
+            offset += len(part)
+            if row["ttft_p99_s"] > args.slo or row["answered"] < len(part):
+                break  # past saturation: this rate is twice the highest that held (or the first tried)
+            rate *= 2
+    good = [r["rate"] for r in rows if r["ttft_p99_s"] <= args.slo and r["answered"] == r["requests"]]
+    return {"max_rate_rps": max(good) if good else 0.0, "rates": rows}
+
+
+def load(args, out: Path) -> dict:
+    from .common import model_or_bench
+
+    model = Path(model_or_bench(args.model, out))
+    chunks = corpus_chunks(args.chunks, args.chunk_words)
+    n = args.requests_per_rate * 8
+    trace = rag_trace(args.chunks, n, args.alpha, args.seed)
+    peers = Path(args.peers) if args.peers else None
+    systems = {}
+    for name in args.systems or [*PC_RAG_SYSTEMS, *PEER_SYSTEMS]:
+        if name in PC_RAG_SYSTEMS:
+            cache = tempfile.mkdtemp(prefix="serving_cache_")
+            from pc_rag.serve.process import ServerProcess
+
+            server = ServerProcess(model, extra=["--cache-dir", cache, "--max-waiting", "100000", "--queue-timeout",
+                                                 str(args.timeout), "--prefill-timeout", str(args.timeout),
+                                                 "--served-model-name", "m"])
+        elif name in PEER_SYSTEMS and peers is not None:
+            server = peer_server(name, peers, model, 4096, out)
+            if server is None:
+                print(f"[serving] {name}: not found under {peers} (benchmarks/peers_env.sh); skipped", file=sys.stderr)
+                continue
+        else:
+            continue
+        systems[name] = run_system(name, server, trace, chunks, args)
+    return {"model": model.name, "alpha": args.alpha, "slo_s": args.slo, "requests_per_rate": args.requests_per_rate,
+            "chunks": args.chunks, "systems": systems}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"Trace: {result['chunks']} chunks, Zipf alpha {result['alpha']}, 4-8 chunks per question, "
+             f"{result['requests_per_rate']} requests per rate, SLO: TTFT p99 <= {result['slo_s']:g} s; model "
+             f"{result['model']}, CPU.", "",
+             "| system | highest rate under the SLO (req/s) | rate | TTFT p50 / p90 / p99 (s) | inter-token (ms) "
+             "| output tok/s | cached share | refused / lost | equal to one at a time |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, sys_ in result["systems"].items():
+        for i, r in enumerate(sys_["rates"]):
+            hit = "" if r["hit_ratio"] is None else f"{r['hit_ratio']:.2f}"
+            itl = "" if r["itl_mean_s"] is None else f"{r['itl_mean_s'] * 1000:.0f}"
+            eq = r.get("equal_to_one_at_a_time")
+            lines.append(f"| {name if i == 0 else ''} | {sys_['max_rate_rps'] if i == 0 else ''} | {r['rate']:g} | "
+                         f"{r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} / {r['ttft_p99_s']:.2f} | {itl} | "
+                         f"{r['output_tokens_per_s']:.0f} | {hit} | {r['refused']} / {r['lost']} | "
+                         f"{'' if eq is None else f'{eq:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, sys_ in result["systems"].items():
+        rates = sys_["rates"]
+        ax.plot([r["rate"] for r in rates], [r["ttft_p99_s"] for r in rates], marker="o", label=f"{name} (p99)")
+    ax.axhline(result["slo_s"], color="grey", ls="--", lw=1, label="SLO")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("TTFT p99 (s)")
+    ax.set_title(f"RAG trace (Zipf {result['alpha']}), {result['model']}, CPU")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--chunks", type=int, default=1200)
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--budget", type=float, default=0.2)
+    ap.add_argument("--chunk-words", type=int, default=190, help="words per chunk (~1.3 bench tokens each)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--systems", nargs="*", choices=[*PC_RAG_SYSTEMS, *PEER_SYSTEMS],
+                    help="servers to load (default: every pc-rag one, and the peers found under --peers); "
+                         "none given with the option: the eviction part only")
+    ap.add_argument("--peers", help="the peers' virtualenvs (benchmarks/peers_env.sh DIR)")
+    ap.add_argument("--model", help="checkpoint dir (default: the offline bench Llama, built under --out)")
+    ap.add_argument("--alpha", type=float, default=1.1, help="Zipf popularity of the load trace")
+    ap.add_argument("--rates", type=float, nargs=1, default=[1.0], help="the first arrival rate (req/s); doubled")
+    ap.add_argument("--max-rate", type=float, default=64.0)
+    ap.add_argument("--requests-per-rate", type=int, default=200)
+    ap.add_argument("--slo", type=float, default=2.0, help="TTFT p99 bound in seconds")
+    ap.add_argument("--timeout", type=float, default=900.0, help="a request's client timeout in seconds")
+    ap.add_argument("--no-replay", dest="replay", action="store_false",
+                    help="skip the one-at-a-time replay that checks greedy answers under load")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    chunks = corpus_chunks(args.chunks)
+    chunks = corpus_chunks(args.chunks, args.chunk_words)
     result = {"chunks": args.chunks, "requests": args.requests, "budget": args.budget, "eviction": {}}
     print(f"memory tier at {args.budget:.0%} of the corpus' KV; share of chunk tokens found in memory")
     print("alpha  " + "  ".join(f"{p:>6}" for p in POLICIES) + "  static  belady   (bounds: no policy does better)")
@@ -165,6 +490,12 @@ def main(argv=None) -> int:
         result.setdefault("eviction_bounds", {})[str(alpha)] = limit
         print(f"{alpha:<5}  " + "  ".join(f"{row[p]['hit_ratio']:6.3f}" for p in POLICIES)
               + f"  {limit['static']:6.3f}  {limit['belady']:6.3f}")
+    if args.systems is None or args.systems:
+        result["load"] = load(args, out)
+        (out / "serving.md").write_text(markdown(result["load"]))
+        plot(result["load"], out / "serving.png")
+        print(markdown(result["load"]))
+        result["systems"] = result["load"]["systems"]
     (out / "serving.json").write_text(json.dumps(result, indent=1))
     return 0
 

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -30,7 +30,7 @@ from .prefix import EXTENT_BLOCKS, Link, Run, after_link, extents, far_groups, i
 from .store import PendingBlock, ReadTarget, Store
 
 MAX_KNOWN_EXTENTS = 65536  # extent keys remembered (Assembler.extents_stored): ~5 MB
-SELECTIONS = ("chunk_start", "repeated", "deviation", "progressive")
+SELECTIONS = ("chunk_start", "deviation", "progressive")
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,6 @@ class Recompute:
 
     ratio:  share of the relocated chunk tokens recomputed (0 = modular, 1 = full), counted in tokens.
     select: "chunk_start" (EPIC): the first tokens of every chunk, the same number from each; no probe.
-            "repeated": the tokens of a chunk that repeat a token of the prompt before the chunk (an entity named
-            again, which is where a chunk needs what it never saw; rarest in the prompt first, so words every
-            chunk holds come last), each with the token after it; chunk starts fill what budget is left; no probe.
             "deviation" (CacheBlend, one selection): every chunk token runs layer 0 in context, and from layer 1
             on only the `ratio` share whose layer-1 keys moved most from the cached ones.
             "progressive" (CacheBlend as published): the same, narrowed layer by layer, from PROGRESSIVE_START
@@ -414,8 +411,6 @@ class Assembler:
             return run(set())
         if not auto and recompute.select == "chunk_start":
             return run(set(first_tokens(spans, k)))
-        if not auto and recompute.select == "repeated":
-            return run(set(repeated_tokens(spans, ids, k)))
         # Key deviation (CacheBlend): every candidate runs layer 0 in context (layer 0's keys never see context,
         # so layer 1 is the first whose keys can show what the chunk missed); from layer 1 on, the candidates
         # whose fresh keys moved least from their cached ones are dropped and keep their cached KV.
@@ -547,10 +542,10 @@ PROGRESSIVE_START = 3
 
 def tokens_per_layer(select: str, k: int, candidates: int, layers: int) -> list[int]:
     """How many of the `candidates` relocated chunk tokens each layer computes in context, for a final budget of
-    `k` tokens. "chunk_start" and "repeated": the same k in every layer. "deviation": all of them in layer 0 (the
+    `k` tokens. "chunk_start": the same k in every layer. "deviation": all of them in layer 0 (the
     probe that measures deviation at layer 1), then k. "progressive" (CacheBlend's gradual filtering): all in
     layer 0, then PROGRESSIVE_START * k at layer 1, k fewer at each next layer down to k, and k in the last layer."""
-    if select in ("chunk_start", "repeated") or k == 0:
+    if select == "chunk_start" or k == 0:
         return [k] * layers
     if select == "deviation":
         return [candidates] + [k] * (layers - 1)
@@ -586,29 +581,3 @@ def first_tokens(spans: Sequence[Sequence[int]], k: int) -> list[int]:
                 out.append(span[depth])
         depth += 1
     return out
-
-
-def repeated_tokens(spans: Sequence[Sequence[int]], ids: Sequence[int], k: int) -> list[int]:
-    """`k` chunk slots (`spans`: each chunk's slots in order) whose token repeats one the prompt holds before that
-    chunk, rarest in the prompt first (earliest first among equals), each followed by the slot after it in its
-    chunk; chunk starts (`first_tokens`) fill the rest of the budget."""
-    counts = Counter(ids)
-    seen: set[int] = set()
-    read = 0  # ids[:read] are in `seen`
-    scored: list[tuple[int, int, int]] = []  # (count in the prompt, slot, slot after it or -1)
-    for span in spans:
-        seen.update(ids[read:span[0]])
-        read = max(read, span[0])
-        for i, slot in enumerate(span):
-            if ids[slot] in seen:
-                scored.append((counts[ids[slot]], slot, span[i + 1] if i + 1 < len(span) else -1))
-    out: dict[int, None] = {}
-    for _, slot, after in sorted(scored):
-        for s in (slot, after):
-            if s >= 0 and len(out) < k:
-                out[s] = None
-    for s in first_tokens(spans, k):
-        if len(out) >= k:
-            break
-        out[s] = None
-    return list(out)

@@ -191,3 +191,38 @@ def test_gpu_check_runs_its_checks_on_the_cpu(capsys):
     assert out.count("| pass |") == 12 and "FAIL" not in out and out.count("| measured |") == 2
     if not torch.cuda.is_available():  # without a GPU it says so and runs nothing
         assert gpu_check.main([]) == 0 and "no CUDA device" in capsys.readouterr().out
+
+
+def test_serving_load_sends_the_trace_and_checks_answers_against_one_at_a_time(tiny_path, tmp_path):
+    """benchmarks.serving's load part end to end on the tiny model: a real `pc-rag serve`, the openai client, two
+    rates, follow-ups, the replay; every request answered, the record the docs quote written."""
+    import json
+
+    from benchmarks import serving
+
+    out = tmp_path / "out"
+    assert serving.main(["--out", str(out), "--model", str(tiny_path), "--chunks", "40", "--chunk-words", "40",
+                         "--requests", "50",
+                         "--systems", "pc-rag modular", "pc-rag exact", "--rates", "4", "--max-rate", "8",
+                         "--requests-per-rate", "6", "--slo", "60"]) == 0
+    result = json.loads((out / "serving.json").read_text())
+    for name in ("pc-rag modular", "pc-rag exact"):
+        rates = result["systems"][name]["rates"]
+        assert [r["rate"] for r in rates] == [4.0, 8.0] and result["systems"][name]["max_rate_rps"] == 8.0
+        assert all(r["answered"] == r["requests"] == 6 and r["lost"] == 0 for r in rates)
+        assert all(r["ttft_p50_s"] > 0 and r["prompt_tokens_mean"] > 100 for r in rates)
+    # exact equals full whatever the load: greedy answers equal the same request sent alone
+    assert all(r["equal_to_one_at_a_time"] == 1.0 for r in result["systems"]["pc-rag exact"]["rates"])
+    assert (out / "serving.md").read_text().count("| pc-rag") == 2 and (out / "serving.png").exists()
+
+
+def test_follow_ups_continue_an_earlier_request_with_its_chunks():
+    from benchmarks import serving
+
+    trace = serving.rag_trace(30, 200, 1.1, seed=1, follow_ups=0.3)
+    assert [r.index for r in trace] == list(range(200)) and any(r.parent is not None for r in trace)
+    for r in trace:
+        assert (r.parent is None) == (r.turn == 0)
+        if r.parent is not None:
+            p = trace[r.parent]
+            assert p.index < r.index and p.chunks == r.chunks and p.turn == r.turn - 1
