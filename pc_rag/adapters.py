@@ -30,7 +30,7 @@ from .grammar import Grammar
 from .options import GenerationOptions
 from .reasoning import CONTENT, ThinkingFilter, ThinkingMarkers
 from .segments import Chunk, Text
-from .text_index import discover, discovery_enabled, index_for
+from .text_index import discover, discovery_enabled
 from .tools import (
     CallFilter,
     CutCall,
@@ -192,18 +192,14 @@ def chat_request(engine, messages: Sequence[Mapping[str, Any]], options: Generat
 
 def completion_prompt(engine, prompt_text: str, chunk_texts: Sequence[str] = (),
                       discovered: bool = True, cache_salt: str | None = None) -> list[Text | Chunk]:
-    """A plain prompt string as segments (no chat template)."""
-    split = getattr(engine, "split", None)
-    if split is not None:
-        return split(prompt_text, chunk_texts=chunk_texts, discovered=discovered, cache_salt=cache_salt)
-    index_for(engine).add_many(chunk_texts)  # an engine stand-in without Engine.split (tests)
-    return index_for(engine).split(prompt_text)
+    """A plain prompt string as segments (no chat template): `Engine.split`."""
+    return engine.split(prompt_text, chunk_texts=chunk_texts, discovered=discovered, cache_salt=cache_salt)
 
 
 def register(engine, texts, public: bool = False) -> int:
     """Register document texts as chunks of `engine`'s prompts; return how many were new. `public=True`: shared
     by every cache namespace (`Engine.register`): only for documents any user may know are in use."""
-    return index_for(engine).add_many(texts, public=bool(public))
+    return engine.register(texts, public=public)
 
 
 def stream_generation(engine, prompt: Sequence[Text | Chunk], options: GenerationOptions) -> Iterator[Any]:

@@ -392,21 +392,3 @@ def discover(texts: Iterable[str]) -> int:
     """`DISCOVERY.discover(texts)`: what the framework hooks call."""
     return DISCOVERY.discover(texts)
 
-
-# One index per engine, so every adapter instance built on the same Engine (the LangChain chat model, its
-# retriever wrapper, the LlamaIndex LLM and postprocessor) registers into and splits with the same texts.
-_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_INDEXES_LOCK = threading.Lock()
-
-
-def index_for(engine: object) -> ChunkIndex:
-    """The ChunkIndex of texts registered with `engine` (its own `chunks`, or one kept here for other objects)."""
-    own = getattr(engine, "chunks", None)
-    if isinstance(own, ChunkIndex):
-        return own
-    with _INDEXES_LOCK:
-        index = _INDEXES.get(engine)
-        if index is None:
-            index = _INDEXES[engine] = ChunkIndex()
-        return index
-

@@ -7,7 +7,7 @@ import pytest
 
 from pc_rag.errors import PCRagError
 from pc_rag.segments import Chunk, Text
-from pc_rag.text_index import ChunkIndex, index_for
+from pc_rag.text_index import ChunkIndex
 
 DOC_A = "Paris is the capital of France. It lies on the Seine."
 DOC_B = "The Rhine flows through Basel, Strasbourg and Cologne."
@@ -103,15 +103,6 @@ def test_bad_input_names_the_type():
         ChunkIndex().add(3)
     with pytest.raises(PCRagError, match="str"):
         ChunkIndex().split(None)
-
-
-def test_index_for_is_shared_per_engine():
-    class Engine:
-        pass
-
-    a, b = Engine(), Engine()
-    assert index_for(a) is index_for(a)
-    assert index_for(a) is not index_for(b)
 
 
 def test_100k_chunks(capsys):

@@ -58,6 +58,7 @@ class FakeEngine:
     """
 
     split = Engine.split
+    register = Engine.register
 
     def __init__(self, pieces=("Hello", " there")):
         self.tokenizer = FakeTokenizer()
