@@ -18,8 +18,10 @@ machine, with the `openai` async client as an app sends it: a system message, th
 retrieved documents as plain text (joined by blank lines) and the question; a follow-up sends the conversation
 so far (the earlier answer included) and one more question. Answers of 32-64 tokens (seeded per request),
 streamed, greedy. Rates double from `--rates`' first value while the TTFT p99 stays under `--slo`, and one
-rate past it is measured too (2x the saturation rate); each rate sends `--requests-per-rate` requests (fresh
-ones of the same trace, so the server's cache carries over from rate to rate as a live service's would).
+rate past it is measured too (2x the saturation rate); where the first rate fails they halve until one holds.
+Each rate sends `--requests-per-rate` requests (fewer below 1 req/s: arrivals span at most
+`--max-seconds-per-rate`, 50 requests at least), fresh ones of the same trace, so the server's cache carries over
+from rate to rate as a live service's would.
 Systems: `pc-rag modular` and `pc-rag exact` (`pc-rag serve`, plain text), `pc-rag modular marked` (the same
 documents as content parts with `cache_control`: what an app that hands the documents over gets), `vllm`
 (vLLM's OpenAI server, prefix caching on) and `llamacpp` (llama-cpp-python's server) from `--peers`
@@ -48,6 +50,7 @@ from pathlib import Path
 import torch
 
 from pc_rag.blocks import KVBlock
+from pc_rag.serve.process import ChildProcess, ServerProcess
 from pc_rag.store.memory import POLICIES, MemoryStore
 
 TOKENS_PER_WORD = 1.3  # the bench tokenizer on Python's documentation, near enough for sizes
@@ -269,41 +272,33 @@ def summarize(rate: float, records: list[dict], wall_s: float) -> dict:
             "wall_s": wall_s}
 
 
-class PeerServer:
-    """A peer's OpenAI server in a child process on a free port, in its own virtualenv under --peers."""
+class PeerServer(ChildProcess):
+    """A peer's OpenAI server in a child process on a free port, in its own virtualenv under --peers; `cmd` names
+    the port as "{port}"."""
+
+    log_prefix = "serving_peer_"
 
     def __init__(self, name: str, cmd: list[str], env: dict):
-        from pc_rag.serve.process import free_port
-
-        self.name, self.port = name, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
+        self.name, self.env = name, env
         self.cmd = [c.replace("{port}", str(self.port)) for c in cmd]
-        self.env = env
-        self.log = tempfile.NamedTemporaryFile(prefix=f"serving_{name}_", suffix=".log", delete=False)
-        self.proc: subprocess.Popen | None = None
 
-    def __enter__(self):
+    def start(self) -> None:
         import urllib.request
 
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {Path(self.log.name).read_text(errors='replace')[-3000:]}")
+                raise RuntimeError(f"{self.name} exited: {self.log_tail()}")
             try:
                 urllib.request.urlopen(self.url + "/v1/models", timeout=5).read()
-                return self
+                return
             except OSError:
                 time.sleep(1)
-        raise RuntimeError(f"{self.name} did not start in 600 s")
-
-    def __exit__(self, *exc):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        self.stop()
+        raise RuntimeError(f"{self.name} did not answer /v1/models within 600 s")
 
 
 def peer_server(name: str, peers: Path, model: Path, max_len: int, work: Path) -> PeerServer | None:
@@ -323,7 +318,7 @@ def peer_server(name: str, peers: Path, model: Path, max_len: int, work: Path) -
         return PeerServer(name, [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                                  "--served-model-name", "m", "--port", "{port}", "--dtype", "float32",
                                  "--enable-prefix-caching", "--max-model-len", str(max_len),
-                                 "--disable-log-requests"], env)
+                                 "--no-enable-log-requests"], env)
     if subprocess.run([str(python), "-c", "import llama_cpp.server"], capture_output=True).returncode:
         print("[serving] llamacpp: llama_cpp.server does not import (pip install 'llama-cpp-python[server]' "
               "in its venv); skipped", file=sys.stderr)
@@ -362,8 +357,13 @@ def run_system(name: str, server, trace: list[Request], chunks: list[str], args)
         warm = [Request(0.0, (0, 1, 2, 3), "A warm-up question.", 0)]  # load, allocator, kernels: outside timing
         asyncio.run(send_rate(server.url, warm, chunks, marked, extra, [8], 600, {}))
         history: dict[int, list[dict]] = {}
-        while offset + args.requests_per_rate <= len(trace) and rate <= args.max_rate:
-            part = arrivals(trace[offset:offset + args.requests_per_rate], rate, args.seed + offset)
+        step = 2.0  # up while the SLO holds; where the first rate fails, down until one holds
+        while args.min_rate <= rate <= args.max_rate:
+            # Below 1 req/s fewer requests, so that a rate's arrivals span at most --max-seconds-per-rate.
+            count = min(args.requests_per_rate, max(50, round(rate * args.max_seconds_per_rate)))
+            if offset + count > len(trace):
+                break
+            part = arrivals(trace[offset:offset + count], rate, args.seed + offset)
             records, wall = asyncio.run(send_rate(server.url, part, chunks, marked, extra,
                                                   max_tokens[offset:offset + len(part)], args.timeout, history))
             row = summarize(rate, records, wall)
@@ -376,9 +376,12 @@ def run_system(name: str, server, trace: list[Request], chunks: list[str], args)
                   f"{row['hit_ratio'] if row['hit_ratio'] is None else round(row['hit_ratio'], 3)}  refused "
                   f"{row['refused']} lost {row['lost']}", flush=True)
             offset += len(part)
-            if row["ttft_p99_s"] > args.slo or row["answered"] < len(part):
-                break  # past saturation: this rate is twice the highest that held (or the first tried)
-            rate *= 2
+            held = row["ttft_p99_s"] <= args.slo and row["answered"] == len(part)
+            if len(rows) == 1 and not held:
+                step = 0.5
+            elif held != (step > 1):
+                break  # going up: past saturation (this rate is twice the highest that held); down: one held
+            rate *= step
     good = [r["rate"] for r in rows if r["ttft_p99_s"] <= args.slo and r["answered"] == r["requests"]]
     return {"max_rate_rps": max(good) if good else 0.0, "rates": rows}
 
@@ -395,8 +398,6 @@ def load(args, out: Path) -> dict:
     for name in args.systems or [*PC_RAG_SYSTEMS, *PEER_SYSTEMS]:
         if name in PC_RAG_SYSTEMS:
             cache = tempfile.mkdtemp(prefix="serving_cache_")
-            from pc_rag.serve.process import ServerProcess
-
             server = ServerProcess(model, extra=["--cache-dir", cache, "--max-waiting", "100000", "--queue-timeout",
                                                  str(args.timeout), "--prefill-timeout", str(args.timeout),
                                                  "--served-model-name", "m"])
@@ -408,6 +409,7 @@ def load(args, out: Path) -> dict:
         else:
             continue
         systems[name] = run_system(name, server, trace, chunks, args)
+        (out / "serving.partial.json").write_text(json.dumps(systems, indent=1))  # a long run keeps what it has
     return {"model": model.name, "alpha": args.alpha, "slo_s": args.slo, "requests_per_rate": args.requests_per_rate,
             "chunks": args.chunks, "systems": systems}
 
@@ -469,7 +471,10 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha", type=float, default=1.1, help="Zipf popularity of the load trace")
     ap.add_argument("--rates", type=float, nargs=1, default=[1.0], help="the first arrival rate (req/s); doubled")
     ap.add_argument("--max-rate", type=float, default=64.0)
+    ap.add_argument("--min-rate", type=float, default=0.125, help="where a first rate that fails steps down to")
     ap.add_argument("--requests-per-rate", type=int, default=200)
+    ap.add_argument("--max-seconds-per-rate", type=float, default=240.0,
+                    help="fewer requests at a rate whose arrivals would span longer (at least 50)")
     ap.add_argument("--slo", type=float, default=2.0, help="TTFT p99 bound in seconds")
     ap.add_argument("--timeout", type=float, default=900.0, help="a request's client timeout in seconds")
     ap.add_argument("--no-replay", dest="replay", action="store_false",

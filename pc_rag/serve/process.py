@@ -26,7 +26,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class _ChildProcess:
+class ChildProcess:
     """A child process on a free loopback port whose output goes to a temporary log (removed at `stop` unless
     $PC_RAG_KEEP_SERVER_LOG=1); used as a context manager, it is started and stopped."""
 
@@ -67,7 +67,7 @@ class _ChildProcess:
             self.log_path.unlink(missing_ok=True)
 
 
-class ServerProcess(_ChildProcess):
+class ServerProcess(ChildProcess):
     """`python -m pc_rag serve --model MODEL --port <free> *extra` in a child process.
 
     `env`: the child's environment (default: this one). Its output goes to `log_path`; the error raised when it
@@ -124,7 +124,7 @@ class ServerProcess(_ChildProcess):
 
 
 
-class RouterProcess(_ChildProcess):
+class RouterProcess(ChildProcess):
     """SGLang's router (`python -m sglang_router.launch_router`, the `router` extra: a Rust binary in a wheel) in
     front of `workers` (their base URLs), on a free loopback port, with `policy` (round_robin, cache_aware, ...).
     `python`: the interpreter that has sglang_router (default: this one). `ready_key`: an API key the workers
