@@ -75,6 +75,7 @@ def answer_logprobs(engine, example, blends: list[str], coded: dict | None = Non
     """Per mode, the log-probabilities of the answer token (the next token after the prompt). `coded`: codec
     name -> an engine on the same model over a disk tier that stores blocks with that codec. `targets`: blend
     with these quality targets; `recomputed` (when given) receives, per such mode, the chunk tokens it recomputed."""
+    from pc_rag.options import GenerationOptions
     from pc_rag.request import prefill
 
     prompt = example.prompt()
@@ -97,7 +98,8 @@ def answer_logprobs(engine, example, blends: list[str], coded: dict | None = Non
         engine.blend_selection = selection
     for target in targets:
         with engine.traffic.counted():
-            asm = prefill(engine, prompt, "blend", None, 0.0, recompute_target=target)
+            options = GenerationOptions(mode="blend", recompute_ratio=0.0, recompute_target=target)
+            asm = prefill(engine, prompt, options)
             engine.runner.release_cache(asm.cache)
         out[auto_name(target)] = torch.log_softmax(asm.logits.float(), -1)
         if recomputed is not None:

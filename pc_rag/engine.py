@@ -203,7 +203,7 @@ class Engine:
         return options
 
     def _stream_generation(self, prompt: Prompt, options: GenerationOptions) -> Iterator[str | Generation]:
-        steps = Request(self, prompt, options).run()
+        steps = Request(self, options).run(prompt)
         while True:
             try:
                 piece = next(steps)

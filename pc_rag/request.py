@@ -118,11 +118,12 @@ def prompt_segments(engine, prompt: Prompt | str | PML, mode: str, namespace: st
     return segments, min(extra_capacity, positions - segments[-1].end)
 
 
-def prefill(engine, prompt, mode: str, namespace: str | None, recompute_ratio: float, extra_capacity: int = 0,
-            defer: int = 0, recompute_target: float | None = None) -> Assembled:
-    """Plan, then carry it out (`Assembler.assemble`): the first logits. Lookups keep what the store answered, so
-    the store is asked once; every key is in the request's cache `namespace`. Blend recomputes `recompute_ratio`
-    of the reused chunk tokens, or what `recompute_target` (else the engine's) asks (assemble.Recompute)."""
+def prefill(engine, prompt, options: GenerationOptions, extra_capacity: int = 0, defer: int = 0) -> Assembled:
+    """Plan, then carry it out (`Assembler.assemble`): the first logits. `options` is the request's context: its
+    mode, its cache namespace (`cache_salt`: every key is in it) and, for blend, `recompute_ratio` of the reused
+    chunk tokens recomputed, or what `recompute_target` (else the engine's) asks (assemble.Recompute). Lookups
+    keep what the store answered, so the store is asked once."""
+    mode, namespace = options.mode, options.cache_salt
     segments, extra_capacity = prompt_segments(engine, prompt, mode, namespace, extra_capacity)
     if mode in REUSING_CHUNKS:  # refused (UnsupportedModelError) where relocated keys would be wrong
         engine.runner.check_relocation()
@@ -133,8 +134,8 @@ def prefill(engine, prompt, mode: str, namespace: str | None, recompute_ratio: f
         engine.scaffolds.observe(segments, namespace)
     recompute = None
     if mode == "blend":
-        target = recompute_target if recompute_target is not None else engine.recompute_target
-        recompute = Recompute(recompute_ratio, engine.blend_selection, target,
+        target = options.recompute_target if options.recompute_target is not None else engine.recompute_target
+        recompute = Recompute(options.recompute_ratio, engine.blend_selection, target,
                               engine.deviation_reference() if target is not None else 1.0)
     return engine.assembler.assemble(plan, lookups.blocks, extra_capacity, recompute, defer)
 
@@ -143,8 +144,7 @@ def prefill(engine, prompt, mode: str, namespace: str | None, recompute_ratio: f
 def next_token_logits(engine, prompt, options: GenerationOptions):
     """`Engine.next_token_logits`: a request that stops at the first logits, leaving its prefix blocks behind."""
     with engine.traffic.counted():
-        asm = prefill(engine, prompt, options.mode, options.cache_salt, options.recompute_ratio,
-                      recompute_target=options.recompute_target)
+        asm = prefill(engine, prompt, options)
         try:
             engine.assembler.save_prefix(asm)
         finally:
@@ -154,11 +154,11 @@ def next_token_logits(engine, prompt, options: GenerationOptions):
 
 
 class Request:
-    """One call of `Engine.generate`/`stream`: its prompt and options, and, as it runs, its buffers and replies."""
+    """One call of `Engine.generate`/`stream`: its options, and, as it runs, its buffers and replies. The prompt is
+    `run`'s argument, passed down the steps that read it (planning, then what the reply leaves behind)."""
 
-    def __init__(self, engine, prompt, options: GenerationOptions):
+    def __init__(self, engine, options: GenerationOptions):
         self.engine = engine
-        self.prompt = prompt
         self.options = options
         self.samplers = [self._sampler(i) for i in range(options.n)]
         self.texts = [TextStream(engine.tokenizer, options.stop) for _ in range(options.n)]
@@ -169,19 +169,19 @@ class Request:
         self.rows: list[RowTokens | None] = [None] * options.n
         self.ttft_s = 0.0
 
-    def run(self) -> Generator[str, None, Generation]:
+    def run(self, prompt) -> Generator[str, None, Generation]:
         """The text pieces as they are decoded (`decode.Piece`s naming their choice where it matters); returns the
         `Generation`. Closing it early (an abandoned stream) still runs `finish`."""
         t0 = time.perf_counter()
         with self.engine.traffic.counted():
-            asm = self._prefill()
+            asm = self._prefill(prompt)
             done = False
             try:
                 yield from self._decode(asm, t0)
                 done = True
             finally:
                 total = time.perf_counter() - t0
-                self._finish(asm, done)
+                self._finish(prompt, asm, done)
         return self._generation(asm, total)
 
     def _sampler(self, choice: int) -> Sampler:
@@ -193,7 +193,7 @@ class Request:
             texts = engine.token_texts = getattr(engine, "token_texts", None) or TokenTexts(engine.tokenizer)
         return Sampler(Sampling.from_options(options, choice), grammar, texts, choice)
 
-    def _prefill(self) -> Assembled:
+    def _prefill(self, prompt) -> Assembled:
         """One prefill at a time, in arrival order (batch.py). While other requests decode, a prompt whose tokens to
         compute are its last ones (a question after cached chunks, a chat turn), at most a chunk of them, leaves them
         to the shared decode step as one more row: its first token costs a share of a batched step instead of a
@@ -204,8 +204,7 @@ class Request:
         defer = (engine.runner.prefill_chunk_tokens if options.n == 1 and engine.traffic.shares_steps()
                  and (decoder is None or decoder.has_room()) else 0)
         with engine.traffic.prefill_turn:
-            return prefill(engine, self.prompt, options.mode, options.cache_salt, options.recompute_ratio,
-                           options.max_new_tokens, defer, options.recompute_target)
+            return prefill(engine, prompt, options, options.max_new_tokens, defer)
 
     def _first_tokens(self, asm: Assembled, steps: int) -> list[int]:
         """Each reply's first token: sampled from the prefill's logits, or chosen by the shared step that computes
@@ -275,7 +274,7 @@ class Request:
             self.rows[i] = engine.traffic.join(asm.cache, sampler, [nxt], [pos + 1], slot + 1, steps - step - 1)
         return nxt
 
-    def _finish(self, asm: Assembled, done: bool) -> None:
+    def _finish(self, prompt, asm: Assembled, done: bool) -> None:
         """Rows leave the batch first (the decode loop no longer writes the buffers), then what the request leaves
         for the next ones is saved, then the buffers go back to the pool."""
         engine = self.engine
@@ -285,7 +284,7 @@ class Request:
                     row.close()
             replies = [(asm if i == 0 else replace(asm, cache=cache), self.texts[i].text, self.ids[i])
                        for i, cache in enumerate(self.caches or [asm.cache])]
-            after_reply.save(engine, self.prompt, asm, replies, done, self.options.cache_salt)
+            after_reply.save(engine, prompt, asm, replies, done, self.options.cache_salt)
         finally:
             for cache in self.caches or [asm.cache]:
                 engine.runner.release_cache(cache)

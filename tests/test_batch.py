@@ -19,6 +19,7 @@ import torch
 import pc_rag
 from pc_rag import Chunk, Text
 from pc_rag.batch import BatchDecoder, TurnLock, decode_steps_needed
+from pc_rag.options import GenerationOptions
 from pc_rag.request import prefill
 from pc_rag.store import MemoryStore
 
@@ -219,7 +220,7 @@ def test_decode_steps_needed():
 
 # ---- decode_batch against the model's own forward ---------------------------------------------------------
 def _prefilled(engine, prompts, extra=16):
-    return [prefill(engine, p, "full", None, 0.15, extra_capacity=extra) for p in prompts]
+    return [prefill(engine, p, GenerationOptions(mode="full"), extra_capacity=extra) for p in prompts]
 
 
 def _clone(runner, cache):
@@ -405,8 +406,10 @@ def test_concurrent_greedy_requests_batch_and_equal_one_at_a_time(loaded, docs, 
     decode = batched.stats()["decode"]
     assert decode["max_batch_seen"] >= 2, decode  # the requests shared steps
     # every token after each request's first, and the first tokens of those that left their prompt's last
-    # tokens to the loop
-    assert decode["tokens"] == sum(len(g.token_ids) - 1 for g in got) + decode["first_tokens"]
+    # tokens to the loop, at most: a request decodes by forwards of its own until another one decodes
+    # (Request._next), so the first to start may have a few tokens the loop never computed (timing: it was the
+    # cause of this test failing one run in three, 187-190 of 191)
+    assert decode["steps"] <= decode["tokens"] <= sum(len(g.token_ids) - 1 for g in got) + decode["first_tokens"]
     assert decode["active"] == 0 and decode["waiting"] == 0
 
 
