@@ -29,7 +29,12 @@ documents as content parts with `cache_control`: what an app that hands the docu
 tokens the server reports as cached (where it reports them), refused and lost requests; per system the highest
 rate under the SLO; for pc-rag, whether greedy answers under load equal a one-at-a-time replay of the same
 requests on the same server. serving.json: `systems.<name>.max_rate_rps`, `systems.<name>.rates[]`; serving.md
-and serving.png (TTFT p99 against rate).
+and serving.png (TTFT p99 against rate). `--ttft-limit S` starts the pc-rag servers with that first-token limit
+(pc_rag/serve/admission.py): past saturation they refuse with a 429 what would come late, and a rate with any
+refusal does not count as held.
+
+Concurrency (`--concurrency 1 8 32`): the KV bytes that many requests hold at once over one `--prefix-tokens`
+system text, in process (`concurrency`): serving.json `concurrency.<n>.kv_bytes`.
 """
 
 from __future__ import annotations
@@ -400,7 +405,8 @@ def load(args, out: Path) -> dict:
             cache = tempfile.mkdtemp(prefix="serving_cache_")
             server = ServerProcess(model, extra=["--cache-dir", cache, "--max-waiting", "100000", "--queue-timeout",
                                                  str(args.timeout), "--prefill-timeout", str(args.timeout),
-                                                 "--served-model-name", "m"])
+                                                 "--served-model-name", "m",
+                                                 *(["--ttft-limit", str(args.ttft_limit)] if args.ttft_limit else [])])
         elif name in PEER_SYSTEMS and peers is not None:
             server = peer_server(name, peers, model, 4096, out)
             if server is None:
@@ -411,7 +417,72 @@ def load(args, out: Path) -> dict:
         systems[name] = run_system(name, server, trace, chunks, args)
         (out / "serving.partial.json").write_text(json.dumps(systems, indent=1))  # a long run keeps what it has
     return {"model": model.name, "alpha": args.alpha, "slo_s": args.slo, "requests_per_rate": args.requests_per_rate,
-            "chunks": args.chunks, "systems": systems}
+            "chunks": args.chunks, "ttft_limit_s": args.ttft_limit, "systems": systems}
+
+
+def concurrency(model: Path, counts: list[int], prefix_tokens: int, max_new_tokens: int = 24) -> dict:
+    """KV memory of `n` requests at once over one shared prefix of `prefix_tokens` (a system text every request
+    starts with), for each n in `counts`: each request decodes its first token, then every one waits until all n
+    have theirs, so the n are live together, and the request buffers they hold then (the runner's acquired and not
+    yet released ones) are summed. Beside it, the prefix's own KV by the formula (2 x layers x tokens x kv_heads x
+    head_dim x bytes), so `prefix_copies` says how many times the requests hold it. The store's copy of the blocks
+    is counted apart (`store_bytes`)."""
+    import threading
+
+    from pc_rag import Engine
+
+    engine = Engine.from_pretrained(str(model))
+    engine.max_batch = max(counts)  # every request of the largest n decodes as a row at once
+    runner = engine.runner
+    live: dict[int, int] = {}
+    lock = threading.Lock()
+    acquire, release = runner.acquire_cache, runner.release_cache
+
+    def acquired(*a, **kw):
+        cache = acquire(*a, **kw)
+        with lock:
+            live[id(cache)] = cache.nbytes
+        return cache
+
+    def released(cache):
+        with lock:
+            live.pop(id(cache), None)
+        release(cache)
+
+    runner.acquire_cache, runner.release_cache = acquired, released
+    words = " ".join(corpus_chunks(40))
+    system = engine.tokenizer.decode(engine.tokenizer(words, add_special_tokens=False)["input_ids"][:prefix_tokens])
+    engine.generate(system + "\n\nWarm-up question.", mode="exact", max_new_tokens=1)  # the prefix stored once
+    per_token = runner.shape.kv_bytes_per_token(runner.dtype)
+    prefix_bytes = per_token * len(engine.tokenizer(system, add_special_tokens=False)["input_ids"])
+    out = {}
+    for n in counts:
+        gate = threading.Barrier(n, timeout=600)
+        held: list[int] = []
+
+        def one(i: int, gate: threading.Barrier, held: list[int]) -> None:
+            pieces = engine.stream(system + f"\n\nQuestion {i}: what does it say?", mode="exact",
+                                   max_new_tokens=max_new_tokens)
+            next(pieces)
+            if gate.wait() == 0:  # one thread reads the total while all n hold their buffers
+                with lock:
+                    held.append(sum(live.values()))
+            gate.wait()
+            for _ in pieces:
+                pass
+
+        threads = [threading.Thread(target=one, args=(i, gate, held)) for i in range(n)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        store = sum(t.bytes_held for t in engine.store.tier_stats() if t.name == "memory")
+        out[str(n)] = {"kv_bytes": held[0], "prefix_kv_bytes": prefix_bytes, "prefix_copies": held[0] / prefix_bytes,
+                       "store_bytes": store, "wall_s": time.perf_counter() - t0}
+        print(f"[serving] {n} concurrent requests over a {prefix_tokens}-token prefix: request buffers "
+              f"{held[0] / 2**20:.1f} MiB = {held[0] / prefix_bytes:.1f}x the prefix's KV", file=sys.stderr)
+    return out
 
 
 def markdown(result: dict) -> str:
@@ -477,6 +548,11 @@ def main(argv=None) -> int:
                     help="fewer requests at a rate whose arrivals would span longer (at least 50)")
     ap.add_argument("--slo", type=float, default=2.0, help="TTFT p99 bound in seconds")
     ap.add_argument("--timeout", type=float, default=900.0, help="a request's client timeout in seconds")
+    ap.add_argument("--ttft-limit", type=float, default=None,
+                    help="start pc-rag serve with --ttft-limit S (refused requests count against the SLO)")
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32],
+                    help="KV held by this many requests at once over one prefix (none: skipped)")
+    ap.add_argument("--prefix-tokens", type=int, default=2048, help="the shared prefix of --concurrency")
     ap.add_argument("--no-replay", dest="replay", action="store_false",
                     help="skip the one-at-a-time replay that checks greedy answers under load")
     args = ap.parse_args(argv)
@@ -495,6 +571,11 @@ def main(argv=None) -> int:
         result.setdefault("eviction_bounds", {})[str(alpha)] = limit
         print(f"{alpha:<5}  " + "  ".join(f"{row[p]['hit_ratio']:6.3f}" for p in POLICIES)
               + f"  {limit['static']:6.3f}  {limit['belady']:6.3f}")
+    if args.concurrency:
+        from .common import model_or_bench
+
+        model = Path(model_or_bench(args.model, out))
+        result["concurrency"] = concurrency(model, args.concurrency, args.prefix_tokens)
     if args.systems is None or args.systems:
         result["load"] = load(args, out)
         (out / "serving.md").write_text(markdown(result["load"]))

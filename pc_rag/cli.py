@@ -188,6 +188,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="requests waiting for a place; beyond it: 429 with Retry-After (default 64)")
     p.add_argument("--queue-timeout", type=float, default=60.0, metavar="S",
                    help="seconds a request may wait for a place; then 503 with Retry-After (default 60)")
+    p.add_argument("--ttft-limit", type=float, default=None, metavar="S",
+                   help="refuse (429 with Retry-After) a request whose first token would, by the recent prefills, "
+                        "come later than this: past saturation, answered requests keep a bounded wait "
+                        "(default: off, every request waits its turn)")
     p.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",
                    help="max_tokens of a request that sets none (default 1024)")
     p.add_argument("--shared-cache", action="store_true",
@@ -512,7 +516,8 @@ def _serve(args, _extra) -> int:
             raise PCRagError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_waiting' else 1}")
     if args.max_running is not None and args.max_running < 1:
         raise PCRagError("--max-running must be >= 1")
-    for name in ("max_body_bytes", "max_prompt_chars", "max_prompt_parts", "read_timeout", "prefill_timeout"):
+    for name in ("max_body_bytes", "max_prompt_chars", "max_prompt_parts", "read_timeout", "prefill_timeout",
+                 "ttft_limit"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             raise PCRagError(f"--{name.replace('_', '-')} must be > 0")
     if any(not k.strip() for k in args.api_key or ()):
@@ -530,7 +535,8 @@ def _serve(args, _extra) -> int:
     name = args.served_model_name or (Path(path).name if Path(path).exists() else path)
     given = {k: v for k, v in (("max_body_bytes", args.max_body_bytes), ("max_prompt_chars", args.max_prompt_chars),
                                ("max_prompt_parts", args.max_prompt_parts), ("read_timeout_s", args.read_timeout),
-                               ("prefill_timeout_s", args.prefill_timeout)) if v is not None}
+                               ("prefill_timeout_s", args.prefill_timeout), ("ttft_limit_s", args.ttft_limit))
+             if v is not None}
     settings = ServerSettings(model_id=name, api_keys=tuple(keys), allowed_hosts=allowed,
                               max_running=args.max_running or engine.max_batch, max_waiting=args.max_waiting,
                               queue_timeout_s=args.queue_timeout, default_max_tokens=args.default_max_tokens,

@@ -470,6 +470,32 @@ def test_cli_refuses_bad_serve_options_before_loading_a_model(capsys):
     assert "--api-key is empty" in capsys.readouterr().err
 
 
+def test_a_first_token_limit_answers_429_naming_it_and_counts_every_request_out(loaded):
+    """--ttft-limit in-process: with a limit no prefill can meet, the first request (nothing measured yet) is
+    served, the next refused with a 429 naming the limit; every served or refused request leaves the count of
+    those without a first token at 0 (a leak would refuse every later request)."""
+    from fastapi.testclient import TestClient
+
+    from pc_rag.serve import ServerSettings, create_app
+
+    model, tok = loaded
+    engine = pc_rag.Engine(model, tok, store=MemoryStore())
+    app = create_app(engine, ServerSettings("m", ttft_limit_s=1e-9))
+    with TestClient(app) as http:
+        body = {"prompt": "Tell me about lists.", "max_tokens": 3, "temperature": 0}
+        first = http.post("/v1/completions", json={**body, "stream": True})
+        assert first.status_code == 200 and "data: [DONE]" in first.text
+        admission = app.state.admission
+        assert admission.before_first == 0 and admission.expected_first_token_s() > 0
+        late = http.post("/v1/completions", json=body)
+        assert late.status_code == 429 and int(late.headers["retry-after"]) >= 1
+        assert late.json()["error"]["code"] == "ttft_limit" and "--ttft-limit" in late.json()["error"]["message"]
+        admission.ttft_limit_s = 60.0  # a limit every request meets: served, and counted out again
+        for _ in range(3):
+            assert http.post("/v1/completions", json=body).status_code == 200
+        assert admission.before_first == 0 and admission.rejected == 1
+
+
 def test_a_model_without_chat_template_answers_chat_with_a_400(loaded, tiny_path):
     """In-process (FastAPI's TestClient over the same app): a base model's tokenizer has no chat template."""
     from fastapi.testclient import TestClient

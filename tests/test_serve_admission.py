@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="pc-rag serve needs the serve extra")
 
-from pc_rag.serve.admission import Admission, QueueFull, QueueTimeout  # noqa: E402
+from pc_rag.serve.admission import Admission, QueueFull, QueueTimeout, TooLate  # noqa: E402
 
 
 def run(coro):
@@ -83,3 +83,43 @@ def test_a_cancelled_wait_takes_no_place():
 def test_bad_bounds():
     with pytest.raises(ValueError, match="max_running"):
         Admission(0, 1)
+
+
+def test_a_first_token_limit_refuses_what_would_come_late_by_the_stated_rule():
+    """(requests ahead without a first token + 1) x the median recent prefill > the limit: refused at once."""
+    async def main():
+        adm = Admission(max_running=8, max_waiting=8, ttft_limit_s=2.5)
+        await adm.acquire(None)  # nothing measured yet: taken
+        assert adm.expected_first_token_s() is None and adm.before_first == 1
+        adm.first_token(started=0.0, now=1.0)  # a prefill of 1 s
+        assert adm.before_first == 0 and adm.expected_first_token_s() == 1.0
+        await adm.acquire(None)  # 1 x 1 s
+        await adm.acquire(None)  # 2 x 1 s
+        assert adm.expected_first_token_s() == 3.0
+        with pytest.raises(TooLate) as late:
+            await adm.acquire(None)
+        assert late.value.expected_s == 3.0 and isinstance(late.value, QueueFull)
+        assert adm.rejected == 1 and adm.running == 3 and adm.before_first == 2
+        adm.no_first_token()  # one failed before its first token: no longer ahead of anyone
+        await adm.acquire(None)
+        # service times as a single queue's: from the later of the start and the previous first token
+        adm.first_token(started=5.0, now=6.0)  # 1.0
+        adm.first_token(started=5.0, now=6.2)  # 0.2: it started before the previous first token
+        assert adm.before_first == 0 and sorted(adm._prefill_s) == pytest.approx([0.2, 1.0, 1.0])
+        assert adm.expected_first_token_s() == 1.0  # the median
+
+    run(main())
+
+
+def test_without_a_limit_nothing_is_refused_for_lateness():
+    async def main():
+        adm = Admission(max_running=4, max_waiting=0)
+        await adm.acquire(None)
+        adm.first_token(started=0.0, now=100.0)  # a 100 s prefill
+        for _ in range(3):
+            await adm.acquire(None)
+        assert adm.running == 4 and adm.rejected == 0 and adm.expected_first_token_s() == 400.0
+
+    run(main())
+    with pytest.raises(ValueError, match="ttft_limit_s"):
+        Admission(1, 1, ttft_limit_s=0)

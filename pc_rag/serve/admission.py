@@ -15,16 +15,38 @@ class QueueFull(Exception):
     """Every place is taken and `max_waiting` requests already wait: answered 429 with Retry-After."""
 
 
+class TooLate(QueueFull):
+    """With a first-token limit (`ttft_limit_s`): by the recent prefills, this request's first token would come
+    after it. Answered 429 with Retry-After, at once, rather than served late."""
+
+    def __init__(self, expected_s: float):
+        super().__init__(expected_s)
+        self.expected_s = expected_s
+
+
 class QueueTimeout(Exception):
     """The request waited `timeout_s` without starting: answered 503 with Retry-After."""
 
 
 class Admission:
-    def __init__(self, max_running: int, max_waiting: int):
+    """`ttft_limit_s` (None: off) bounds the wait for a first token by a stated rule: the engine runs prefills one
+    at a time in arrival order, so a newcomer's first token comes after the prefills of every request ahead of it
+    that has no first token yet (running or in line) and its own; with `prefill_s` the median of the recent
+    prefills' service times, a request whose (ahead + 1) x prefill_s exceeds the limit is refused (429) at once.
+    A prefill's service time is measured as a single queue's: from the later of its start and the previous first
+    token, to its own first token (`first_token`)."""
+
+    def __init__(self, max_running: int, max_waiting: int, ttft_limit_s: float | None = None):
         if max_running < 1 or max_waiting < 0:
             raise ValueError(f"max_running must be >= 1 and max_waiting >= 0, got {max_running}, {max_waiting}")
+        if ttft_limit_s is not None and not ttft_limit_s > 0:
+            raise ValueError(f"ttft_limit_s must be None or > 0, got {ttft_limit_s}")
         self.max_running = max_running
         self.max_waiting = max_waiting
+        self.ttft_limit_s = ttft_limit_s
+        self.before_first = 0  # running requests whose first token is not out yet
+        self._prefill_s: deque[float] = deque(maxlen=32)  # service times of the last prefills
+        self._last_first = 0.0  # perf_counter() of the last first token
         self.running = 0
         self._waiters: deque[asyncio.Future] = deque()
         self.rejected = 0  # QueueFull and QueueTimeout answers so far
@@ -40,9 +62,37 @@ class Admission:
         """Whether a request arriving now would be taken (run or put in line) rather than refused with a 429."""
         return self.running < self.max_running or self.waiting < self.max_waiting
 
+    def expected_first_token_s(self) -> float | None:
+        """When a request arriving now would get its first token, by the rule above (None: no prefill measured)."""
+        if not self._prefill_s:
+            return None
+        typical = sorted(self._prefill_s)[len(self._prefill_s) // 2]
+        return (self.before_first + self.waiting + 1) * typical
+
+    def first_token(self, started: float, now: float) -> None:
+        """A running request's first token is out (`started`: when it got its place; times by perf_counter)."""
+        self.before_first -= 1
+        self._prefill_s.append(max(0.0, now - max(started, self._last_first)))
+        self._last_first = now
+
+    def no_first_token(self) -> None:
+        """A running request failed or left before its first token."""
+        self.before_first -= 1
+
     async def acquire(self, timeout_s: float | None) -> None:
         """Take a running place, waiting in line if need be. Raises QueueFull at once when the line is full,
-        QueueTimeout after `timeout_s` in line; a cancelled wait (the client went away) leaves the line."""
+        TooLate at once when the first token would come after `ttft_limit_s`, QueueTimeout after `timeout_s` in
+        line; a cancelled wait (the client went away) leaves the line. The caller reports the first token
+        (`first_token`)."""
+        if self.ttft_limit_s is not None:
+            expected = self.expected_first_token_s()
+            if expected is not None and expected > self.ttft_limit_s:
+                self.rejected += 1
+                raise TooLate(expected)
+        await self._take(timeout_s)
+        self.before_first += 1
+
+    async def _take(self, timeout_s: float | None) -> None:
         if self.running < self.max_running and not self.waiting:
             self.running += 1
             return

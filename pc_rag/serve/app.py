@@ -68,7 +68,7 @@ from ..decode import choice_of, joined
 from ..errors import OptionError, PCRagError, PMLError, PromptError, UnsupportedModelError
 from ..options import GenerationOptions
 from ..tools import ToolFormat, call_grammar, check_tool_choice, tool_specs
-from .admission import Admission, QueueFull, QueueTimeout
+from .admission import Admission, QueueFull, QueueTimeout, TooLate
 from .auth import LOOPBACK_NAMES, APIKey, KeyRing, bearer_token
 from .limits import (
     CHARS_PER_CONTEXT_TOKEN,
@@ -123,6 +123,7 @@ class ServerSettings:
     max_prompt_chars: int | None = None
     prefill_timeout_s: float = 300.0
     shared_cache: bool = False
+    ttft_limit_s: float | None = None  # admission.Admission's first-token rule; None: off
 
     @staticmethod
     def loopback_hosts(extra: tuple[str, ...] = ()) -> frozenset[str]:
@@ -131,7 +132,7 @@ class ServerSettings:
 
 def create_app(engine, settings: ServerSettings) -> FastAPI:
     """The ASGI app serving `engine` (run it with uvicorn, as `pc-rag serve` does)."""
-    admission = Admission(settings.max_running, settings.max_waiting)
+    admission = Admission(settings.max_running, settings.max_waiting, settings.ttft_limit_s)
     keys = KeyRing(settings.api_keys)
     max_chars = settings.max_prompt_chars or CHARS_PER_CONTEXT_TOKEN * engine.runner.shape.max_positions
     # One thread per running request (admission bounds them): the engine call blocks until its next token.
@@ -266,6 +267,12 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             await _admitted(admission, settings.queue_timeout_s, disconnect)
         except _Disconnected:  # left the line (the wait was cancelled) before any work was done
             return JSONResponse(error_body("client disconnected"), status_code=499)
+        except TooLate as late:
+            disconnect.cancel()
+            raise APIError(429, f"the first token would come in about {late.expected_s:.1f} s, beyond the "
+                                f"server's limit of {admission.ttft_limit_s:g} s (--ttft-limit); retry later",
+                           "rate_limit_error", code="ttft_limit",
+                           headers={"Retry-After": str(admission.retry_after_s())}) from None
         except QueueFull:
             disconnect.cancel()
             raise APIError(429, f"the server is at capacity ({admission.max_running} running, "
@@ -284,10 +291,13 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             metrics.finished(_generation(final), reason, arrived, started)
 
         worker = _Worker(make, engine.runner.cancellable)
-        worker.start(executor, admission)
-        streaming = False
+        streaming, first = False, False
         try:
+            worker.start(executor, admission)
             kind, value = await worker.next_or(disconnect, settings.prefill_timeout_s)
+            first = kind in ("piece", "done")
+            if first:
+                admission.first_token(started, time.perf_counter())
             if kind == "timeout":  # the worker is stopped at its next forward; its place is freed once it is
                 raise APIError(503, f"no first token within {settings.prefill_timeout_s:g} s (--prefill-timeout); "
                                     f"the request was stopped", "server_overloaded", code="prefill_timeout")
@@ -312,6 +322,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             finished(value)
             return JSONResponse(fmt.whole(value, usage(_generation(value))))
         finally:
+            if not first:
+                admission.no_first_token()
             disconnect.cancel()
             if not streaming:
                 worker.stop.set()
@@ -417,6 +429,7 @@ async def _admitted(admission: Admission, timeout_s: float, disconnect: asyncio.
     except (asyncio.CancelledError, QueueFull, QueueTimeout):
         pass
     else:
+        admission.no_first_token()
         admission.release()  # it got a place just as the client left
     raise _Disconnected
 
