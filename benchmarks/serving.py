@@ -423,10 +423,11 @@ def load(args, out: Path) -> dict:
 def concurrency(model: Path, counts: list[int], prefix_tokens: int, max_new_tokens: int = 24) -> dict:
     """KV memory of `n` requests at once over one shared prefix of `prefix_tokens` (a system text every request
     starts with), for each n in `counts`: each request decodes its first token, then every one waits until all n
-    have theirs, so the n are live together, and the request buffers they hold then (the runner's acquired and not
-    yet released ones) are summed. Beside it, the prefix's own KV by the formula (2 x layers x tokens x kv_heads x
-    head_dim x bytes), so `prefix_copies` says how many times the requests hold it. The store's copy of the blocks
-    is counted apart (`store_bytes`)."""
+    have theirs, so the n are live together, and what they hold then is summed: the request buffers (the runner's
+    acquired and not yet released ones; a buffer taken from the pool counts whole) and the shared prefixes they
+    read in place (model/cache.py). Beside it, the prefix's own KV by the formula (2 x layers x tokens x kv_heads x
+    head_dim x bytes), so `prefix_copies` is the total in prefixes' worth. The store's copy of the blocks is
+    counted apart (`store_bytes`)."""
     import threading
 
     from pc_rag import Engine
@@ -434,14 +435,14 @@ def concurrency(model: Path, counts: list[int], prefix_tokens: int, max_new_toke
     engine = Engine.from_pretrained(str(model))
     engine.max_batch = max(counts)  # every request of the largest n decodes as a row at once
     runner = engine.runner
-    live: dict[int, int] = {}
+    live: dict[int, object] = {}  # the request buffers out now
     lock = threading.Lock()
     acquire, release = runner.acquire_cache, runner.release_cache
 
     def acquired(*a, **kw):
         cache = acquire(*a, **kw)
         with lock:
-            live[id(cache)] = cache.nbytes
+            live[id(cache)] = cache
         return cache
 
     def released(cache):
@@ -466,7 +467,8 @@ def concurrency(model: Path, counts: list[int], prefix_tokens: int, max_new_toke
             next(pieces)
             if gate.wait() == 0:  # one thread reads the total while all n hold their buffers
                 with lock:
-                    held.append(sum(live.values()))
+                    held.append((sum(c.nbytes for c in live.values()) + runner.shared_stats()["in_use_bytes"],
+                                 sum(c.base is not None for c in live.values())))
             gate.wait()
             for _ in pieces:
                 pass
@@ -478,10 +480,12 @@ def concurrency(model: Path, counts: list[int], prefix_tokens: int, max_new_toke
         for t in threads:
             t.join()
         store = sum(t.bytes_held for t in engine.store.tier_stats() if t.name == "memory")
-        out[str(n)] = {"kv_bytes": held[0], "prefix_kv_bytes": prefix_bytes, "prefix_copies": held[0] / prefix_bytes,
+        (kv, reading), = held
+        out[str(n)] = {"kv_bytes": kv, "prefix_kv_bytes": prefix_bytes, "prefix_copies": kv / prefix_bytes,
+                       "reading_shared": reading, "shared_prefixes": runner.shared_stats()["prefixes"],
                        "store_bytes": store, "wall_s": time.perf_counter() - t0}
-        print(f"[serving] {n} concurrent requests over a {prefix_tokens}-token prefix: request buffers "
-              f"{held[0] / 2**20:.1f} MiB = {held[0] / prefix_bytes:.1f}x the prefix's KV", file=sys.stderr)
+        print(f"[serving] {n} concurrent requests over a {prefix_tokens}-token prefix: KV {kv / 2**20:.1f} MiB = "
+              f"{kv / prefix_bytes:.1f}x the prefix's; {reading} of {n} read a shared prefix", file=sys.stderr)
     return out
 
 

@@ -209,18 +209,32 @@ class Assembler:
         # there are neither read nor copied again (a system text or conversation sent again: 2K tokens of fp32
         # KV were 22% of such a request's time to first token, bench model).
         changed = {e.slot for e in events}
-        wanted = [_held(p) for p in plan.pieces if p.load in (Load.COPY, Load.READ, Load.STORED)
-                  and p.slot not in changed]
-        cache = self.runner.acquire_cache(total + extra_capacity, wanted)
-        present = {b.slot for b in wanted if cache.holds(b.key, b.slot, b.n, b.position)}
-        cache.hold(tuple(b for b in wanted if b.slot in present))  # until the copies below are all in
+        lead, whole = self._shared_lead(plan, changed, recompute)
+        base = self.runner.take_shared_prefix(
+            tuple(_held(p) for p in lead), whole,
+            lambda keys, values: self._build_shared(lead[:whole], in_hand, keys, values)) if lead else None
+        if base is not None:  # read in place from one copy every request over this prefix shares (model/cache.py)
+            try:
+                cache = self.runner.acquire_cache(total + extra_capacity - base.n)
+            except BaseException:
+                self.runner.let_go(base)
+                raise
+            cache.attach(base)
+            present = {p.slot for p in lead if p.slot + p.n <= base.n}  # the rest of the lead is copied in
+        else:
+            wanted = [_held(p) for p in plan.pieces if p.load in (Load.COPY, Load.READ, Load.STORED)
+                      and p.slot not in changed]
+            cache = self.runner.acquire_cache(total + extra_capacity, wanted)
+            present = {b.slot for b in wanted if cache.holds(b.key, b.slot, b.n, b.position)}
+            cache.hold(tuple(b for b in wanted if b.slot in present))  # until the copies below are all in
         plan = plan.with_events(events + self._read(plan, blocks, cache, in_hand, present))
         pieces = plan.as_built().pieces
         fresh, cached = self._copy_in(pieces, cache, in_hand, present)
         # Slots already hold the cached blocks; cache.length must cover them before any forward, whose writes
         # (runner.py) then mark where the blocks recorded here stop being intact.
         cache.length = total
-        cache.hold(tuple(_held(p) for p in pieces if p.load in (Load.COPY, Load.READ, Load.ENCODE, Load.STORED)))
+        if not cache.base:  # a buffer after a shared prefix holds its slots shifted: it offers nothing in place later
+            cache.hold(tuple(_held(p) for p in pieces if p.load in (Load.COPY, Load.READ, Load.ENCODE, Load.STORED)))
         if total - 1 not in fresh:
             # The prompt ends inside a cached block: recompute its last token so we have its logits.
             fresh.add(total - 1)
@@ -249,6 +263,43 @@ class Assembler:
             deferred=deferred,
             deviation=deviation,
         )
+
+    def _shared_lead(self, plan: Plan, changed: set[int], recompute: Recompute | None) -> tuple[list[Piece], int]:
+        """The prompt's first pieces that a shared prefix may hold (read in place, not copied): the exact prefix
+        blocks in memory from slot 0 on, ending before the prompt's last token (whose logits the forward computes);
+        and how many of them a new shared prefix takes: up to the last whole block (the next prompt may part from
+        this one inside a block), at least `runner.shared_prefix_min_tokens` tokens, else none at all.
+
+        A new shared prefix is built only while other requests run (`whole` 0 otherwise): a request alone reads
+        one built earlier, if any, and else copies its prefix as before (a pooled buffer may hold it in place
+        already, and one attention over its buffer is one call of the prefill kernel, not two merged). None in
+        blend (it recomputes reused slots in place) or where the runner's layers cannot attend over a shared prefix
+        (sliding windows, soft-capping)."""
+        if (recompute is not None and (recompute.ratio > 0 or recompute.target is not None)) or \
+                not self.runner.shares_prefixes:
+            return [], 0
+        lead, end = [], 0
+        for p in plan.pieces:
+            if (p.source != Source.PREFIX or p.load != Load.COPY or p.members or p.slot != end or p.slot in changed
+                    or p.slot + p.n > len(plan.ids) - 1):
+                break
+            lead.append(p)
+            end += p.n
+        whole = len(lead)
+        while whole and lead[whole - 1].n < self.planner.block_tokens:
+            whole -= 1
+        if sum(p.n for p in lead[:whole]) < self.runner.shared_prefix_min_tokens:
+            return [], 0
+        return lead, whole if self.runner.others_decoding() else 0
+
+    def _build_shared(self, lead: Sequence[Piece], in_hand: Mapping[int, KVBlock], keys: torch.Tensor,
+                      values: torch.Tensor) -> None:
+        """A new shared prefix's slots [0, n) ([L, 1, H_kv, n, D] each), from the lead pieces' blocks."""
+        for p in lead:
+            block = in_hand[p.slot]
+            k, v = block.keys[:, :, : p.n], block.values[:, :, : p.n]
+            self.runner.relocate(keys[:, 0, :, p.slot: p.slot + p.n], k, p.position - block.start)
+            values[:, 0, :, p.slot: p.slot + p.n].copy_(v)
 
     def _copy_in(self, pieces: Sequence[Piece], cache: SlotCache, in_hand: Mapping[int, KVBlock],
                  present: set[int]) -> tuple[set[int], int]:
@@ -489,7 +540,7 @@ class Assembler:
                 parent = ref.key
                 if (ref.key in plan.hits and ref.key not in direct) or ref.key in skip:
                     continue
-                k, v = assembled.cache.block_views(ref.start, ref.end)
+                k, v = assembled.cache.read(ref.start, ref.end)
                 block = KVBlock(k.clone(), v.clone(), ids[ref.start: ref.end], positions[ref.start],
                                 {"kind": "prefix"})
                 whole = ref.end - ref.start == block_tokens or item.closed
@@ -517,7 +568,7 @@ class Assembler:
             if key in self.extents_stored:
                 continue
             a, b = refs[i].start, refs[i + EXTENT_BLOCKS - 1].end
-            k, v = cache.block_views(a, b)
+            k, v = cache.read(a, b)
             self.store.put_persistent(key, KVBlock(k.clone(), v.clone(), ids[a:b], positions[a], {"kind": "prefix"}))
             self._note_extent(key)
             written.add(key)

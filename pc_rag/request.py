@@ -308,10 +308,14 @@ class Request:
 def copy_of_prompt(runner, asm: Assembled) -> SlotCache:
     """A pooled buffer holding a copy of the prompt's KV (slots [0, prompt_tokens) of `asm.cache`), for one more
     reply to decode after: n replies cost the prompt's KV copied n - 1 times (a small part of a prefill)."""
-    cache = runner.acquire_cache(asm.cache.capacity)
+    src = asm.cache
+    cache = runner.acquire_cache(src.own_capacity)
     cache.hold(())  # whatever it held from its last request is overwritten below
-    n = asm.prompt_tokens
-    cache.keys[:, :, :, :n].copy_(asm.cache.keys[:, :, :, :n])
-    cache.values[:, :, :, :n].copy_(asm.cache.values[:, :, :, :n])
-    cache.length = n
+    if src.base is not None:  # the prompt's shared prefix is read in place by this reply too (model/cache.py)
+        cache.attach(runner.take_shared_prefix(src.base.blocks, len(src.base.blocks), lambda keys, values: (
+            keys.copy_(src.base.keys), values.copy_(src.base.values))))
+    n = asm.prompt_tokens - src.offset
+    cache.keys[:, :, :, :n].copy_(src.keys[:, :, :, :n])
+    cache.values[:, :, :, :n].copy_(src.values[:, :, :, :n])
+    cache.length = asm.prompt_tokens
     return cache

@@ -110,16 +110,20 @@ class Writes:
 
 
 def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, window: int | None, q, k, v,
-           w: Writes, backends: Backends, written: bool = False) -> torch.Tensor:
+           w: Writes, backends: Backends, written: bool = False,
+           base: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Write the fresh keys and values `k`, `v` [1, H_kv, n, D] into one layer's buffers [1, H_kv, capacity, D]
     at `w`'s slots (unless `written`: they are views of the buffers there already), then attend (sliding `window`,
-    if any) by the runner's `backends`: [1, H_q, n, D]."""
+    if any) by the runner's `backends`: [1, H_q, n, D]. `base`: a shared prefix's keys and values [1, H_kv, P, D]
+    before the buffer's slot 0 (model/cache.py), which every query sees; `w`'s slots count from the buffer's."""
     if not written and w.layout == "slots":
         layer_keys.index_copy_(2, w.index, k)
         layer_values.index_copy_(2, w.index, v)
     elif not written:
         layer_keys[:, :, w.start: w.start + w.n] = k
         layer_values[:, :, w.start: w.start + w.n] = v
+    if base is not None:
+        return _attend_with_base(q, base, layer_keys, layer_values, w, heads, backends)
     if w.layout == "after" and w.n == 1:  # a decode step: the last `window` keys at most
         lo = 0 if window is None else max(0, w.kv - window)
         return attend_decode(q, [layer_keys[:, :, lo: w.kv]], [layer_values[:, :, lo: w.kv]], heads, backends)
@@ -176,23 +180,102 @@ def _gqa(heads: Heads) -> dict:
 
 
 def attend_decode(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], heads: Heads,
-                  backends: Backends) -> torch.Tensor:
+                  backends: Backends,
+                  bases: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
     """One decode step's attention for B requests: request b's query token q[b] [H_q, 1, D] over every key of its
-    own keys[b] / values[b] [1, H_kv, T_b, D] (no mask). Returns [B, H_q, 1, D].
+    own keys[b] / values[b] [1, H_kv, T_b, D] (no mask), after its shared prefix bases[b] ([1, H_kv, P_b, D]
+    each, or None). Returns [B, H_q, 1, D].
 
-    Where the runner chose pc_rag's decode kernel (`backends`), it runs all B requests in one call (kernels.py):
-    sdpa's CPU kernel read the KV at about half the machine's rate in fp32 and a third in bf16. Otherwise sdpa,
-    request by request (`_attend_one`)."""
+    Where the runner chose pc_rag's decode kernel (`backends`), it runs all B requests in one call (kernels.py),
+    a shared prefix as one more segment of keys merged in the kernel: sdpa's CPU kernel read the KV at about half
+    the machine's rate in fp32 and a third in bf16. Otherwise sdpa, request by request (`_attend_one`)."""
     b, h, _, d = q.shape
     group = heads.num_key_value_groups
+    bases = bases or [None] * b
     fn = backends.decode_kernel
+    segments = [(base, i) for i, base in enumerate(bases) if base is not None]
     if (fn is not None and heads.softcap is None
-            and all(_kernel_takes(k, v) for k, v in zip(keys, values, strict=True))):
-        o = kernels.decode_attention(fn, q.reshape(b, h // group, group, d),
-                                     [k[0] for k in keys], [v[0] for v in values], heads.scaling)
+            and all(_kernel_takes(k, v) for k, v in zip(keys, values, strict=True))
+            and all(_kernel_takes(*base) for base, _ in segments)):
+        if not segments:
+            o = kernels.decode_attention(fn, q.reshape(b, h // group, group, d),
+                                         [k[0] for k in keys], [v[0] for v in values], heads.scaling)
+        else:
+            ks, vs, owner = [], [], []
+            for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+                parts = ([bases[i]] if bases[i] is not None else []) + [(k, v)]
+                ks += [p[0][0] for p in parts]
+                vs += [p[1][0] for p in parts]
+                owner += [i] * len(parts)
+            o = kernels.decode_attention(fn, q.reshape(b, h // group, group, d), ks, vs, heads.scaling, owner)
         return o.reshape(b, h, 1, d)
-    out = [_attend_one(q[i: i + 1], keys[i], values[i], heads) for i in range(b)]
+    out = [_attend_one(q[i: i + 1], keys[i], values[i], heads) if bases[i] is None
+           else merge([lse_attention(q[i: i + 1], *bases[i], None, heads),
+                       lse_attention(q[i: i + 1], keys[i], values[i], None, heads)], q.dtype)
+           for i in range(b)]
     return torch.cat(out) if b > 1 else out[0]
+
+
+def _attend_with_base(q: torch.Tensor, base: tuple[torch.Tensor, torch.Tensor], layer_keys: torch.Tensor,
+                      layer_values: torch.Tensor, w: Writes, heads: Heads, backends: Backends) -> torch.Tensor:
+    """`attend` after a shared prefix `base` (keys, values [1, H_kv, P, D]), whose slots all precede the buffer's:
+    every query sees all of it, and the buffer's slots up to its own. Two attentions merged by their log-sum-exp,
+    in blocks of ROWS_PER_BLOCK query rows (a decode step: attend_decode, the kernel where the runner chose it).
+    Equal to one attention over the prefix and the buffer laid end to end, within float rounding."""
+    if w.layout == "after" and w.n == 1:
+        return attend_decode(q, [layer_keys[:, :, : w.kv]], [layer_values[:, :, : w.kv]], heads, backends, [base])
+    rows = w.rows(q.device)
+    out = []
+    for a in range(0, w.n, ROWS_PER_BLOCK):
+        block, at = q[:, :, a: a + ROWS_PER_BLOCK], rows[a: a + ROWS_PER_BLOCK]
+        high = int(at.max()) + 1
+        visible = torch.arange(high, device=q.device)[None, :] <= at[:, None]
+        out.append(merge([lse_attention(block, *base, None, heads),
+                          lse_attention(block, layer_keys[:, :, :high], layer_values[:, :, :high], visible, heads)],
+                         q.dtype))
+    return torch.cat(out, 2) if len(out) > 1 else out[0]
+
+
+def lse_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+                  heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [1, H_q, r, D] over keys / values [1, H_kv, T, D] where `visible` [r, T] (None: everywhere;
+    every row must see a key), with its log-sum-exp: (output [1, H_q, r, D], lse [1, H_q, r] fp32), what `merge`
+    takes. sdpa's flash kernel on CPU (it returns both); elsewhere the scores in fp32."""
+    group = heads.num_key_value_groups
+    b, h, r, d = q.shape
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        if visible is None and group > 1:  # each KV head read once: its query heads fold into its rows
+            o, lse = _FLASH_CPU(q.reshape(b, h // group, group * r, d), keys, values, 0.0, False, scale=heads.scaling)
+            return o.reshape(b, h, r, d), lse.reshape(b, h, r).float()
+        if group > 1:
+            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        mask = None
+        if visible is not None:
+            mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
+            mask = mask.masked_fill_(~visible, float("-inf"))[None, None]
+        o, lse = _FLASH_CPU(q, keys, values, 0.0, False, attn_mask=mask, scale=heads.scaling)
+        return o, lse.float()
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.matmul(q.float(), keys.float().transpose(2, 3)) * heads.scaling
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    return torch.matmul((scores - lse[..., None]).exp(), values.float()), lse
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """Attentions of the same queries over disjoint sets of keys, (output, lse) each, as one attention over all
+    of them (flash attention's merge rule): each output weighted by exp(its lse - the largest), normalised."""
+    top = parts[0][1]
+    for _, lse in parts[1:]:
+        top = torch.maximum(top, lse)
+    num = den = None
+    for o, lse in parts:
+        weight = (lse - top).exp().unsqueeze(-1)
+        num = o.float() * weight if num is None else num + o.float() * weight
+        den = weight if den is None else den + weight
+    return (num / den).to(dtype)
 
 
 def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: Heads) -> torch.Tensor:

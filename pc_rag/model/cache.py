@@ -9,6 +9,12 @@ A buffer back in the pool still holds the blocks its last request copied in (`he
 wrote over them (`wrote`): the next request that wants the same block in the same slots at the same position (a
 system text or a conversation sent again, the next question on the same documents) finds it there and copies
 nothing (`LlamaRunner.acquire_cache`, `Assembler.assemble`).
+
+A prompt that starts with prefix blocks other requests start with too (a system text, a shared instruction) reads
+them in place from one `SharedPrefix` (slots [0, n) of every layer, never written after it is built), and its
+buffer holds slots [n, ...) only (`SlotCache.base`, `offset`): concurrent requests over one prefix hold its KV
+once, each buffer growing with the request's own tokens. Attention reads both and merges them by their log-sum-exp
+(attention.py); `LlamaRunner.shared_prefix` keeps them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,21 @@ class HeldBlock:
     position: int
 
 
+class SharedPrefix:
+    """Slots [0, n) of a prompt, read in place by every request whose prompt starts with the same `blocks`:
+    keys, values [layers, 1, kv_heads, n, head_dim], written once when built, then only read. `users`: the
+    requests attached (LlamaRunner counts them under its lock)."""
+
+    def __init__(self, blocks: tuple[HeldBlock, ...], keys: torch.Tensor, values: torch.Tensor):
+        self.blocks, self.keys, self.values = blocks, keys, values
+        self.n = keys.shape[3]
+        self.users = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
 class SlotCache:
     """A request's preallocated KV buffer, written by slot: keys, values [layers, 1, kv_heads, capacity, head_dim].
 
@@ -40,15 +61,36 @@ class SlotCache:
         self.keys = torch.empty(num_layers, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.empty_like(self.keys)
         self.length = 0
+        self.base: SharedPrefix | None = None  # slots [0, offset) read in place; keys/values hold the slots after
         self.hold(())  # `held`: the blocks copied in and not written over since
 
     @property
+    def offset(self) -> int:
+        """The first slot this buffer holds: slots before it are its shared prefix's."""
+        return 0 if self.base is None else self.base.n
+
+    @property
     def capacity(self) -> int:
+        """Slots a request can fill: its shared prefix's, then this buffer's."""
+        return self.offset + self.keys.shape[3]
+
+    @property
+    def own_capacity(self) -> int:
         return self.keys.shape[3]
 
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+    def attach(self, base: SharedPrefix | None) -> None:
+        """Slots [0, base.n) are `base`'s from now on; this buffer's slot 0 is slot base.n (None: detach). What it
+        held from its last request is no longer in its slots."""
+        self.base = base
+        self.hold(())
+
+    def base_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared prefix's keys and values of one layer, [1, H_kv, n, D] (None: no shared prefix)."""
+        return None if self.base is None else (self.base.keys[layer], self.base.values[layer])
 
     def hold(self, blocks: tuple[HeldBlock, ...]) -> None:
         """Record the blocks now in their slots (the assembler, once it has copied them in)."""
@@ -72,8 +114,24 @@ class SlotCache:
         return 0 < n <= self._held_n.get((key, slot, position), 0)
 
     def block_views(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [a, b) of every layer: ([L, H_kv, b-a, D], same) views."""
-        return self.keys[:, 0, :, a:b], self.values[:, 0, :, a:b]
+        """Slots [a, b) of every layer, to write: ([L, H_kv, b-a, D], same) views of this buffer (never of the
+        shared prefix, which is read-only)."""
+        off = self.offset
+        if a < off:
+            raise ValueError(f"slots [{a}, {b}) lie in the shared prefix [0, {off}): it is read-only")
+        return self.keys[:, 0, :, a - off:b - off], self.values[:, 0, :, a - off:b - off]
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [a, b) of every layer, to read: ([L, H_kv, b-a, D], same), views where the slots lie on one side of
+        the shared prefix's end, a copy where they straddle it."""
+        off = self.offset
+        if a >= off:
+            return self.block_views(a, b)
+        base = self.base.keys[:, 0, :, a:min(b, off)], self.base.values[:, 0, :, a:min(b, off)]
+        if b <= off:
+            return base
+        own = self.block_views(off, b)
+        return torch.cat([base[0], own[0]], 2), torch.cat([base[1], own[1]], 2)
 
 
 @dataclass(frozen=True)

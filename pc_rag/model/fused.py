@@ -200,15 +200,18 @@ class FusedLayers:
         vbase = ptrs(*[c.values.data_ptr() for c in caches])
         k_layer, v_layer = i64s(*[c.keys.stride(0) for c in caches]), i64s(*[c.values.stride(0) for c in caches])
         k_head, v_head = i64s(*[c.keys.stride(2) for c in caches]), i64s(*[c.values.stride(2) for c in caches])
-        slot = i64s(*slots)
+        slot = i64s(*[s - c.offset for c, s in zip(caches, slots, strict=True)])  # in each buffer's own slots
+        # shared prefixes, read in place (cache.py); None where no request has one
+        bases = ((kernels.Base * b)(*[kernels.Base.of(c.base) for c in caches])
+                 if any(c.base is not None for c in caches) else None)
         threads, eps, bf16 = torch.get_num_threads(), self.eps, self.bf16
         hk, g, d = self.kv_heads, self.group, self.head_dim
         n_hidden, layers = hidden.shape[-1], r.weights.layers
         if self._native(b):  # the loop below in one native call (decode_layers.cpp)
             with kernels.traced(kernels.LAYERS_PROFILE_NAME):
                 status = k.decode_layers(b, n_hidden, hidden.data_ptr(), len(layers), self._layers, cos.data_ptr(),
-                                         sin.data_ptr(), kbase, vbase, k_layer, v_layer, k_head, v_head, slot, hk, g,
-                                         d, eps, self.qk_eps, r.heads.scaling, bf16, threads)
+                                         sin.data_ptr(), kbase, vbase, k_layer, v_layer, k_head, v_head, slot, bases,
+                                         hk, g, d, eps, self.qk_eps, r.heads.scaling, bf16, threads)
             if status != 0:
                 raise RuntimeError(f"fused decode step refused its layers (slots {slots})")
         else:
@@ -223,8 +226,8 @@ class FusedLayers:
                     status = k.decode_step(b, q.data_ptr(), q.stride(0), kk.data_ptr(), kk.stride(0), v.data_ptr(),
                                            v.stride(0), cos.data_ptr(), sin.data_ptr(), d, _ptr(self.q_norms[i]),
                                            _ptr(self.k_norms[i]), self.qk_eps, kbase, vbase, k_layer, v_layer, i,
-                                           k_head, v_head, slot, self.windows[i], hk, g, d, bf16, r.heads.scaling,
-                                           threads, o.data_ptr())
+                                           k_head, v_head, slot, self.windows[i], bases, hk, g, d, bf16,
+                                           r.heads.scaling, threads, o.data_ptr())
                 if status != 0:
                     raise RuntimeError(f"fused decode step refused layer {i} (slots {slots})")
                 self._norm(hidden, lw.o.product(o), self.mlp_norms[i], x)

@@ -116,6 +116,21 @@ class Layer(ctypes.Structure):
                 ("down", Product), ("window", ctypes.c_int64)]
 
 
+class Base(ctypes.Structure):
+    """decode_attention.cpp's PcBase: a request's shared prefix (cache.SharedPrefix), or none (n = 0)."""
+
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("k_layer", ctypes.c_int64),
+                ("v_layer", ctypes.c_int64), ("k_head", ctypes.c_int64), ("v_head", ctypes.c_int64),
+                ("n", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, base) -> Base:
+        if base is None:
+            return cls(None, None, 0, 0, 0, 0, 0)
+        k, v = base.keys, base.values  # [L, 1, H_kv, n, D]
+        return cls(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k.stride(2), v.stride(2), base.n)
+
+
 def traced(name: str):
     """torch's record_function(name) while a profiler runs (so a profile shows the kernel by name), else nothing:
     entering one costs ~8.5 us even with no profiler, and a decode step makes 5 such calls per layer (1 ms of a 63
@@ -272,8 +287,8 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     if not lib.pc_rag_supported():
         raise OSError("this CPU lacks an AVX-512 subset the kernels use")
     i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    decode = lib.pc_rag_decode_attention
-    decode.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, f32, i64, i32, ptr]
+    decode = lib.pc_rag_decode_attention_segments
+    decode.argtypes = [i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, f32, i64, i32, ptr]
     decode.restype = i32
     prefill = lib.pc_rag_prefill_attention
     prefill.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i32, f32,
@@ -281,7 +296,7 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     prefill.restype = i32
     step = lib.pc_rag_decode_step
     step.argtypes = [i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, i64, ptr, ptr,
-                     ptr, i64, i64, i64, i64, i32, f32, i32, ptr]
+                     ptr, i64, ptr, i64, i64, i64, i32, f32, i32, ptr]
     step.restype = i32
     norm = lib.pc_rag_add_rms_norm
     norm.argtypes = [i64, i64, ptr, ptr, ptr, f32, i32, i32, ptr]
@@ -300,18 +315,19 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     linear.argtypes = [i64, i64, ptr, i64, i64, ptr, ptr, ptr, i32, i32, ptr, i64]
     linear.restype = i32
     layers = lib.pc_rag_decode_layers
-    layers.argtypes = [i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, f32,
-                       f32, i32, i32]
+    layers.argtypes = [i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32,
+                       f32, f32, i32, i32]
     layers.restype = i32
     return Kernels(decode, prefill, step, norm, silu, rope, relocate, linear, bool(lib.pc_rag_linear_bf16_supported()),
                    layers, bool(lib.pc_rag_prefill_amx_supported()))
 
 
 def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                     scale: float) -> torch.Tensor:
+                     scale: float, owner: list[int] | None = None) -> torch.Tensor:
     """One decode step's attention for B requests in one call: request r's query rows q[r] [H_kv, G, D] over its
     keys[r] / values[r] [H_kv, n_r, D] (CPU, fp32 or bf16, rows contiguous). Returns [B, H_kv, G, D] in the keys'
-    dtype (scores and softmax in fp32, the output rounded once, as sdpa's CPU kernel does).
+    dtype (scores and softmax in fp32, the output rounded once, as sdpa's CPU kernel does). With `owner`, the keys
+    are segments, segment s read by request owner[s] (a shared prefix, then the request's own slots), merged.
 
     The keys go to the threads in chunks of 64-512 rows, small enough that every thread gets about four."""
     dtype = keys[0].dtype
@@ -324,11 +340,13 @@ def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list
     rows = min(512, max(64, -(-sum(lengths) * h // (4 * threads))))
     q = q.to(dtype).contiguous()
     out = torch.empty(q.shape, dtype=dtype)
-    i64s, ptrs = ctypes.c_int64 * b, ctypes.c_void_p * b
+    segments = len(keys)
+    i64n, ptrn = ctypes.c_int64 * segments, ctypes.c_void_p * segments
     with traced(PROFILE_NAME):
-        status = fn(b, q.data_ptr(), ptrs(*[k.data_ptr() for k in keys]), ptrs(*[v.data_ptr() for v in values]),
-                    i64s(*lengths), i64s(*[k.stride(0) for k in keys]), i64s(*[v.stride(0) for v in values]), h, g,
-                    d, int(dtype == torch.bfloat16), scale, rows, threads, out.data_ptr())
+        status = fn(b, q.data_ptr(), segments, None if owner is None else i64n(*owner),
+                    ptrn(*[k.data_ptr() for k in keys]), ptrn(*[v.data_ptr() for v in values]), i64n(*lengths),
+                    i64n(*[k.stride(0) for k in keys]), i64n(*[v.stride(0) for v in values]), h, g, d,
+                    int(dtype == torch.bfloat16), scale, rows, threads, out.data_ptr())
     if status != 0:
         raise RuntimeError(f"decode attention kernel refused keys {[tuple(k.shape) for k in keys]}")
     return out

@@ -29,7 +29,7 @@ from . import rope as rope_check
 from .architecture import DEFAULT_ROPE
 from .attention import Heads, Writes, _mask, attend, attend_decode
 from .backends import LINEAR_ROWS, MODULES, ONEDNN, Backends, Choice, choose, unfit
-from .cache import HeldBlock, ModelShape, SlotCache, _to_device
+from .cache import HeldBlock, ModelShape, SharedPrefix, SlotCache, _to_device
 from .families import SUPPORTED_MODEL_TYPES, describe
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .fused import FusedLayers
@@ -42,6 +42,14 @@ from .weights import few_rows_limit, weights_of
 # the prefill of that many tokens).
 POOL_SIZE = 2
 POOL_MAX_BYTES = 1 << 30
+
+# A prompt whose first this-many tokens or more are exact prefix blocks in memory reads them in place from one
+# shared copy (cache.SharedPrefix) instead of copying them into its buffer: concurrent requests over one system text
+# hold it once. Shorter prefixes are copied: their copy is cheap, and a shared one costs a second attention call
+# per layer in a prefill. Unused shared prefixes are kept, most recent first, up to SHARED_KEPT of them and
+# `pool_max_bytes` together, so the next request over the same prefix finds it built.
+SHARED_PREFIX_MIN_TOKENS = 256
+SHARED_KEPT = 4
 
 # While other requests are decoding, a forward over more fresh tokens than this runs as several forwards of at
 # most this many (a chunked prefill), each taking its own turn on the runner lock, so the decoding requests wait
@@ -128,7 +136,9 @@ class LlamaRunner:
         # Per thread: the Event that stops the forwards of the request this thread is prefilling (`cancellable`).
         self._cancel = threading.local()
         self._pool: list[SlotCache] = []
-        self._pool_lock = threading.Lock()
+        self._pool_lock = threading.Lock()  # also guards the shared prefixes
+        self._shared: dict[tuple[HeldBlock, ...], SharedPrefix] = {}  # insertion order: least recently used first
+        self.shared_prefix_min_tokens = SHARED_PREFIX_MIN_TOKENS
         context_bytes = self.shape.max_positions * self.shape.kv_bytes_per_token(self.dtype)
         self.pool_max_bytes = min(POOL_MAX_BYTES, POOL_SIZE * context_bytes)
         self._fingerprint: str | None = None
@@ -324,9 +334,69 @@ class LlamaRunner:
         # round up so nearby sizes share buffers
         return self.new_cache(min(-(-capacity // 256) * 256, self.shape.max_positions))
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether requests can read a prefix in place from a shared copy: attention over it merges with the
+        buffer's (attention.py), which the sliding-window and soft-capped layers' masked paths do not take."""
+        return all(layer.window is None for layer in self.arch.layers) and self.heads.softcap is None
+
+    def take_shared_prefix(self, blocks: tuple[HeldBlock, ...], whole: int,
+                           build: Callable[[torch.Tensor, torch.Tensor], None]) -> SharedPrefix | None:
+        """A shared prefix for a prompt that starts with `blocks` (slots [0, ...) as they hold), for one more
+        request (`SlotCache.attach` it; `release_cache` lets go of it): the longest one held whose blocks begin
+        `blocks`, else a new one of the first `whole` blocks (none if `whole` is 0), whose keys and values
+        [L, 1, H_kv, n, D] `build` fills before anyone sees it."""
+        with self._pool_lock:
+            found = [b for k, b in self._shared.items() if blocks[: len(k)] == k]
+            base = max(found, key=lambda b: b.n, default=None)
+            if base is not None:
+                del self._shared[base.blocks]
+                self._shared[base.blocks] = base  # most recently used last
+                base.users += 1
+                return base
+        if not whole:
+            return None
+        s, mine = self.shape, blocks[:whole]
+        keys = torch.empty(s.num_layers, 1, s.kv_heads, sum(b.n for b in mine), s.head_dim, dtype=self.dtype,
+                           device=self.device)
+        values = torch.empty_like(keys)
+        build(keys, values)
+        base = SharedPrefix(mine, keys, values)
+        with self._pool_lock:
+            base = self._shared.pop(mine, None) or base  # built at once by another request: one copy
+            self._shared[mine] = base
+            base.users += 1
+            self._trim_shared()
+        return base
+
+    def let_go(self, base: SharedPrefix) -> None:
+        """One request less reads `base` (kept for the next ones while the budget allows)."""
+        with self._pool_lock:
+            base.users -= 1
+            self._trim_shared()
+
+    def _trim_shared(self) -> None:  # with self._pool_lock held
+        unused = [(k, b) for k, b in self._shared.items() if b.users == 0]
+        total = 0
+        for i, (k, b) in enumerate(reversed(unused)):  # most recent first
+            total += b.nbytes
+            if i >= SHARED_KEPT or total > self.pool_max_bytes:
+                del self._shared[k]
+
+    def shared_stats(self) -> dict:
+        """The shared prefixes held: how many, their bytes (`in_use`: of those requests read now), and the
+        requests reading them."""
+        with self._pool_lock:
+            bases = list(self._shared.values())
+        return {"prefixes": len(bases), "bytes": sum(b.nbytes for b in bases),
+                "in_use_bytes": sum(b.nbytes for b in bases if b.users), "users": sum(b.users for b in bases)}
+
     def release_cache(self, cache: SlotCache) -> None:
-        """Return a buffer to the pool; the pool keeps the largest buffers that fit, at most POOL_SIZE of them
-        and `pool_max_bytes` together (the others are freed)."""
+        """Return a buffer to the pool (letting go of its shared prefix); the pool keeps the largest buffers that
+        fit, at most POOL_SIZE of them and `pool_max_bytes` together (the others are freed)."""
+        if cache.base is not None:
+            self.let_go(cache.base)
+            cache.attach(None)
         with self._pool_lock:
             kept, total = [], 0
             for c in sorted([*self._pool, cache], key=lambda c: c.capacity, reverse=True):
@@ -341,6 +411,8 @@ class LlamaRunner:
         with self._pool_lock:
             for cache in self._pool:
                 cache.hold(())
+            for key in [k for k, b in self._shared.items() if b.users == 0]:
+                del self._shared[key]
 
     def place(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A block's keys and values on the model's device (the same tensors when they are there already).
@@ -490,7 +562,11 @@ class LlamaRunner:
             raise ValueError("forward_rows: narrow (blend) takes one request")
         self._check_cancelled()
         dev = self.device
-        writes = [Writes.of(s, self.dtype, dev, self.backends) for s in slots]
+        if narrow is not None and caches[0].base is not None:
+            raise ValueError("forward_rows: narrow (blend) writes reused slots, a shared prefix's are read-only")
+        # Each buffer's writes in its own slots (after its shared prefix, if any: cache.py)
+        writes = [Writes.of([t - c.offset for t in s] if c.offset else s, self.dtype, dev, self.backends)
+                  for c, s in zip(caches, slots, strict=True)]
         if narrow is not None and writes[0].layout != "slots":  # rows may drop out: attention by mask over the buffer
             w = writes[0]
             rows = w.rows(dev)
@@ -498,7 +574,7 @@ class LlamaRunner:
         for cache, w, at in zip(caches, writes, slots, strict=True):
             for a, b in _runs(at):
                 cache.wrote(a, b)
-            cache.length = max(cache.length, w.kv)
+            cache.length = max(cache.length, cache.offset + w.kv)
         spans, a = [], 0  # each request's tokens among the forward's rows
         for t in ids:
             spans.append((a, len(t)))
@@ -526,7 +602,7 @@ class LlamaRunner:
                         rope = {name: (cos[:, keep], sin[:, keep]) for name, (cos, sin) in rope.items()}
                         writes, parts = [w.keep(keep, w.rows(dev), self.dtype)], [(q, k, v)]
                 outs = [attend(c.keys[i], c.values[i], self.heads, layers[i].window, q, k, v, w, self.backends,
-                               written)
+                               written, c.base_views(i))
                         for c, w, (q, k, v) in zip(caches, writes, parts, strict=True)]
                 o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
                 if fused is not None:  # hidden updated in place
@@ -588,7 +664,9 @@ class LlamaRunner:
             hidden = self._embed(torch.tensor(ids, device=dev)[:, None])  # [B, 1, hidden]
             rope = self._rope_at(hidden, torch.tensor(positions, device=dev)[:, None])  # table -> [B, 1, D] each
             # Each request's slots [0, slot] in every layer, and its new slot: views taken once per step.
-            seen = [(c.keys[:, :, :, : s + 1], c.values[:, :, :, : s + 1]) for c, s in zip(caches, slots, strict=True)]
+            seen = [(c.keys[:, :, :, : s - c.offset + 1], c.values[:, :, :, : s - c.offset + 1])
+                    for c, s in zip(caches, slots, strict=True)]
+            shared = any(c.base is not None for c in caches)
             new = [(k[:, 0, :, -1], v[:, 0, :, -1]) for k, v in seen]  # [L, H_kv, D] each
             for i in range(self.shape.num_layers):
                 q, k, v = self._qkv(i, hidden, rope)  # [B, H, 1, D]
@@ -603,7 +681,9 @@ class LlamaRunner:
                         k_b, v_b = k_b[:, :, -window:], v_b[:, :, -window:]
                     keys.append(k_b)
                     values.append(v_b)
-                hidden = self._after_attention(i, hidden, attend_decode(q, keys, values, self.heads, self.backends))
+                bases = [c.base_views(i) for c in caches] if shared else None
+                hidden = self._after_attention(i, hidden, attend_decode(q, keys, values, self.heads, self.backends,
+                                                                        bases))
             logits = self._logits(hidden)[:, 0]  # [B, vocab]
         for cache, s in zip(caches, slots, strict=True):
             cache.length = max(cache.length, s + 1)

@@ -20,6 +20,14 @@
 
 #include "simd.h"
 
+// A request's prefix shared read-only with other requests (model/cache.py's SharedPrefix): n rows of every layer's
+// keys and values, H heads each, as pc_rag_decode_step's caches are strided (elements). decode_layers.cpp repeats it.
+struct PcBase {
+  const void* keys;
+  const void* values;
+  int64_t k_layer, v_layer, k_head, v_head, n;
+};
+
 namespace {
 
 constexpr int64_t KB = 16;  // keys per block of scores
@@ -190,23 +198,25 @@ PC_AVX512 void attend_chunk(const float* q, const T* qr, float scale, const T* k
   }
 }
 
-// Every request's keys in chunks of `rows`: work item i belongs to request r where first[r] <= i < first[r + 1],
-// head and chunk in request order; each item's max, exp-sum and partial output go to ml, acc at index i.
+// Every segment's keys in chunks of `rows`: work item i belongs to segment s where first[s] <= i < first[s + 1],
+// head and chunk in segment order; each item's max, exp-sum and partial output go to ml, acc at index i. Segment s
+// is read by the query rows of request owner[s] (owner null: request s).
 template <typename T>
-void attend_all(int64_t B, const float* q, const T* qr, float scale, const void* const* keys,
+void attend_all(int64_t S, const int64_t* owner, const float* q, const T* qr, float scale, const void* const* keys,
                 const void* const* values, const int64_t* n, const int64_t* k_head, const int64_t* v_head, int64_t H,
                 int64_t G, int64_t D, int64_t rows, int threads, const int64_t* first, float* ml, float* acc) {
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> s(G * ((rows + KB - 1) / KB * KB)), kb(KB * D), m(G), l(G);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < first[B]; ++i) {
-      const int64_t r = std::upper_bound(first, first + B + 1, i) - first - 1;
-      const int64_t C = (n[r] + rows - 1) / rows, j = i - first[r];
-      const int64_t h = j / C, t0 = (j % C) * rows, len = std::min(rows, n[r] - t0);
+    for (int64_t i = 0; i < first[S]; ++i) {
+      const int64_t g_ = std::upper_bound(first, first + S + 1, i) - first - 1;
+      const int64_t r = owner ? owner[g_] : g_;
+      const int64_t C = (n[g_] + rows - 1) / rows, j = i - first[g_];
+      const int64_t h = j / C, t0 = (j % C) * rows, len = std::min(rows, n[g_] - t0);
       attend_chunk<T>(q + (r * H + h) * G * D, qr ? qr + (r * H + h) * G * D : nullptr, scale,
-                      static_cast<const T*>(keys[r]) + h * k_head[r] + t0 * D,
-                      static_cast<const T*>(values[r]) + h * v_head[r] + t0 * D, len, G, D, s.data(), kb.data(),
+                      static_cast<const T*>(keys[g_]) + h * k_head[g_] + t0 * D,
+                      static_cast<const T*>(values[g_]) + h * v_head[g_] + t0 * D, len, G, D, s.data(), kb.data(),
                       m.data(), l.data(), acc + i * G * D);
       for (int64_t g = 0; g < G; ++g) {
         ml[(i * G + g) * 2] = m[g];
@@ -217,34 +227,43 @@ void attend_all(int64_t B, const float* q, const T* qr, float scale, const void*
 }
 
 // Attention for B requests from their scaled fp32 queries qs [B, H, G, D] (and in bf16 the same unscaled, qr, which
-// the scores are taken from where AVX512-BF16 runs): request r's keys[r] / values[r] (H heads of n[r] rows, heads
-// k_head[r] / v_head[r] elements apart) into out [B, H, G, D] in the keys' dtype.
-void attend(int64_t B, const float* qs, const uint16_t* qr, float scale, const void* const* keys,
-            const void* const* values, const int64_t* n, const int64_t* k_head, const int64_t* v_head, int64_t H,
-            int64_t G, int64_t D, int bf16, int64_t rows, int threads, void* out) {
-  std::vector<int64_t> first(B + 1, 0);
-  for (int64_t r = 0; r < B; ++r) first[r + 1] = first[r] + H * ((n[r] + rows - 1) / rows);
-  std::vector<float> ml(first[B] * G * 2), acc(first[B] * G * D), o(D);
+// the scores are taken from where AVX512-BF16 runs) over S segments of keys: segment s's keys[s] / values[s] (H
+// heads of n[s] rows, heads k_head[s] / v_head[s] elements apart) are read by request owner[s] (owner null: S == B,
+// segment r is request r's). A request's segments (a prefix shared read-only with other requests, then its own
+// slots) are merged as its chunks are. Into out [B, H, G, D] in the keys' dtype.
+void attend(int64_t B, int64_t S, const int64_t* owner, const float* qs, const uint16_t* qr, float scale,
+            const void* const* keys, const void* const* values, const int64_t* n, const int64_t* k_head,
+            const int64_t* v_head, int64_t H, int64_t G, int64_t D, int bf16, int64_t rows, int threads, void* out) {
+  std::vector<int64_t> first(S + 1, 0);
+  for (int64_t g = 0; g < S; ++g) first[g + 1] = first[g] + H * ((n[g] + rows - 1) / rows);
+  std::vector<float> ml(first[S] * G * 2), acc(first[S] * G * D), o(D);
   if (bf16)
-    attend_all<uint16_t>(B, qs, qr, scale, keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(),
-                         ml.data(), acc.data());
+    attend_all<uint16_t>(S, owner, qs, qr, scale, keys, values, n, k_head, v_head, H, G, D, rows, threads,
+                         first.data(), ml.data(), acc.data());
   else
-    attend_all<float>(B, qs, nullptr, scale, keys, values, n, k_head, v_head, H, G, D, rows, threads, first.data(),
-                      ml.data(), acc.data());
-  // Merge each query row's chunks: weights exp(m_c - max m), normalised by the weighted exp-sums.
+    attend_all<float>(S, owner, qs, nullptr, scale, keys, values, n, k_head, v_head, H, G, D, rows, threads,
+                      first.data(), ml.data(), acc.data());
+  // Merge each query row's chunks over its segments: weights exp(m_c - max m), normalised by the weighted exp-sums.
+  std::vector<std::vector<int64_t>> mine(B);
+  for (int64_t g = 0; g < S; ++g) mine[owner ? owner[g] : g].push_back(g);
   for (int64_t r = 0; r < B; ++r) {
-    const int64_t C = (n[r] + rows - 1) / rows;
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t g = 0; g < G; ++g) {
         float M = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < C; ++c) M = std::max(M, ml[((first[r] + h * C + c) * G + g) * 2]);
+        for (const int64_t sg : mine[r]) {
+          const int64_t C = (n[sg] + rows - 1) / rows;
+          for (int64_t c = 0; c < C; ++c) M = std::max(M, ml[((first[sg] + h * C + c) * G + g) * 2]);
+        }
         float L = 0.f;
         std::fill(o.begin(), o.end(), 0.f);
-        for (int64_t c = 0; c < C; ++c) {
-          const int64_t j = (first[r] + h * C + c) * G + g;
-          const float w = std::exp(ml[j * 2] - M);
-          L += w * ml[j * 2 + 1];
-          for (int64_t d = 0; d < D; ++d) o[d] += w * acc[j * D + d];
+        for (const int64_t sg : mine[r]) {
+          const int64_t C = (n[sg] + rows - 1) / rows;
+          for (int64_t c = 0; c < C; ++c) {
+            const int64_t j = (first[sg] + h * C + c) * G + g;
+            const float w = std::exp(ml[j * 2] - M);
+            L += w * ml[j * 2 + 1];
+            for (int64_t d = 0; d < D; ++d) o[d] += w * acc[j * D + d];
+          }
         }
         const int64_t at = ((r * H + h) * G + g) * D;
         for (int64_t d = 0; d < D; ++d) {
@@ -270,18 +289,19 @@ int64_t rows_per_item(int64_t B, const int64_t* n, int64_t H, int threads) {
 // head's RMSNorm where q_norm / k_norm [D] are given (Qwen3), RoPE on the queries and the new keys (cos, sin [B, D],
 // rows cs_row apart), the new key and value written to slot[r] of request r's cache (H heads of rows at k_cache[r]
 // + layer * k_layer[r] for the keys, heads k_head[r] elements apart; the values alike), then attention over the
-// slots [lo, slot[r]] (lo: 0, or the last `window` slots when window > 0).
+// slots [lo, slot[r]] (lo: 0, or the last `window` slots when window > 0), after the request's shared prefix where
+// bases (null: none) gives it one (bases[r].n > 0 rows, read in place; not with a window).
 template <typename T>
 int decode_step(int64_t B, const T* q, int64_t q_row, const T* k, int64_t k_row, const T* v, int64_t v_row,
                 const T* cos, const T* sin, int64_t cs_row, const T* q_norm, const T* k_norm, float eps,
                 void* const* k_cache, void* const* v_cache, const int64_t* k_layer, const int64_t* v_layer,
                 int64_t layer, const int64_t* k_head, const int64_t* v_head, const int64_t* slot, int64_t window,
-                int64_t H, int64_t G, int64_t D, float scale, int threads, void* out) {
+                const PcBase* bases, int64_t H, int64_t G, int64_t D, float scale, int threads, void* out) {
   const int64_t HQ = H * G;
   std::vector<float> qs(B * HQ * D);
   std::vector<T> qr(B * HQ * D), normed(D);
-  std::vector<const void*> keys(B), values(B);
-  std::vector<int64_t> n(B);
+  std::vector<const void*> keys, values;
+  std::vector<int64_t> n, kh, vh, owner;
   for (int64_t r = 0; r < B; ++r) {
     const T *c = cos + r * cs_row, *s = sin + r * cs_row;
     for (int64_t h = 0; h < HQ; ++h) {
@@ -297,20 +317,39 @@ int decode_step(int64_t B, const T* q, int64_t q_row, const T* k, int64_t k_row,
       rotate<T>(x, c, s, D, kc + h * k_head[r] + slot[r] * D, nullptr, 0.f);
       std::memcpy(vc + h * v_head[r] + slot[r] * D, v + r * v_row + h * D, D * sizeof(T));
     }
+    if (bases && bases[r].n > 0) {
+      const PcBase& b = bases[r];
+      keys.push_back(static_cast<const T*>(b.keys) + layer * b.k_layer);
+      values.push_back(static_cast<const T*>(b.values) + layer * b.v_layer);
+      n.push_back(b.n);
+      kh.push_back(b.k_head);
+      vh.push_back(b.v_head);
+      owner.push_back(r);
+    }
     const int64_t lo = window > 0 && slot[r] + 1 > window ? slot[r] + 1 - window : 0;
-    keys[r] = kc + lo * D;
-    values[r] = vc + lo * D;
-    n[r] = slot[r] + 1 - lo;
+    keys.push_back(kc + lo * D);
+    values.push_back(vc + lo * D);
+    n.push_back(slot[r] + 1 - lo);
+    kh.push_back(k_head[r]);
+    vh.push_back(v_head[r]);
+    owner.push_back(r);
   }
   const bool bf16 = std::is_same<T, uint16_t>::value;
-  attend(B, qs.data(), bf16 ? reinterpret_cast<const uint16_t*>(qr.data()) : nullptr, scale, keys.data(),
-         values.data(), n.data(), k_head, v_head, H, G, D, bf16, rows_per_item(B, n.data(), H, threads), threads, out);
+  const int64_t S = static_cast<int64_t>(n.size());
+  attend(B, S, owner.data(), qs.data(), bf16 ? reinterpret_cast<const uint16_t*>(qr.data()) : nullptr, scale,
+         keys.data(), values.data(), n.data(), kh.data(), vh.data(), H, G, D, bf16,
+         rows_per_item(S, n.data(), H, threads), threads, out);
   return 0;
 }
 
 }  // namespace
 
 extern "C" {
+
+int pc_rag_decode_attention_segments(int64_t B, const void* q, int64_t S, const int64_t* owner,
+                                     const void* const* keys, const void* const* values, const int64_t* n,
+                                     const int64_t* k_head, const int64_t* v_head, int64_t H, int64_t G, int64_t D,
+                                     int bf16, float scale, int64_t rows, int threads, void* out);
 
 int pc_rag_supported() { return avx512_supported(); }
 
@@ -322,15 +361,31 @@ int pc_rag_supported() { return avx512_supported(); }
 int pc_rag_decode_attention(int64_t B, const void* q, const void* const* keys, const void* const* values,
                             const int64_t* n, const int64_t* k_head, const int64_t* v_head, int64_t H, int64_t G,
                             int64_t D, int bf16, float scale, int64_t rows, int threads, void* out) {
-  if (!pc_rag_supported() || D % 16 != 0 || D > 256 || rows <= 0 || B <= 0 || H <= 0 || G <= 0) return -1;
+  return pc_rag_decode_attention_segments(B, q, B, nullptr, keys, values, n, k_head, v_head, H, G, D, bf16, scale,
+                                          rows, threads, out);
+}
+
+// The same over S segments of keys, segment s read by request owner[s] (a shared prefix and the request's own
+// slots: two segments of one request, merged by their log-sum-exp). Every request needs at least one key.
+int pc_rag_decode_attention_segments(int64_t B, const void* q, int64_t S, const int64_t* owner,
+                                     const void* const* keys, const void* const* values, const int64_t* n,
+                                     const int64_t* k_head, const int64_t* v_head, int64_t H, int64_t G, int64_t D,
+                                     int bf16, float scale, int64_t rows, int threads, void* out) {
+  if (!pc_rag_supported() || D % 16 != 0 || D > 256 || rows <= 0 || B <= 0 || S <= 0 || H <= 0 || G <= 0) return -1;
+  std::vector<int64_t> keyed(B, 0);
+  for (int64_t g = 0; g < S; ++g) {
+    const int64_t r = owner ? owner[g] : g;
+    if (n[g] < 0 || r < 0 || r >= B) return -1;
+    keyed[r] += n[g];
+  }
   for (int64_t r = 0; r < B; ++r)
-    if (n[r] <= 0) return -1;
+    if (keyed[r] <= 0) return -1;
   const int64_t Q = B * H * G * D;
   std::vector<float> qs(Q);
   for (int64_t i = 0; i < Q; ++i)
     qs[i] = scale * (bf16 ? bf16_to_f32(static_cast<const uint16_t*>(q)[i]) : static_cast<const float*>(q)[i]);
-  attend(B, qs.data(), bf16 ? static_cast<const uint16_t*>(q) : nullptr, scale, keys, values, n, k_head, v_head, H,
-         G, D, bf16, rows, threads, out);
+  attend(B, S, owner, qs.data(), bf16 ? static_cast<const uint16_t*>(q) : nullptr, scale, keys, values, n, k_head,
+         v_head, H, G, D, bf16, rows, threads, out);
   return 0;
 }
 
@@ -340,22 +395,22 @@ int pc_rag_decode_step(int64_t B, const void* q, int64_t q_row, const void* k, i
                        int64_t v_row, const void* cos, const void* sin, int64_t cs_row, const void* q_norm,
                        const void* k_norm, float eps, void* const* k_cache, void* const* v_cache,
                        const int64_t* k_layer, const int64_t* v_layer, int64_t layer, const int64_t* k_head,
-                       const int64_t* v_head, const int64_t* slot, int64_t window, int64_t H, int64_t G, int64_t D,
-                       int bf16, float scale, int threads, void* out) {
+                       const int64_t* v_head, const int64_t* slot, int64_t window, const PcBase* bases, int64_t H,
+                       int64_t G, int64_t D, int bf16, float scale, int threads, void* out) {
   if (!pc_rag_supported() || D % 16 != 0 || D > 256 || B <= 0 || H <= 0 || G <= 0) return -1;
   for (int64_t r = 0; r < B; ++r)
-    if (slot[r] < 0) return -1;
+    if (slot[r] < 0 || (bases && (bases[r].n < 0 || (bases[r].n > 0 && window > 0)))) return -1;
   if (bf16)
     return decode_step(B, static_cast<const uint16_t*>(q), q_row, static_cast<const uint16_t*>(k), k_row,
                        static_cast<const uint16_t*>(v), v_row, static_cast<const uint16_t*>(cos),
                        static_cast<const uint16_t*>(sin), cs_row, static_cast<const uint16_t*>(q_norm),
                        static_cast<const uint16_t*>(k_norm), eps, k_cache, v_cache, k_layer, v_layer, layer, k_head,
-                       v_head, slot, window, H, G, D, scale, threads, out);
+                       v_head, slot, window, bases, H, G, D, scale, threads, out);
   return decode_step(B, static_cast<const float*>(q), q_row, static_cast<const float*>(k), k_row,
                      static_cast<const float*>(v), v_row, static_cast<const float*>(cos),
                      static_cast<const float*>(sin), cs_row, static_cast<const float*>(q_norm),
                      static_cast<const float*>(k_norm), eps, k_cache, v_cache, k_layer, v_layer, layer, k_head, v_head,
-                     slot, window, H, G, D, scale, threads, out);
+                     slot, window, bases, H, G, D, scale, threads, out);
 }
 
 }  // extern "C"

@@ -10,6 +10,13 @@
 #include <cstdint>
 #include <vector>
 
+// decode_attention.cpp's: a request's prefix shared read-only with other requests.
+struct PcBase {
+  const void* keys;
+  const void* values;
+  int64_t k_layer, v_layer, k_head, v_head, n;
+};
+
 extern "C" {
 int pc_rag_linear_rows(int64_t M, int64_t K, const void* x, int64_t ldx, int64_t S, const void* const* w,
                        const int64_t* rows, const void* bias, int bf16, int threads, void* y, int64_t ldy);
@@ -21,8 +28,8 @@ int pc_rag_decode_step(int64_t B, const void* q, int64_t q_row, const void* k, i
                        int64_t v_row, const void* cos, const void* sin, int64_t cs_row, const void* q_norm,
                        const void* k_norm, float eps, void* const* k_cache, void* const* v_cache,
                        const int64_t* k_layer, const int64_t* v_layer, int64_t layer, const int64_t* k_head,
-                       const int64_t* v_head, const int64_t* slot, int64_t window, int64_t H, int64_t G, int64_t D,
-                       int bf16, float scale, int threads, void* out);
+                       const int64_t* v_head, const int64_t* slot, int64_t window, const PcBase* bases, int64_t H,
+                       int64_t G, int64_t D, int bf16, float scale, int threads, void* out);
 
 // One product's weights as kernels.LinearRows holds them: S row-major segments [rows[s], K], concatenated outputs.
 struct PcProduct {
@@ -44,11 +51,12 @@ struct PcLayer {
 };
 
 // hidden [B, N] (in place): the embeddings in, every layer's residual stream out (before the final norm). The caches
-// and slots as pc_rag_decode_step takes them; cos, sin [B, D]. Returns 0, or the first op's nonzero status.
+// and slots (and shared prefixes, `bases`, null for none) as pc_rag_decode_step takes them; cos, sin [B, D].
+// Returns 0, or the first op's nonzero status.
 int pc_rag_decode_layers(int64_t B, int64_t N, void* hidden, int64_t L, const PcLayer* layers, const void* cos,
                          const void* sin, void* const* k_cache, void* const* v_cache, const int64_t* k_layer,
                          const int64_t* v_layer, const int64_t* k_head, const int64_t* v_head, const int64_t* slot,
-                         int64_t H, int64_t G, int64_t D, float eps, float qk_eps, float scale, int bf16,
+                         const PcBase* bases, int64_t H, int64_t G, int64_t D, float eps, float qk_eps, float scale, int bf16,
                          int threads) {
   if (B <= 0 || L <= 0) return -1;
   const int64_t e = bf16 ? 2 : 4;
@@ -69,7 +77,7 @@ int pc_rag_decode_layers(int64_t B, int64_t N, void* hidden, int64_t L, const Pc
     const char* qkv = y.data();
     if ((status = pc_rag_decode_step(B, qkv, n, qkv + q * e, n, qkv + (q + H * D) * e, n, cos, sin, D, l.q_norm,
                                      l.k_norm, qk_eps, k_cache, v_cache, k_layer, v_layer, i, k_head, v_head, slot,
-                                     l.window, H, G, D, bf16, scale, threads, a.data())) != 0)
+                                     l.window, bases, H, G, D, bf16, scale, threads, a.data())) != 0)
       break;
     if ((status = product(l.o, a.data(), q, y.data())) != 0) break;
     pc_rag_add_rms_norm(B, N, hidden, y.data(), l.mlp_norm, eps, bf16, threads, x.data());
