@@ -363,6 +363,9 @@ def run_system(name: str, server, trace: list[Request], chunks: list[str], args)
         asyncio.run(send_rate(server.url, warm, chunks, marked, extra, [8], 600, {}))
         history: dict[int, list[dict]] = {}
         step = 2.0  # up while the SLO holds; where the first rate fails, down until one holds
+        listed = list(args.rate_list or [])  # exactly these rates, instead of stepping
+        if listed:
+            rate = listed.pop(0)
         while args.min_rate <= rate <= args.max_rate:
             # Below 1 req/s fewer requests, so that a rate's arrivals span at most --max-seconds-per-rate.
             count = min(args.requests_per_rate, max(50, round(rate * args.max_seconds_per_rate)))
@@ -382,6 +385,11 @@ def run_system(name: str, server, trace: list[Request], chunks: list[str], args)
                   f"{row['refused']} lost {row['lost']}", flush=True)
             offset += len(part)
             held = row["ttft_p99_s"] <= args.slo and row["answered"] == len(part)
+            if args.rate_list:
+                if not listed:
+                    break
+                rate = listed.pop(0)
+                continue
             if len(rows) == 1 and not held:
                 step = 0.5
             elif held != (step > 1):
@@ -546,6 +554,7 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha", type=float, default=1.1, help="Zipf popularity of the load trace")
     ap.add_argument("--rates", type=float, nargs=1, default=[1.0], help="the first arrival rate (req/s); doubled")
     ap.add_argument("--max-rate", type=float, default=64.0)
+    ap.add_argument("--rate-list", type=float, nargs="*", help="measure exactly these rates, in order (no stepping)")
     ap.add_argument("--min-rate", type=float, default=0.125, help="where a first rate that fails steps down to")
     ap.add_argument("--requests-per-rate", type=int, default=200)
     ap.add_argument("--max-seconds-per-rate", type=float, default=240.0,
