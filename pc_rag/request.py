@@ -228,7 +228,7 @@ class Request:
         self.caches = [asm.cache]
         tokens = self._first_tokens(asm, steps)
         self.ttft_s = time.perf_counter() - t0
-        self.caches += [copy_of_prompt(engine.runner, asm) for _ in range(self.options.n - 1)]
+        self.caches += [engine.runner.copy_cache(asm.cache, asm.prompt_tokens) for _ in range(self.options.n - 1)]
         # Several replies always decode as rows of the shared step (one forward a step for all of them); one does
         # too while other requests decode.
         if self.rows[0] is None and (self.options.n > 1 or engine.traffic.shares_steps()):
@@ -303,19 +303,3 @@ class Request:
             sources=tuple(SegmentSource(p.kind, p.n, p.source, p.origin) for p in asm.pieces),
             prompt_ids=asm.plan.ids, plan=asm.plan, logprobs=first.logprobs, inter_token_s=first.inter_token_s,
             choices=choices, deviation=asm.deviation)
-
-
-def copy_of_prompt(runner, asm: Assembled) -> SlotCache:
-    """A pooled buffer holding a copy of the prompt's KV (slots [0, prompt_tokens) of `asm.cache`), for one more
-    reply to decode after: n replies cost the prompt's KV copied n - 1 times (a small part of a prefill)."""
-    src = asm.cache
-    cache = runner.acquire_cache(src.own_capacity)
-    cache.hold(())  # whatever it held from its last request is overwritten below
-    if src.base is not None:  # the prompt's shared prefix is read in place by this reply too (model/cache.py)
-        cache.attach(runner.take_shared_prefix(src.base.blocks, len(src.base.blocks), lambda keys, values: (
-            keys.copy_(src.base.keys), values.copy_(src.base.values))))
-    n = asm.prompt_tokens - src.offset
-    cache.keys[:, :, :, :n].copy_(src.keys[:, :, :, :n])
-    cache.values[:, :, :, :n].copy_(src.values[:, :, :, :n])
-    cache.length = asm.prompt_tokens
-    return cache

@@ -86,7 +86,7 @@ def test_bad_bounds():
 
 
 def test_a_first_token_limit_refuses_what_would_come_late_by_the_stated_rule():
-    """(requests ahead without a first token + 1) x the median recent prefill > the limit: refused at once."""
+    """requests ahead without a first token x the mean recent prefill + their p90 > the limit: refused at once."""
     async def main():
         adm = Admission(max_running=8, max_waiting=8, ttft_limit_s=2.5)
         await adm.acquire(None)  # nothing measured yet: taken
@@ -106,7 +106,10 @@ def test_a_first_token_limit_refuses_what_would_come_late_by_the_stated_rule():
         adm.first_token(started=5.0, now=6.0)  # 1.0
         adm.first_token(started=5.0, now=6.2)  # 0.2: it started before the previous first token
         assert adm.before_first == 0 and sorted(adm._prefill_s) == pytest.approx([0.2, 1.0, 1.0])
-        assert adm.expected_first_token_s() == 1.0  # the median
+        assert adm.expected_first_token_s() == 1.0  # nobody ahead: the p90 of [0.2, 1.0, 1.0]
+        await adm.acquire(None)
+        await adm.acquire(None)
+        assert adm.expected_first_token_s() == pytest.approx(2 * 2.2 / 3 + 1.0)  # two ahead at the mean, then own
 
     run(main())
 

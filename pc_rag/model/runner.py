@@ -334,6 +334,22 @@ class LlamaRunner:
         # round up so nearby sizes share buffers
         return self.new_cache(min(-(-capacity // 256) * 256, self.shape.max_positions))
 
+    def copy_cache(self, src: SlotCache, tokens: int) -> SlotCache:
+        """A pooled buffer holding a copy of `src`'s first `tokens` slots, for one more reply to decode after the
+        same prompt: n replies cost the prompt's KV copied n - 1 times (a small part of a prefill). A shared
+        prefix `src` reads in place is read in place by the copy too."""
+        cache = self.acquire_cache(src.own_capacity)
+        cache.hold(())  # whatever it held from its last request is overwritten below
+        if src.base is not None:
+            base = src.base
+            cache.attach(self.take_shared_prefix(base.blocks, len(base.blocks), lambda keys, values: (
+                keys.copy_(base.keys), values.copy_(base.values))))
+        n = tokens - src.offset
+        cache.keys[:, :, :, :n].copy_(src.keys[:, :, :, :n])
+        cache.values[:, :, :, :n].copy_(src.values[:, :, :, :n])
+        cache.length = tokens
+        return cache
+
     @property
     def shares_prefixes(self) -> bool:
         """Whether requests can read a prefix in place from a shared copy: attention over it merges with the
