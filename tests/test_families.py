@@ -6,7 +6,9 @@ References and tolerances (fp32): HF's own forward of the family (`reference_log
 `full`, <= 1e-4 and the same greedy tokens; `full` for `exact`, blend at ratio 1 and a lone chunk in `modular`,
 <= 1e-4 (copies and relocations add rounding); one-at-a-time decoding for batched decoding, bit-equal for one
 request and <= 1e-5 for four (the products over four rows round differently); a memory store for a disk round
-trip, <= 1e-6. Prompts are several windows long, so every windowed layer masks keys that full attention would see.
+trip, <= 1e-5 (the reader computes the system text that the memory engine copies from a block it saved in this
+process, in a forward of more rows: 1.0e-6 apart on a CPU without AVX-512, where torch's products round by row
+count). Prompts are several windows long, so every windowed layer masks keys that full attention would see.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def test_a_disk_round_trip_equals_memory(family, docs, tmp_path):
     reader = fresh(family, store=f"disk:{tmp_path}")  # nothing in memory: every block comes from the files
     for mode in ("modular", "exact"):
         got = reader.next_token_logits(prompt, mode)
-        assert (got - memory.next_token_logits(prompt, mode)).abs().max().item() <= 1e-6, mode
+        assert (got - memory.next_token_logits(prompt, mode)).abs().max().item() <= 1e-5, mode
     origins = {s.origin for s in reader.generate(prompt, mode="modular", max_new_tokens=1).sources if s.kind == "chunk"}
     assert origins <= {"disk", "memory"}
 
