@@ -23,7 +23,8 @@ Each rate sends `--requests-per-rate` requests (fewer below 1 req/s: arrivals sp
 `--max-seconds-per-rate`, 50 requests at least), fresh ones of the same trace, so the server's cache carries over
 from rate to rate as a live service's would.
 Systems: `pc-rag modular` and `pc-rag exact` (`pc-rag serve`, plain text), `pc-rag modular marked` (the same
-documents as content parts with `cache_control`: what an app that hands the documents over gets), `vllm`
+documents as content parts with `cache_control`: what an app that hands the documents over gets), `pc-rag
+modular first sight` (plain text, `pc-rag serve --passages-from-first-sight`), `vllm`
 (vLLM's OpenAI server, prefix caching on) and `llamacpp` (llama-cpp-python's server) from `--peers`
 (benchmarks/peers_env.sh). Records per rate TTFT p50/p90/p99, inter-token latency, output tokens/s, the prompt
 tokens the server reports as cached (where it reports them), refused and lost requests; per system the highest
@@ -176,7 +177,7 @@ def bounds(chunks: list[str], trace: list[Request], budget: float, alpha: float)
 
 # ---- load: the trace sent to servers -----------------------------------------------------------------------------
 SYSTEM = "You answer questions about Python from the documents the user gives. Be brief."
-PC_RAG_SYSTEMS = ("pc-rag modular", "pc-rag exact", "pc-rag modular marked")
+PC_RAG_SYSTEMS = ("pc-rag modular", "pc-rag exact", "pc-rag modular marked", "pc-rag modular first sight")
 PEER_SYSTEMS = ("vllm", "llamacpp")
 
 
@@ -414,6 +415,8 @@ def load(args, out: Path) -> dict:
             server = ServerProcess(model, extra=["--cache-dir", cache, "--max-waiting", "100000", "--queue-timeout",
                                                  str(args.timeout), "--prefill-timeout", str(args.timeout),
                                                  "--served-model-name", "m",
+                                                 *(["--passages-from-first-sight"] if name.endswith("first sight")
+                                                   else []),
                                                  *(["--ttft-limit", str(args.ttft_limit)] if args.ttft_limit else [])])
         elif name in PEER_SYSTEMS and peers is not None:
             server = peer_server(name, peers, model, 4096, out)

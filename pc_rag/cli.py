@@ -192,6 +192,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="refuse (429 with Retry-After) a request whose first token would, by the recent prefills, "
                         "come later than this: past saturation, answered requests keep a bounded wait "
                         "(default: off, every request waits its turn)")
+    p.add_argument("--passages-from-first-sight", action="store_true",
+                   help="reuse the documents of plain-text prompts from their first sight, each encoded on its own "
+                        "as a marked document is (modular, blend): under load a document that comes back then "
+                        "costs no second encode; a prompt whose documents are all new gets modular's approximation "
+                        "instead of an exact prefill (default: off, docs/design.md 'Passages')")
     p.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",
                    help="max_tokens of a request that sets none (default 1024)")
     p.add_argument("--shared-cache", action="store_true",
@@ -532,6 +537,7 @@ def _serve(args, _extra) -> int:
     public = public_documents(cache_dir)  # a damaged list stops the server before the model loads
     engine, path, _ = _in_own_thread(lambda: _checked(*_engine(args, cache_dir)))
     engine.register(public, public=True)
+    engine.passages_from_first_sight = args.passages_from_first_sight
     name = args.served_model_name or (Path(path).name if Path(path).exists() else path)
     given = {k: v for k, v in (("max_body_bytes", args.max_body_bytes), ("max_prompt_chars", args.max_prompt_chars),
                                ("max_prompt_parts", args.max_prompt_parts), ("read_timeout_s", args.read_timeout),

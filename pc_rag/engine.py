@@ -75,6 +75,12 @@ class Engine:
     # Passages of plain-string prompts (pc_rag.passages) are reused like chunks once sent (modular, blend; plan.py).
     # False: a plain string reuses only what was registered, discovered or marked, and its exact prefix.
     reuse_passages = True
+    # True: a passage is encoded on its own and reused from its first sight, as a marked document is, instead of
+    # computed in its prompt and encoded after the reply once the engine is idle (docs/design.md "Passages"). A
+    # server under load is never idle, so by the default rule a document that comes back is encoded on the request
+    # path on top of its first prompt's compute; this setting makes each encode once. Off by default: a prompt
+    # whose passages are all new then gets modular's approximation instead of being computed exactly.
+    passages_from_first_sight = False
 
     def __init__(self, model, tokenizer, store=None, auto_scaffold_after: int | None = None,
                  discovery: Discovery | None = None, prefetcher: Prefetcher | None = None):

@@ -80,7 +80,7 @@ def explain(engine, prompt, mode: str, namespace: str | None) -> Explanation:
     segments, _ = prompt_segments(engine, prompt, mode, namespace)
     if mode in REUSING_CHUNKS:
         engine.runner.check_relocation(probe=False)
-    plan = engine.planner.plan(segments, mode, WhereLookups(engine.store), namespace)
+    plan = engine.planner.plan(segments, mode, WhereLookups(engine.store), namespace, engine.passages_from_first_sight)
     rows = []
     for p in plan.pieces:
         kv = _LOADS[p.load].format(tier=p.origin)

@@ -22,9 +22,10 @@ and how the engine obtains it (`Piece.load`):
 Passages (`TokenSegment.passage`: pieces of a plain-string prompt, pc_rag.passages) are text unless planning
 chooses to reuse one as a chunk (segment kind "passage", relocated like a chunk): in modular and blend, a passage
 whose own encoding is stored, or that an earlier request of the namespace sent (`Planner.passages`; then it is
-encoded now and stored, as a chunk's miss), and that starts where the exact cached prefix has ended. The exact
-prefix is found first on the prompt as text (`_with_passages`), so a passage never replaces exact reuse with an
-approximation, and a prompt with no passage seen before is planned exactly as it would be without passages.
+encoded now and stored, as a chunk's miss; with `first_sight`, any passage), and that starts where the exact
+cached prefix has ended. The exact prefix is found first on the prompt as text (`_with_passages`), so a passage
+never replaces exact reuse with an approximation, and (without `first_sight`) a prompt with no passage seen before
+is planned exactly as it would be without passages.
 
 Keys carry the request's cache namespace (`Plan.namespace`; blocks.py): chunk and scaffold keys, and the root the
 prefix chain starts from, so no piece is ever found in another namespace's blocks, nor through the prefix index
@@ -247,7 +248,8 @@ class Planner:
 
     # ---- the plan --------------------------------------------------------------------------------------------
     def plan(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups,
-             namespace: str | None = None) -> Plan:
+             namespace: str | None = None, first_sight: bool = False) -> Plan:
+        """`first_sight`: every passage is worth reusing, sent before or not (`Engine.passages_from_first_sight`)."""
         if mode not in MODES:
             raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode in REUSING_CHUNKS and not self.relocatable:
@@ -256,16 +258,16 @@ class Planner:
                 f"by rotation is not exact; use mode='exact' or mode='full' with this model"
             )
         if mode in REUSING_CHUNKS and any(s.passage for s in segments):
-            return self._with_passages(segments, mode, _Asked(lookups), namespace)
+            return self._with_passages(segments, mode, _Asked(lookups), namespace, first_sight)
         return self._plan(segments, mode, lookups, namespace)
 
     def _with_passages(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups,
-                       namespace: str | None) -> Plan:
-        """The plan of a prompt with passages: those worth reusing (stored, or sent before in `namespace`) and
-        lying mostly past the end of the exact cached prefix become relocated chunks; the rest stay text. The
-        prefix is what the plan of the prompt as text reuses before its first fresh slot; when no passage is
-        worth reusing, that plan is the plan. `lookups` answers each key once (`_Asked`), so the second plan asks
-        the store nothing new for the prefix."""
+                       namespace: str | None, first_sight: bool) -> Plan:
+        """The plan of a prompt with passages: those worth reusing (stored, or sent before in `namespace`, or any
+        with `first_sight`) and lying mostly past the end of the exact cached prefix become relocated chunks; the
+        rest stay text. The prefix is what the plan of the prompt as text reuses before its first fresh slot; when
+        no passage is worth reusing, that plan is the plan. `lookups` answers each key once (`_Asked`), so the
+        second plan asks the store nothing new for the prefix."""
         slots, slot = [], 0
         for seg in segments:
             slots.append(slot)
@@ -275,7 +277,7 @@ class Planner:
         keys = list(dict.fromkeys(w.key for _, w in candidates))
         answers = dict(zip(keys, lookups.find(keys), strict=True))
         held = frozenset(k for k, found in answers.items() if found is not None)
-        worth = [(i, w) for i, w in candidates if w.key in held or self.passages.seen(namespace, w.key)]
+        worth = [(i, w) for i, w in candidates if first_sight or w.key in held or self.passages.seen(namespace, w.key)]
         plan = self._plan(segments, mode, lookups, namespace)
         if worth:
             # A passage the exact prefix runs into stays text unless most of it lies past the prefix's end (a few

@@ -129,7 +129,7 @@ def prefill(engine, prompt, options: GenerationOptions, extra_capacity: int = 0,
         engine.runner.check_relocation()
         engine.check_quality(mode)  # and modular where the gate measured it too far from full (min_agreement)
     lookups = engine.assembler.lookups()
-    plan = engine.planner.plan(segments, mode, lookups, namespace)
+    plan = engine.planner.plan(segments, mode, lookups, namespace, engine.passages_from_first_sight)
     if mode in REUSING_CHUNKS:
         engine.scaffolds.observe(segments, namespace)
     recompute = None

@@ -246,6 +246,34 @@ def test_a_busy_engine_encodes_passages_when_they_repeat(loaded):
     assert kinds(third) == [("passage", "memory"), ("passage", "memory")]
 
 
+def test_passages_from_first_sight_are_encoded_on_their_own_at_once(loaded):
+    """`passages_from_first_sight`: a new passage is encoded on its own and reused in its first prompt, as a marked
+    document is: the reply equals the same token ids given with the passages as registered-style chunks."""
+    engine = new_engine(loaded)
+    engine.passages_from_first_sight = True
+    prompt = rag([0, 1], "q1?")
+    explained = [(r.kind, r.tier) for r in engine.explain(prompt).rows if r.kind == "passage"]
+    gen = engine.generate(prompt, max_new_tokens=8)
+    assert kinds(gen) == [("passage", "computed")] * 3  # the header and the two documents
+    assert [k for k, _ in explained] == ["passage"] * 3
+    assert engine.stats()["passages"]["encoded"] == 3 and engine.stats()["passages"]["encoded_after_reply"] == 0
+    first = new_engine(loaded)
+    first.passages_from_first_sight = True
+    logits = first.next_token_logits(prompt)
+    as_chunks = [Chunk(s.text, token_ids=s.token_ids) if s.passage else Text(s.text, token_ids=s.token_ids)
+                 for s in engine.split(prompt)]
+    ref_engine = new_engine(loaded)
+    ref = ref_engine.generate(as_chunks, max_new_tokens=8)
+    assert ref.prompt_ids == gen.prompt_ids and gen.token_ids == ref.token_ids
+    assert (logits - ref_engine.next_token_logits(as_chunks)).abs().max().item() <= 1e-4
+    again = engine.generate(rag([3, 0, 1], "q3?"), max_new_tokens=2)  # the header was a passage too
+    assert kinds(again) == [("passage", "memory"), ("passage", "computed"), ("passage", "memory"),
+                            ("passage", "memory")]
+    engine.passages_from_first_sight = False  # off: a new passage is text again (documents 0, 1 are stored)
+    off = engine.generate(rag([4, 1, 0], "q4?"), max_new_tokens=2)
+    assert kinds(off) == [("passage", "memory")] * 3
+
+
 def test_a_passage_twice_in_one_prompt_and_explain(loaded):
     engine = new_engine(loaded)
     engine.generate(rag([0, 1], "q1?"), max_new_tokens=2)
