@@ -420,6 +420,35 @@ def _settle(server, key: str | None = None, timeout_s: float = 30.0) -> None:
 
 
 # ---- several servers, one Redis ------------------------------------------------------------------------------
+def test_passages_from_first_sight_reuse_a_plain_document_in_its_first_prompt(tiny_path, tmp_path):
+    """`pc-rag serve --passages-from-first-sight`: on a fresh server, a document sent as plain text is encoded on
+    its own and reused in its very first prompt (/metrics: its tokens under kind "passage", computed by the
+    request), and found in memory by the next prompt that carries it elsewhere. By default a first prompt is
+    computed in place (tests/test_passages.py::test_nothing_changes_before_a_passage_repeats)."""
+    import httpx
+
+    doc_tokens = len(pc_rag.Engine.from_pretrained(tiny_path, store="memory").segmenter.ids(DOC))
+    with ServerProcess(tiny_path, extra=["--store", "memory", "--passages-from-first-sight"],
+                       env=worktree_env(tmp_path)) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def ask(text):
+            return client.chat.completions.create(model="m", max_tokens=4, temperature=0,
+                                                  messages=[{"role": "user", "content": text}])
+
+        def passage_tokens(tier):
+            line = f'pc_rag:prompt_tokens_by_source_total{{kind="passage",source="chunk",tier="{tier}"}} '
+            found = [x for x in httpx.get(s.url + "/metrics").text.splitlines() if x.startswith(line)]
+            return float(found[0].split()[-1]) if found else 0.0
+
+        first = ask(f"Answer from the document below.\n\n{DOC}\n\nQuestion: what is it for?")
+        assert first.usage.prompt_tokens_details.cached_tokens == 0  # encoded by this request, not found
+        assert passage_tokens("computed") >= doc_tokens - 2 and passage_tokens("memory") == 0
+        later = ask(f"Be brief.\n\n{DOC}\n\nQuestion: and how?")
+        assert later.usage.prompt_tokens_details.cached_tokens >= doc_tokens - 2
+        assert passage_tokens("memory") >= doc_tokens - 2
+
+
 def test_two_servers_share_one_redis(tiny_path, tmp_path):
     pytest.importorskip("redis")
     from .test_store_redis import REDIS_SERVER, RedisServer
