@@ -340,10 +340,10 @@ class LlamaRunner:
         prefix `src` reads in place is read in place by the copy too."""
         cache = self.acquire_cache(src.own_capacity)
         cache.hold(())  # whatever it held from its last request is overwritten below
-        if src.base is not None:
-            base = src.base
-            cache.attach(self.take_shared_prefix(base.blocks, len(base.blocks), lambda keys, values: (
-                keys.copy_(base.keys), values.copy_(base.values))))
+        if src.base is not None:  # one more reader of the very prefix `src` reads (its offset is the copy's too)
+            with self._pool_lock:
+                src.base.users += 1
+            cache.attach(src.base)
         n = tokens - src.offset
         cache.keys[:, :, :, :n].copy_(src.keys[:, :, :, :n])
         cache.values[:, :, :, :n].copy_(src.values[:, :, :, :n])
