@@ -152,7 +152,8 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
                 chunk_tokens = sum(len(engine.segmenter.ids(c)) for c in ex.chunks)
                 for b in blends:
                     ratio, select = parse_blend(b)
-                    work[blend_name(b)] += recompute_work(select, ratio, chunk_tokens, layers) / prompts
+                    work[blend_name(b)] += recompute_work(select, ratio, chunk_tokens, layers,
+                                                          engine.runner.shift_probe_share(len(ids))) / prompts
                 for name, chosen in recomputed.items():  # the probe, then the tokens it chose, narrowed as progressive
                     work[name] += recompute_work("progressive", chosen / chunk_tokens, chunk_tokens, layers) / prompts
                 got = greedy(engine.tokenizer, logps)

@@ -30,7 +30,7 @@ from .prefix import EXTENT_BLOCKS, Link, Run, after_link, extents, far_groups, i
 from .store import PendingBlock, ReadTarget, Store
 
 MAX_KNOWN_EXTENTS = 65536  # extent keys remembered (Assembler.extents_stored): ~5 MB
-SELECTIONS = ("chunk_start", "deviation", "progressive")
+SELECTIONS = ("chunk_start", "deviation", "progressive", "shift")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,10 @@ class Recompute:
             on only the `ratio` share whose layer-1 keys moved most from the cached ones.
             "progressive" (CacheBlend as published): the same, narrowed layer by layer, from PROGRESSIVE_START
             times the share at layer 1 down to the share at the last layer.
+            "shift": progressive without running layer 0 over every chunk token: a cheaper probe
+            (`LlamaRunner.context_shift`: how far layer 0's attention output moves in context, no layer run)
+            picks the PROGRESSIVE_START * ratio share that layer 0 computes, and layer 1 on narrows as
+            progressive does.
             `tokens_per_layer` says what each computes; what each recovers and costs: docs/results.md, "Blend".
     target: a quality target in [0, 1] instead of a fixed ratio (`Engine.recompute_target`): the probe measures
             each candidate's key deviation at layer 1 (how far its cached keys are from keys computed in context,
@@ -462,10 +466,13 @@ class Assembler:
             return run(set())
         if not auto and recompute.select == "chunk_start":
             return run(set(first_tokens(spans, k)))
+        layers = runner.shape.num_layers
+        if not auto and recompute.select == "shift":
+            width = tokens_per_layer("shift", k, len(candidates), layers)[0]
+            candidates = self._most_shifted(pieces, ids, positions, fresh, cache, candidates, width)
         # Key deviation (CacheBlend): every candidate runs layer 0 in context (layer 0's keys never see context,
         # so layer 1 is the first whose keys can show what the chunk missed); from layer 1 on, the candidates
         # whose fresh keys moved least from their cached ones are dropped and keep their cached KV.
-        layers = runner.shape.num_layers
         # A target keeps every candidate until layer 1 has measured how far they deviate.
         schedule = [len(candidates)] * layers if auto else tokens_per_layer(recompute.select, k, len(candidates),
                                                                             layers)
@@ -496,6 +503,22 @@ class Assembler:
                                        narrow=narrow)
         final = set(kept[0].tolist()) if kept else set(order)
         return logits, final & set(candidates), (measured[0] if measured else None)
+
+    def _most_shifted(self, pieces, ids, positions, fresh: set[int], cache: SlotCache, candidates: list[int],
+                      n: int) -> list[int]:
+        """The `n` candidate slots whose layer-0 attention output moves most in context (`context_shift`)."""
+        if n >= len(candidates):
+            return candidates
+        block: dict[int, Piece] = {}
+        for p in pieces:
+            if p.source in (Source.CHUNK, Source.SCAFFOLD):
+                block.update(dict.fromkeys(range(p.slot, p.slot + p.n), p))
+        last = candidates[-1]
+        shift = self.runner.context_shift(
+            cache, [ids[s] for s in candidates], [positions[s] for s in candidates], candidates,
+            [block[s].slot for s in candidates], [block[s].position - block[s].encode_start for s in candidates],
+            self.planner.sink_ids, {s: (ids[s], positions[s]) for s in fresh if s < last})
+        return sorted(candidates[i] for i in torch.topk(shift, n).indices.tolist())
 
     def save_prefix(self, assembled: Assembled, generated: Sequence[int] = (),
                     skip: frozenset[str] = frozenset()) -> frozenset[str]:
@@ -600,6 +623,8 @@ def tokens_per_layer(select: str, k: int, candidates: int, layers: int) -> list[
         return [k] * layers
     if select == "deviation":
         return [candidates] + [k] * (layers - 1)
+    if select == "shift":  # layer 0 computes only what the cheap probe picked: layer 1's share
+        return [min(candidates, PROGRESSIVE_START * k)] + tokens_per_layer("progressive", k, candidates, layers)[1:]
     return [candidates] + [k if i == layers - 1 else min(candidates, max(1, PROGRESSIVE_START + 1 - i) * k)
                            for i in range(1, layers)]
 
@@ -614,10 +639,15 @@ def target_tokens(relative: torch.Tensor, recompute: Recompute) -> int:
     return len(relative) - int((left <= allowed * (1 + 1e-9) + 1e-12).sum())
 
 
-def recompute_work(select: str, ratio: float, candidates: int, layers: int) -> float:
-    """The share of a full recompute of the chunk tokens (token-layers) that blend at `ratio` computes."""
+def recompute_work(select: str, ratio: float, candidates: int, layers: int, probe: float = 0.0) -> float:
+    """The share of a full recompute of the chunk tokens (token-layers) that blend at `ratio` computes; "shift"
+    adds its probe over every candidate, `probe` of a layer each (`LlamaRunner.shift_probe_share`)."""
+    if not candidates:
+        return 0.0
     k = round(ratio * candidates)
-    return sum(tokens_per_layer(select, k, candidates, layers)) / (candidates * layers) if candidates else 0.0
+    probed = select == "shift" and 0 < PROGRESSIVE_START * k < candidates  # else every candidate runs layer 0
+    extra = probe * candidates if probed else 0.0
+    return (sum(tokens_per_layer(select, k, candidates, layers)) + extra) / (candidates * layers)
 
 
 def first_tokens(spans: Sequence[Sequence[int]], k: int) -> list[int]:

@@ -82,7 +82,7 @@ def test_tokens_per_layer():
     assert recompute_work("deviation", 1.0, 100, 8) == 1.0
 
 
-@pytest.mark.parametrize("select", ["deviation", "progressive"])
+@pytest.mark.parametrize("select", ["deviation", "progressive", "shift"])
 def test_narrowing_keeps_the_budget_in_the_last_layer(warmed, docs, select):
     warmed.blend_selection = select
     gen = warmed.generate(rag(docs, (2, 3, 0)), mode="blend", recompute_ratio=0.25, max_new_tokens=1)
@@ -192,3 +192,53 @@ def test_an_easy_prompt_costs_modulars_work(engine, docs):
     assert hard.recomputed_tokens > 0 and hard.deviation > easy.deviation
     with pytest.raises(pc_rag.OptionError):
         engine.generate(lone, mode="blend", recompute_target=1.5)
+
+
+def _layer0_attention(runner, ids, positions):
+    """HF's own layer-0 attention output (after o_proj) for every token: the reference for `context_shift`."""
+    got = []
+    handle = runner.model.model.layers[0].self_attn.register_forward_hook(lambda m, a, out: got.append(out[0]))
+    try:
+        with torch.inference_mode():
+            runner.model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]))
+    finally:
+        handle.remove()
+    return got[0][0].float()
+
+
+def test_context_shift_is_layer_zeros_move_in_context(engine, docs):
+    # The cheap probe of the "shift" selection: for each reused token, |o_proj(attention in context - attention
+    # as its block was encoded)| at layer 0, computed from the cache's layer-0 KV. Against HF's own layer-0
+    # attention in two forwards (the whole prompt; the sink and the chunk at its encoded positions), 1e-4 of the
+    # largest shift, fp32. Once with the text before the chunk still to compute (`fresh`).
+    runner, sink = engine.runner, list(engine.planner.sink_ids)
+    text = list(engine.segmenter.ids(docs[1])[:30])
+    chunk = list(engine.segmenter.ids(docs[2])[:25])
+    ids = sink + text + chunk
+    positions = list(range(len(ids)))
+    first = len(sink) + len(text)  # the chunk's first slot (and position)
+    encoded_at = len(sink)  # where Engine encodes a chunk: right after the sink
+    in_context = _layer0_attention(runner, ids, positions)[first:]
+    alone = _layer0_attention(runner, sink + chunk, list(range(len(sink))) + list(range(encoded_at,
+                                                                                      encoded_at + len(chunk))))
+    want = (in_context - alone[len(sink):]).norm(dim=-1)
+    rows = list(range(first, len(ids)))
+    cache = runner.new_cache(len(ids))
+    runner.forward(cache, ids, positions, list(range(len(ids))))
+    args = (chunk, positions[first:], rows, [first] * len(rows), [first - encoded_at] * len(rows), sink)
+    got = runner.context_shift(cache, *args, {})
+    assert want.max() > 0.1  # the text before the chunk moves it
+    assert (got - want).abs().max() <= 1e-4 * want.max()
+    todo = range(len(sink), first)
+    cache.keys[0, 0][:, list(todo)] = 0
+    cache.values[0, 0][:, list(todo)] = 0
+    got = runner.context_shift(cache, *args, {s: (ids[s], positions[s]) for s in todo})
+    assert (got - want).abs().max() <= 1e-4 * want.max()
+
+
+def test_shift_computes_layer_zero_for_what_its_probe_picked_only():
+    assert tokens_per_layer("shift", 20, 100, 4) == [60, 60, 40, 20]
+    assert tokens_per_layer("shift", 50, 100, 4) == [100, 100, 100, 50]  # 3 x 50 > 100: all of them
+    # the probe costs `probe` of a layer per candidate, only where it picks (below 3 x the share)
+    assert recompute_work("shift", 0.2, 100, 4, probe=0.2) == pytest.approx((180 + 20) / 400)
+    assert recompute_work("shift", 0.5, 100, 4, probe=0.2) == pytest.approx(350 / 400)

@@ -706,6 +706,72 @@ class LlamaRunner:
         return logits.float()
 
     @torch.inference_mode()
+    def context_shift(self, cache: SlotCache, ids: list[int], positions: list[int], rows: list[int],
+                      own_start: list[int], moved: list[int], sink_ids: Sequence[int],
+                      fresh: dict[int, tuple[int, int]]) -> torch.Tensor:
+        """How far layer 0 moves each reused token once it sees the whole prompt instead of what its block was
+        encoded with: the norm of o_proj(attention in context - attention as encoded), [len(rows)] fp32, row r
+        being the token `ids[r]` at `positions[r]` in slot `rows[r]`, its block's first slot `own_start[r]` and
+        its block's keys rotated by `moved[r]` positions. Blend's cheap probe ("shift").
+
+        Why it is cheap and exact: layer 0's queries, keys and values depend on the token and its position only,
+        never on the context, so the cache's layer-0 KV of reused slots is what a full prefill writes there, and
+        both attentions are computed without running a layer: one query projection and one row of attention per
+        token, no MLP (a fifth to a tenth of a layer's work, `shift_probe_share`). As encoded, a token saw the
+        sink (`sink_ids`, at 0.. then, at `moved` now) and its own block up to itself; in context every slot up
+        to its own. `fresh`: slots not computed yet, {slot: (id, position)}; their layer-0 KV is computed here.
+        Layer 1's keys, which the full probe measures, differ from the cached ones by what this shift (and the
+        MLP on it) adds. An attention softcap and windows are left out: the result ranks tokens, it is no logit."""
+        dev = self.device
+        n_sink = len(sink_ids)
+        deltas = sorted(set(moved)) if n_sink else []
+        extra = list(fresh.items())
+        new_ids = [*(t for _ in deltas for t in sink_ids), *(t for _, (t, _p) in extra), *ids]
+        new_pos = [*(d + j for d in deltas for j in range(n_sink)), *(p for _, (_t, p) in extra), *positions]
+        with self._lock:
+            hidden = self._embed(torch.tensor([new_ids], device=dev))
+            rope = self._rope_at(hidden, torch.tensor([new_pos], device=dev))
+            q, k, v = self._qkv(0, hidden, rope)  # [1, H, n, D]
+        s, m = len(deltas) * n_sink, len(extra)
+        length = max([*rows, *(slot for slot, _ in extra)]) + 1
+        keys = cache.keys[0, 0][:, :length].clone()  # [H_kv, L, D]
+        values = cache.values[0, 0][:, :length].clone()
+        if m:
+            where = torch.tensor([slot for slot, _ in extra], device=dev)
+            keys[:, where] = k[0, :, s: s + m]
+            values[:, where] = v[0, :, s: s + m]
+        keys = torch.cat([k[0, :, :s], keys], 1)  # each sink as its rows' blocks saw it, then every slot
+        values = torch.cat([v[0, :, :s], values], 1)
+        group = self.heads.num_key_value_groups
+        keys, values = keys.repeat_interleave(group, 0).float(), values.repeat_interleave(group, 0).float()
+        scores = (q[0, :, s + m:].float() @ keys.transpose(1, 2)) * self.heads.scaling  # [H_q, R, s + L]
+        slot = torch.arange(length, device=dev)[None]
+        at = torch.tensor(rows, device=dev)[:, None]
+        start = torch.tensor(own_start, device=dev)[:, None]
+        sink = torch.tensor([[d == dr for d in deltas for _ in range(n_sink)] for dr in moved], dtype=torch.bool,
+                            device=dev).reshape(len(rows), s)
+        in_context = torch.cat([torch.zeros_like(sink), slot <= at], 1)  # the prompt holds its own sink, if any
+        encoded = torch.cat([sink, (slot >= start) & (slot <= at)], 1)
+
+        def attention(mask: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(scores.masked_fill(~mask[None], float("-inf")), -1) @ values  # [H_q, R, D]
+
+        shift = attention(in_context) - attention(encoded)
+        out = self.weights.layers[0].o(shift.transpose(0, 1).reshape(len(rows), -1).to(self.dtype))
+        return out.float().norm(dim=-1)
+
+    def shift_probe_share(self, context: int) -> float:
+        """What `context_shift` costs per token as a share of one layer's work on that token (multiply-adds: the
+        query and output projections and two rows of attention over `context` keys, against the whole layer's
+        projections, MLP and one row of attention)."""
+        layer = self.model.model.layers[0]
+        weights = sum(p.numel() for p in layer.parameters() if p.dim() == 2)
+        hidden = self.model.model.embed_tokens.weight.shape[1]
+        probe = 2 * hidden * self.arch.heads * self.arch.head_dim  # the query and output projections
+        attention = 2 * self.arch.heads * self.arch.head_dim * context  # scores and the weighted values
+        return (probe + 1.5 * attention) / (weights + attention)
+
+    @torch.inference_mode()
     def reference_logits(self, ids: list[int], positions: list[int] | None = None) -> torch.Tensor:
         """A plain HF forward over the whole sequence, no pc_rag cache: the reference tests compare to."""
         kwargs = {} if positions is None else {"position_ids": torch.tensor([positions], device=self.device)}
