@@ -743,22 +743,31 @@ class LlamaRunner:
         keys = torch.cat([k[0, :, :s], keys], 1)  # each sink as its rows' blocks saw it, then every slot
         values = torch.cat([v[0, :, :s], values], 1)
         group = self.heads.num_key_value_groups
-        keys, values = keys.repeat_interleave(group, 0).float(), values.repeat_interleave(group, 0).float()
-        scores = (q[0, :, s + m:].float() @ keys.transpose(1, 2)) * self.heads.scaling  # [H_q, R, s + L]
+        keys, values = keys.float(), values.float()
         slot = torch.arange(length, device=dev)[None]
-        at = torch.tensor(rows, device=dev)[:, None]
-        start = torch.tensor(own_start, device=dev)[:, None]
-        sink = torch.tensor([[d == dr for d in deltas for _ in range(n_sink)] for dr in moved], dtype=torch.bool,
-                            device=dev).reshape(len(rows), s)
-        in_context = torch.cat([torch.zeros_like(sink), slot <= at], 1)  # the prompt holds its own sink, if any
-        encoded = torch.cat([sink, (slot >= start) & (slot <= at)], 1)
+        queries = q[0, :, s + m:].float()
+        h_kv, h_q = keys.shape[0], queries.shape[0]
 
-        def attention(mask: torch.Tensor) -> torch.Tensor:
-            return torch.softmax(scores.masked_fill(~mask[None], float("-inf")), -1) @ values  # [H_q, R, D]
-
-        shift = attention(in_context) - attention(encoded)
-        out = self.weights.layers[0].o(shift.transpose(0, 1).reshape(len(rows), -1).to(self.dtype))
-        return out.float().norm(dim=-1)
+        def by_kv_head(t: torch.Tensor) -> torch.Tensor:  # [H_q, rows, X] -> [H_kv, group x rows, X]: GQA
+            return t.reshape(h_kv, group * t.shape[1], t.shape[2])
+        o_proj = self.weights.layers[0].o
+        out = []
+        # Rows a block at a time: a long prompt's scores would not fit at once (heads x rows x slots floats).
+        step = max(1, PROBE_SCORES // (h_q * (s + length)))
+        for a in range(0, len(rows), step):
+            b = min(len(rows), a + step)
+            scores = (by_kv_head(queries[:, a:b]) @ keys.transpose(1, 2)).view(h_q, b - a, -1) * self.heads.scaling
+            at = torch.tensor(rows[a:b], device=dev)[:, None]
+            start = torch.tensor(own_start[a:b], device=dev)[:, None]
+            sink = torch.tensor([[d == dr for d in deltas for _ in range(n_sink)] for dr in moved[a:b]],
+                                dtype=torch.bool, device=dev).reshape(b - a, s)
+            in_context = torch.cat([torch.zeros_like(sink), slot <= at], 1)  # the prompt holds its own sink
+            encoded = torch.cat([sink, (slot >= start) & (slot <= at)], 1)
+            moved_by = (torch.softmax(scores.masked_fill(~in_context[None], float("-inf")), -1)
+                        - torch.softmax(scores.masked_fill(~encoded[None], float("-inf")), -1))
+            shift = (by_kv_head(moved_by) @ values).view(h_q, b - a, -1)  # [H_q, rows, D]
+            out.append(o_proj(shift.transpose(0, 1).reshape(b - a, -1).to(self.dtype)).float().norm(dim=-1))
+        return torch.cat(out)
 
     def shift_probe_share(self, context: int) -> float:
         """What `context_shift` costs per token as a share of one layer's work on that token (multiply-adds: the
@@ -784,6 +793,9 @@ class LlamaRunner:
         """Write keys `src` ([L, H, T, D], RoPE at p) into `dst` as if computed at p + delta, each layer rotated by
         its own RoPE table (NoPE layers copied): rope.relocate."""
         relocate(self.rope, dst, src, delta, self.backends)
+
+
+PROBE_SCORES = 1 << 24  # context_shift's attention scores held at once (64 MB in fp32)
 
 
 def _check_against_modules(model, arch) -> None:
