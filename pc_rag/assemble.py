@@ -469,7 +469,7 @@ class Assembler:
         layers = runner.shape.num_layers
         if not auto and recompute.select == "shift":
             width = tokens_per_layer("shift", k, len(candidates), layers)[0]
-            candidates = self._most_shifted(pieces, ids, positions, fresh, cache, candidates, width)
+            candidates = self._most_shifted(pieces, ids, positions, candidates, width)
         # Key deviation (CacheBlend): every candidate runs layer 0 in context (layer 0's keys never see context,
         # so layer 1 is the first whose keys can show what the chunk missed); from layer 1 on, the candidates
         # whose fresh keys moved least from their cached ones are dropped and keep their cached KV.
@@ -504,8 +504,7 @@ class Assembler:
         final = set(kept[0].tolist()) if kept else set(order)
         return logits, final & set(candidates), (measured[0] if measured else None)
 
-    def _most_shifted(self, pieces, ids, positions, fresh: set[int], cache: SlotCache, candidates: list[int],
-                      n: int) -> list[int]:
+    def _most_shifted(self, pieces, ids, positions, candidates: list[int], n: int) -> list[int]:
         """The `n` candidate slots whose layer-0 attention output moves most in context (`context_shift`)."""
         if n >= len(candidates):
             return candidates
@@ -513,11 +512,9 @@ class Assembler:
         for p in pieces:
             if p.source in (Source.CHUNK, Source.SCAFFOLD):
                 block.update(dict.fromkeys(range(p.slot, p.slot + p.n), p))
-        last = candidates[-1]
-        shift = self.runner.context_shift(
-            cache, [ids[s] for s in candidates], [positions[s] for s in candidates], candidates,
-            [block[s].slot for s in candidates], [block[s].position - block[s].encode_start for s in candidates],
-            self.planner.sink_ids, {s: (ids[s], positions[s]) for s in fresh if s < last})
+        shift = self.runner.context_shift(ids, positions, candidates,
+                                          [(block[s].slot, block[s].position - block[s].encode_start)
+                                           for s in candidates], self.planner.sink_ids)
         return sorted(candidates[i] for i in torch.topk(shift, n).indices.tolist())
 
     def save_prefix(self, assembled: Assembled, generated: Sequence[int] = (),

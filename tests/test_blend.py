@@ -206,11 +206,10 @@ def _layer0_attention(runner, ids, positions):
     return got[0][0].float()
 
 
-def test_context_shift_is_layer_zeros_move_in_context(engine, docs, monkeypatch):
+def test_context_shift_is_layer_zeros_move_in_context(engine, docs):
     # The cheap probe of the "shift" selection: for each reused token, |o_proj(attention in context - attention
-    # as its block was encoded)| at layer 0, computed from the cache's layer-0 KV. Against HF's own layer-0
-    # attention in two forwards (the whole prompt; the sink and the chunk at its encoded positions), 1e-4 of the
-    # largest shift, fp32. Once with the text before the chunk still to compute (`fresh`).
+    # as its block was encoded)| at layer 0, from the ids alone. Against HF's own layer-0 attention in two
+    # forwards (the whole prompt; the sink and the chunk at its encoded positions), 1e-4 of the largest shift, fp32.
     runner, sink = engine.runner, list(engine.planner.sink_ids)
     text = list(engine.segmenter.ids(docs[1])[:30])
     chunk = list(engine.segmenter.ids(docs[2])[:25])
@@ -223,20 +222,15 @@ def test_context_shift_is_layer_zeros_move_in_context(engine, docs, monkeypatch)
                                                                                       encoded_at + len(chunk))))
     want = (in_context - alone[len(sink):]).norm(dim=-1)
     rows = list(range(first, len(ids)))
-    cache = runner.new_cache(len(ids))
-    runner.forward(cache, ids, positions, list(range(len(ids))))
-    args = (chunk, positions[first:], rows, [first] * len(rows), [first - encoded_at] * len(rows), sink)
-    got = runner.context_shift(cache, *args, {})
+    got = runner.context_shift(ids, positions, rows, [(first, first - encoded_at)] * len(rows), sink)
     assert want.max() > 0.1  # the text before the chunk moves it
     assert (got - want).abs().max() <= 1e-4 * want.max()
-    todo = range(len(sink), first)
-    cache.keys[0, 0][:, list(todo)] = 0
-    cache.values[0, 0][:, list(todo)] = 0
-    got = runner.context_shift(cache, *args, {s: (ids[s], positions[s]) for s in todo})
-    assert (got - want).abs().max() <= 1e-4 * want.max()
-    monkeypatch.setattr(pc_rag.model.runner, "PROBE_SCORES", 1000)  # a long prompt's rows, a few at a time
-    got = runner.context_shift(cache, *args, {s: (ids[s], positions[s]) for s in todo})
-    assert (got - want).abs().max() <= 1e-4 * want.max()
+    # a block's later rows only, beside a second block: each row against its own block
+    other = list(range(len(sink), first))
+    got = runner.context_shift(ids, positions, [*other, *rows[5:]],
+                               [(len(sink), 0)] * len(other) + [(first, first - encoded_at)] * len(rows[5:]), sink)
+    assert (got[len(other):] - want[5:]).abs().max() <= 1e-4 * want.max()
+    assert got[: len(other)].abs().max() <= 1e-4 * want.max()  # a block at its own place, after the sink: exact
 
 
 def test_shift_computes_layer_zero_for_what_its_probe_picked_only():

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
 from ..batch import TurnLock
 from ..errors import Cancelled, PCRagError, UnsupportedModelError
@@ -706,77 +707,57 @@ class LlamaRunner:
         return logits.float()
 
     @torch.inference_mode()
-    def context_shift(self, cache: SlotCache, ids: list[int], positions: list[int], rows: list[int],
-                      own_start: list[int], moved: list[int], sink_ids: Sequence[int],
-                      fresh: dict[int, tuple[int, int]]) -> torch.Tensor:
-        """How far layer 0 moves each reused token once it sees the whole prompt instead of what its block was
-        encoded with: the norm of o_proj(attention in context - attention as encoded), [len(rows)] fp32, row r
-        being the token `ids[r]` at `positions[r]` in slot `rows[r]`, its block's first slot `own_start[r]` and
-        its block's keys rotated by `moved[r]` positions. Blend's cheap probe ("shift").
+    def context_shift(self, ids: Sequence[int], positions: Sequence[int], rows: list[int],
+                      blocks: list[tuple[int, int]], sink_ids: Sequence[int]) -> torch.Tensor:
+        """How far layer 0 moves each reused token once it sees the whole prompt (`ids` at `positions`, by slot)
+        instead of what its block was encoded with: the norm of o_proj(attention in context - attention as
+        encoded), [len(rows)] fp32. Row r is slot `rows[r]`; its block is (first slot, how many positions its keys
+        were moved) `blocks[r]`. Blend's cheap probe ("shift").
 
         Why it is cheap and exact: layer 0's queries, keys and values depend on the token and its position only,
-        never on the context, so the cache's layer-0 KV of reused slots is what a full prefill writes there, and
-        both attentions are computed without running a layer: one query projection and one row of attention per
-        token, no MLP (a fifth to a tenth of a layer's work, `shift_probe_share`). As encoded, a token saw the
-        sink (`sink_ids`, at 0.. then, at `moved` now) and its own block up to itself; in context every slot up
-        to its own. `fresh`: slots not computed yet, {slot: (id, position)}; their layer-0 KV is computed here.
-        Layer 1's keys, which the full probe measures, differ from the cached ones by what this shift (and the
-        MLP on it) adds. An attention softcap and windows are left out: the result ranks tokens, it is no logit."""
-        dev = self.device
-        n_sink = len(sink_ids)
-        deltas = sorted(set(moved)) if n_sink else []
-        extra = list(fresh.items())
-        new_ids = [*(t for _ in deltas for t in sink_ids), *(t for _, (t, _p) in extra), *ids]
-        new_pos = [*(d + j for d in deltas for j in range(n_sink)), *(p for _, (_t, p) in extra), *positions]
+        never on the context, so they are computed here from the ids alone, and both attentions come without
+        running the layer's MLP: in context, one causal attention over the prompt; as encoded, one per block over
+        the sink (`sink_ids`, at positions 0.. then, moved with the block now) and the block's own tokens. Layer 1's
+        keys, which the full probe measures, differ from the cached ones by what this shift (and the MLP on it)
+        adds. An attention softcap and windows are left out: the result ranks tokens, it is no logit."""
+        dev, n_sink = self.device, len(sink_ids)
+        length = max(rows) + 1
+        starts = sorted(set(blocks))
+        new_ids = [*ids[:length], *(t for _ in starts for t in sink_ids)]
+        new_pos = [*positions[:length], *(moved + j for _, moved in starts for j in range(n_sink))]
         with self._lock:
             hidden = self._embed(torch.tensor([new_ids], device=dev))
             rope = self._rope_at(hidden, torch.tensor([new_pos], device=dev))
             q, k, v = self._qkv(0, hidden, rope)  # [1, H, n, D]
-        s, m = len(deltas) * n_sink, len(extra)
-        length = max([*rows, *(slot for slot, _ in extra)]) + 1
-        keys = cache.keys[0, 0][:, :length].clone()  # [H_kv, L, D]
-        values = cache.values[0, 0][:, :length].clone()
-        if m:
-            where = torch.tensor([slot for slot, _ in extra], device=dev)
-            keys[:, where] = k[0, :, s: s + m]
-            values[:, where] = v[0, :, s: s + m]
-        keys = torch.cat([k[0, :, :s], keys], 1)  # each sink as its rows' blocks saw it, then every slot
-        values = torch.cat([v[0, :, :s], values], 1)
         group = self.heads.num_key_value_groups
-        keys, values = keys.float(), values.float()
-        slot = torch.arange(length, device=dev)[None]
-        queries = q[0, :, s + m:].float()
-        h_kv, h_q = keys.shape[0], queries.shape[0]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
 
-        def by_kv_head(t: torch.Tensor) -> torch.Tensor:  # [H_q, rows, X] -> [H_kv, group x rows, X]: GQA
-            return t.reshape(h_kv, group * t.shape[1], t.shape[2])
-        o_proj = self.weights.layers[0].o
-        out = []
-        # Rows a block at a time: a long prompt's scores would not fit at once (heads x rows x slots floats).
-        step = max(1, PROBE_SCORES // (h_q * (s + length)))
-        for a in range(0, len(rows), step):
-            b = min(len(rows), a + step)
-            scores = (by_kv_head(queries[:, a:b]) @ keys.transpose(1, 2)).view(h_q, b - a, -1) * self.heads.scaling
-            at = torch.tensor(rows[a:b], device=dev)[:, None]
-            start = torch.tensor(own_start[a:b], device=dev)[:, None]
-            sink = torch.tensor([[d == dr for d in deltas for _ in range(n_sink)] for dr in moved[a:b]],
-                                dtype=torch.bool, device=dev).reshape(b - a, s)
-            in_context = torch.cat([torch.zeros_like(sink), slot <= at], 1)  # the prompt holds its own sink
-            encoded = torch.cat([sink, (slot >= start) & (slot <= at)], 1)
-            moved_by = (torch.softmax(scores.masked_fill(~in_context[None], float("-inf")), -1)
-                        - torch.softmax(scores.masked_fill(~encoded[None], float("-inf")), -1))
-            shift = (by_kv_head(moved_by) @ values).view(h_q, b - a, -1)  # [H_q, rows, D]
-            out.append(o_proj(shift.transpose(0, 1).reshape(b - a, -1).to(self.dtype)).float().norm(dim=-1))
-        return torch.cat(out)
+        def causal(idx: torch.Tensor) -> torch.Tensor:  # attention of the tokens `idx` among themselves, in order
+            return F.scaled_dot_product_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], is_causal=True,
+                                                  scale=self.heads.scaling)[0]  # [H, len(idx), D]
+
+        at = torch.tensor(rows, device=dev)
+        in_context = causal(torch.arange(length, device=dev))[:, at]
+        encoded = torch.empty_like(in_context)
+        by_block: dict[tuple[int, int], list[int]] = {}
+        for r, block in enumerate(blocks):
+            by_block.setdefault(block, []).append(r)
+        for i, (first, moved) in enumerate(starts):
+            mine = by_block[(first, moved)]
+            sink = torch.arange(length + i * n_sink, length + (i + 1) * n_sink, device=dev)
+            out = causal(torch.cat([sink, torch.arange(first, rows[mine[-1]] + 1, device=dev)]))
+            encoded[:, mine] = out[:, n_sink + at[mine] - first]
+        shift = (in_context - encoded).transpose(0, 1).reshape(len(rows), -1)
+        return self.weights.layers[0].o(shift).float().norm(dim=-1)
 
     def shift_probe_share(self, context: int) -> float:
         """What `context_shift` costs per token as a share of one layer's work on that token (multiply-adds: the
-        query and output projections and two rows of attention over `context` keys, against the whole layer's
+        layer's four projections and up to two rows of attention over `context` keys, against the whole layer's
         projections, MLP and one row of attention)."""
         layer = self.model.model.layers[0]
         weights = sum(p.numel() for p in layer.parameters() if p.dim() == 2)
         hidden = self.model.model.embed_tokens.weight.shape[1]
-        probe = 2 * hidden * self.arch.heads * self.arch.head_dim  # the query and output projections
+        probe = hidden * (2 * self.arch.heads + 2 * self.arch.kv_heads) * self.arch.head_dim  # q, k, v and o
         attention = 2 * self.arch.heads * self.arch.head_dim * context  # scores and the weighted values
         return (probe + 1.5 * attention) / (weights + attention)
 
@@ -793,9 +774,6 @@ class LlamaRunner:
         """Write keys `src` ([L, H, T, D], RoPE at p) into `dst` as if computed at p + delta, each layer rotated by
         its own RoPE table (NoPE layers copied): rope.relocate."""
         relocate(self.rope, dst, src, delta, self.backends)
-
-
-PROBE_SCORES = 1 << 24  # context_shift's attention scores held at once (64 MB in fp32)
 
 
 def _check_against_modules(model, arch) -> None:
