@@ -323,7 +323,8 @@ def peer_server(name: str, peers: Path, model: Path, max_len: int, work: Path) -
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{int(threads) - 1}")
         return PeerServer(name, [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                                  "--served-model-name", "m", "--port", "{port}", "--dtype", "float32",
-                                 "--enable-prefix-caching", "--max-model-len", str(max_len),
+                                 "--enable-prefix-caching", "--enable-prompt-tokens-details",  # its cached share
+                                 "--max-model-len", str(max_len),
                                  "--no-enable-log-requests"], env)
     if subprocess.run([str(python), "-c", "import llama_cpp.server"], capture_output=True).returncode:
         print("[serving] llamacpp: llama_cpp.server does not import (pip install 'llama-cpp-python[server]' "
