@@ -33,9 +33,6 @@ SPLIT_MIN_TOKENS = 512
 # the prefix's rows padded (`_attend_padded`): the padding's extra scores (at most (1/4)^2 / 2 of the square's)
 # cost less than `_attend_after`'s second call and merge.
 PADDED_PREFIX_SHARE = 4
-# Masked ("slots") attention over this many rows or more at a time runs in blocks of this size
-# (`_attend_masked_blocks`): fewer rows per call lose sdpa's own blocking, more keep the masked keys computed.
-MASKED_BLOCK_ROWS = 256
 
 # Query rows per block in `_attend_rows`: bounds its scores ([heads, rows, keys] fp32) and masks.
 ROWS_PER_BLOCK = 256
@@ -145,24 +142,13 @@ def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, w
         if w.start * PADDED_PREFIX_SHARE <= w.n:
             return _attend_padded(q, keys, values, w.start, heads)
         return _attend_after(q, layer_keys[:, :, : w.start], layer_values[:, :, : w.start], k, v, heads)
-    if w.layout == "slots" and w.n >= 2 * MASKED_BLOCK_ROWS:
-        return _attend_masked_blocks(q, layer_keys, layer_values, w, heads)
+    if w.layout == "slots" and w.n >= 2 * ROWS_PER_BLOCK:
+        # sdpa's CPU kernel with a mask computes every key of every row: blend's first layers (nearly every slot,
+        # scattered) paid for the whole square where a causal prefill pays for half (blend 0.2 at 3.9K tokens on
+        # the bench model: 551 of its 778 ms). In blocks of rows, each block reads the keys up to its last slot.
+        return _attend_rows(q, layer_keys, layer_values, w, heads, None)
     return F.scaled_dot_product_attention(q, layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv],
                                           attn_mask=w.mask, scale=heads.scaling, **_gqa(heads))
-
-
-def _attend_masked_blocks(q: torch.Tensor, layer_keys: torch.Tensor, layer_values: torch.Tensor, w: Writes,
-                          heads: Heads) -> torch.Tensor:
-    """Masked attention a block of rows at a time, each over the keys up to its highest slot only: sdpa's CPU
-    kernel with a mask computes every key of every row, so blend's first layers (nearly every slot, scattered
-    by the chunks' fresh separators) paid for the whole square where a causal prefill pays for half. On the bench
-    model at 3.9K tokens blend 0.2 spent 551 of its 778 ms there; the blocks skip most of the upper half."""
-    out = torch.empty_like(q)
-    for a, b, _low, high in w.blocks(MASKED_BLOCK_ROWS):
-        out[:, :, a:b] = F.scaled_dot_product_attention(
-            q[:, :, a:b], layer_keys[:, :, : high + 1], layer_values[:, :, : high + 1],
-            attn_mask=w.mask[:, :, a:b, : high + 1], scale=heads.scaling, **_gqa(heads))
-    return out
 
 
 def _prefill_kernel_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, backends: Backends) -> bool:

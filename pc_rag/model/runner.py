@@ -28,7 +28,7 @@ from ..errors import Cancelled, PCRagError, UnsupportedModelError
 from . import checkpoint, heap, kernels
 from . import rope as rope_check
 from .architecture import DEFAULT_ROPE
-from .attention import Heads, Writes, _mask, attend, attend_decode
+from .attention import Heads, Writes, _gqa, _mask, attend, attend_decode
 from .backends import LINEAR_ROWS, MODULES, ONEDNN, Backends, Choice, choose, unfit
 from .cache import HeldBlock, ModelShape, SharedPrefix, SlotCache, _to_device
 from .families import SUPPORTED_MODEL_TYPES, describe
@@ -729,12 +729,9 @@ class LlamaRunner:
             hidden = self._embed(torch.tensor([new_ids], device=dev))
             rope = self._rope_at(hidden, torch.tensor([new_pos], device=dev))
             q, k, v = self._qkv(0, hidden, rope)  # [1, H, n, D]
-        group = self.heads.num_key_value_groups
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-
         def causal(idx: torch.Tensor) -> torch.Tensor:  # attention of the tokens `idx` among themselves, in order
             return F.scaled_dot_product_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], is_causal=True,
-                                                  scale=self.heads.scaling)[0]  # [H, len(idx), D]
+                                                  scale=self.heads.scaling, **_gqa(self.heads))[0]  # [H, n, D]
 
         at = torch.tensor(rows, device=dev)
         in_context = causal(torch.arange(length, device=dev))[:, at]
