@@ -242,9 +242,10 @@ def test_shift_computes_layer_zero_for_what_its_probe_picked_only():
 
 
 def test_many_scattered_rows_equal_a_plain_forward(engine, docs):
-    # Blend's first layers recompute most slots, scattered: from 2 x ROWS_PER_BLOCK rows on, that masked attention
-    # runs in blocks of rows, each over the keys up to its last slot. The last token's logits against HF's plain
-    # forward over the whole sequence (the other slots hold their exact KV), 1e-4 fp32.
+    # Blend's first layers recompute most slots, scattered: pc_rag's prefill kernel takes each row's slot where it
+    # runs; without it, from 2 x ROWS_PER_BLOCK rows on, that masked attention runs in blocks of rows, each over the
+    # keys up to its last slot. Both ways, the last token's logits against HF's plain forward over the whole
+    # sequence (the other slots hold their exact KV), 1e-4 fp32.
     from pc_rag.model.attention import ROWS_PER_BLOCK
 
     ids = [t for d in docs for t in engine.segmenter.ids(d)] * 3
@@ -252,8 +253,13 @@ def test_many_scattered_rows_equal_a_plain_forward(engine, docs):
     runner = engine.runner
     rows = [s for s in range(len(ids)) if s % 7 != 3]  # every slot but a seventh, the last included
     assert len(rows) >= 2 * ROWS_PER_BLOCK and rows[-1] == len(ids) - 1
-    cache = runner.new_cache(len(ids))
-    runner.forward(cache, ids, list(range(len(ids))), list(range(len(ids))))
-    got = runner.forward_layers(cache, [ids[s] for s in rows], rows, rows)
     want = runner.reference_logits(ids)
-    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    try:
+        for native in (True, False):
+            runner.choose_backends(native)
+            cache = runner.new_cache(len(ids))
+            runner.forward(cache, ids, list(range(len(ids))), list(range(len(ids))))
+            got = runner.forward_layers(cache, [ids[s] for s in rows], rows, rows)
+            assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item(), native
+    finally:
+        runner.choose_backends(True)

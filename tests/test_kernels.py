@@ -292,6 +292,43 @@ def test_prefill_kernel_equals_float64_attention(dtype, tol, path, heads, group,
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype,tol,path", [(torch.float32, 1e-5, "best"), (torch.bfloat16, 1.6e-2, "best"),
+                                            (torch.bfloat16, 1.6e-2, "widened")])
+@pytest.mark.parametrize("heads,group,dim", [(2, 4, 64), (1, 1, 128), (3, 1, 16)])
+def test_prefill_kernel_rows_at_any_slots_equal_float64_attention(dtype, tol, path, heads, group, dim):
+    """Rows at scattered slots (blend's recomputed rows, text between relocated chunks), each seeing the keys up to
+    its own slot: a 48-row item whose rows reach into different 256-key blocks, a row that sees only key 0,
+    slots out of order, every slot (= a cold prefill), and one row at the last key."""
+    fn, g = kernels.loaded().prefill, torch.Generator().manual_seed(heads * 100 + group * 10 + dim)
+    h = heads * group
+    for t, slots in ((600, sorted(torch.randperm(600, generator=g)[:130].tolist())),
+                     (300, [0] + list(range(250, 299))), (70, [69, 3, 40, 0, 12]), (97, list(range(97))),
+                     (513, [512])):
+        n = len(slots)
+        q = torch.randn(n, h + 2 * heads, dim, generator=g).to(dtype)[:, :h].transpose(0, 1)
+        keys, values = (torch.randn(heads, t, dim, generator=g).to(dtype) for _ in range(2))
+        index = torch.tensor(slots)
+        visible = torch.arange(t)[None, :] <= index[:, None]
+        want = F.scaled_dot_product_attention(q[None].double(), keys[None].double().repeat_interleave(group, 1),
+                                              values[None].double().repeat_interleave(group, 1), attn_mask=visible,
+                                              scale=dim ** -0.5)[0]
+        got = kernels.prefill_attention(fn, q, keys, values, dim ** -0.5, path=path, seen=index)
+        assert got.dtype == dtype and got.shape == q.shape
+        assert (got.double() - want).abs().max().item() < tol, (t, slots[:5])
+
+
+@needs_kernel
+def test_prefill_kernel_refuses_slots_outside_its_keys():
+    fn = kernels.loaded().prefill
+    q, k = torch.randn(2, 3, 16), torch.randn(1, 8, 16)
+    for bad in ([0, 8, 2], [0, -1, 2]):
+        with pytest.raises(RuntimeError, match="refused"):
+            kernels.prefill_attention(fn, q, k, k, 0.25, seen=torch.tensor(bad))
+    with pytest.raises(ValueError, match="seen"):
+        kernels.prefill_attention(fn, q, k, k, 0.25, seen=torch.tensor([0, 1]))
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_prefill_kernel_with_large_scores_and_buffer_slices(dtype, tol):
     """Keys as an "after" forward passes them (the first T slots of a [1, H, capacity, D] buffer) and scores far
@@ -310,19 +347,22 @@ def test_prefill_kernel_with_large_scores_and_buffer_slices(dtype, tol):
 @needs_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_attend_with_the_prefill_kernel_equals_sdpa(dtype, tol):
-    """`attend` for a cold prefill (causal) and for fresh tokens after cached ones (after: few and many) through
-    the kernel, against the same calls through sdpa."""
+    """`attend` for a cold prefill (causal), for fresh tokens after cached ones (after: few and many) and for
+    rows at scattered slots (text between relocated chunks; blend's rows: few, and past sdpa's row blocks)
+    through the kernel, against the same calls through sdpa."""
     g = torch.Generator().manual_seed(9)
     heads = Heads(2, 0.125)
-    for start, n in ((0, 300), (200, 30), (100, 600)):
+    scattered = [sorted(torch.randperm(700, generator=g)[:m].tolist()) for m in (40, 600)]
+    for slots in [list(range(s, s + n)) for s, n in ((0, 300), (200, 30), (100, 600))] + scattered:
+        n = len(slots)
         q = torch.randn(1, 8, n, 64, generator=g).to(dtype)
         k, v = (torch.randn(1, 4, n, 64, generator=g).to(dtype) for _ in range(2))
-        buffers = [torch.randn(1, 4, start + n + 50, 64, generator=g).to(dtype) for _ in range(2)]
+        buffers = [torch.randn(1, 4, max(slots) + 50, 64, generator=g).to(dtype) for _ in range(2)]
         results = []
         for chosen in (with_kernels(dtype), NO_KERNELS):
-            w = attention.Writes.of(list(range(start, start + n)), dtype, "cpu", chosen)
+            w = attention.Writes.of(slots, dtype, "cpu", chosen)
             results.append(attention.attend(*[b.clone() for b in buffers], heads, None, q, k, v, w, chosen))
-        assert (results[0].float() - results[1].float()).abs().max().item() < tol, (start, n)
+        assert (results[0].float() - results[1].float()).abs().max().item() < tol, (slots[0], n)
 
 
 @needs_kernel

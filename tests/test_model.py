@@ -50,8 +50,13 @@ def test_writes_pick_the_layout_from_the_slots():
     assert gaps.layout == "slots" and gaps.index.tolist() == [2, 3, 7] and gaps.kv == 8
     visible = (gaps.mask[0, 0] == 0).tolist()
     assert visible == [[k <= s for k in range(8)] for s in (2, 3, 7)]
-    narrowed = gaps.keep(torch.tensor([0, 2]), gaps.rows("cpu"), dt)
+    narrowed = gaps.keep(torch.tensor([0, 2]), gaps.rows("cpu"))
     assert narrowed.index.tolist() == [2, 7] and torch.equal(narrowed.mask, gaps.mask[:, :, [0, 2]])
+    if kernels.loaded() is not None:  # the kernel takes each row's slot: no mask, narrowed or not
+        chosen = backends.choose(dt, False, kernels.loaded())
+        gaps = Writes.of([2, 3, 7], dt, "cpu", chosen)
+        assert gaps.layout == "slots" and gaps.mask is None
+        assert gaps.keep(torch.tensor([0, 2]), gaps.rows("cpu")).mask is None
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -87,17 +87,23 @@ class Writes:
                     or (n >= SPLIT_MIN_TOKENS and _splits(device))):
                 return cls(n, kv, "after", first, None, None)
             return cls(n, kv, "after", first, None, _mask(torch.arange(first, kv, device=device), kv, dtype))
-        index = torch.tensor(slots, device=device)
-        return cls(n, kv, "slots", None, index, _mask(index, kv, dtype))
+        return cls.scattered(torch.tensor(slots, device=device), kv, dtype, backends)
+
+    @classmethod
+    def scattered(cls, index: torch.Tensor, kv: int, dtype: torch.dtype, backends: Backends) -> Writes:
+        """Writes at the slots `index` [n] in the "slots" layout. No mask where the prefill kernel runs (it takes
+        each row's slot instead): at 3.9K rows the mask alone took 20 ms to build."""
+        mask = None if backends.prefill_kernel is not None else _mask(index, kv, dtype)
+        return cls(len(index), kv, "slots", None, index, mask)
 
     def rows(self, device) -> torch.Tensor:
         """The slots as a tensor [n]."""
         return self.index if self.index is not None else torch.arange(self.start, self.start + self.n, device=device)
 
-    def keep(self, keep: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> Writes:
+    def keep(self, keep: torch.Tensor, rows: torch.Tensor) -> Writes:
         """These writes narrowed to the rows `keep` (indices into this forward's tokens); `rows` is `self.rows()`."""
-        mask = self.mask if self.mask is not None else _mask(rows, self.kv, dtype)
-        return Writes(len(keep), self.kv, "slots", None, rows[keep], mask[:, :, keep])
+        mask = None if self.mask is None else self.mask[:, :, keep]
+        return Writes(len(keep), self.kv, "slots", None, rows[keep], mask)
 
     def blocks(self, size: int) -> list[tuple[int, int, int, int]]:
         """The rows in blocks of at most `size`: (first row, end row, lowest slot, highest slot) of each."""
@@ -142,13 +148,18 @@ def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, w
         if w.start * PADDED_PREFIX_SHARE <= w.n:
             return _attend_padded(q, keys, values, w.start, heads)
         return _attend_after(q, layer_keys[:, :, : w.start], layer_values[:, :, : w.start], k, v, heads)
+    if w.layout == "slots":
+        keys, values = layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv]
+        if _prefill_kernel_takes(q, keys, values, backends):  # each row up to its own slot, no mask
+            return _attend_prefill(q, keys, values, heads, backends, w.index)
     if w.layout == "slots" and w.n >= 2 * ROWS_PER_BLOCK:
         # sdpa's CPU kernel with a mask computes every key of every row: blend's first layers (nearly every slot,
         # scattered) paid for the whole square where a causal prefill pays for half (blend 0.2 at 3.9K tokens on
         # the bench model: 551 of its 778 ms). In blocks of rows, each block reads the keys up to its last slot.
         return _attend_rows(q, layer_keys, layer_values, w, heads, None)
+    mask = w.mask if w.mask is not None or w.layout != "slots" else _mask(w.index, w.kv, q.dtype)  # kernel refused
     return F.scaled_dot_product_attention(q, layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv],
-                                          attn_mask=w.mask, scale=heads.scaling, **_gqa(heads))
+                                          attn_mask=mask, scale=heads.scaling, **_gqa(heads))
 
 
 def _prefill_kernel_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, backends: Backends) -> bool:
@@ -163,10 +174,11 @@ def _prefill_kernel_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
 
 def _attend_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: Heads,
-                    backends: Backends) -> torch.Tensor:
+                    backends: Backends, slots: torch.Tensor | None = None) -> torch.Tensor:
     """q [1, H_q, n, D] over keys [1, H_kv, T, D] through pc_rag's prefill kernel, lower-right causal (query row
-    i sees keys [0, T - n + i]): [1, H_q, n, D]."""
-    return kernels.prefill_attention(backends.prefill_kernel, q[0], keys[0], values[0], heads.scaling)[None]
+    i sees keys [0, T - n + i]), or row i up to key `slots[i]`: [1, H_q, n, D]."""
+    return kernels.prefill_attention(backends.prefill_kernel, q[0], keys[0], values[0], heads.scaling,
+                                     seen=slots)[None]
 
 
 def _splits(device) -> bool:

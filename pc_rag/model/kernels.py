@@ -291,8 +291,8 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     decode.argtypes = [i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, f32, i64, i32, ptr]
     decode.restype = i32
     prefill = lib.pc_rag_prefill_attention
-    prefill.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i32, f32,
-                        i32]
+    prefill.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, i64, i32,
+                        f32, i32]
     prefill.restype = i32
     step = lib.pc_rag_decode_step
     step.argtypes = [i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, i64, ptr, ptr,
@@ -356,24 +356,30 @@ BF16_PATHS = {"best": 1, "widened": 2, "dot": 3}  # pc_rag_prefill_attention's b
 
 
 def prefill_attention(fn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                      path: str = "best") -> torch.Tensor:
+                      path: str = "best", seen: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the query rows q [H_q, n, D] over keys / values [H_kv, T, D], T >= n (CPU, fp32 or
     bf16 alike, D contiguous, heads and rows at any strides): row i sits at slot T - n + i and sees the keys
-    [0, T - n + i]; query head h uses KV head h // (H_q // H_kv). Returns [H_q, n, D] in the keys' dtype, a view
-    of a [n, H_q, D] tensor (what the output projection reads). `path` (bf16; tests): "best" (AMX tiles where the
-    CPU has them, else AVX512-BF16 dot products, else widened to fp32), "dot" (never AMX) or "widened"."""
+    [0, T - n + i], or, given `seen` [n] (int64, each in [0, T)), the keys [0, seen[i]] (rows at any slots: the
+    bf16 path then never takes AMX tiles). Query head h uses KV head h // (H_q // H_kv). Returns [H_q, n, D] in the
+    keys' dtype, a view of a [n, H_q, D] tensor (what the output projection reads). `path` (bf16; tests): "best"
+    (AMX tiles where the CPU has them, else AVX512-BF16 dot products, else widened to fp32), "dot" (never AMX) or
+    "widened"."""
     h, n, d = q.shape
     hk, t, _ = keys.shape
     dtype = keys.dtype
     if dtype not in DTYPES or q.dtype != dtype or values.dtype != dtype:
         raise ValueError(f"prefill attention kernel: q, keys, values in {q.dtype}, {dtype}, {values.dtype} "
                          "(fp32 or bf16 only, all alike)")
+    if seen is not None:
+        seen = seen.to(device="cpu", dtype=torch.int64).contiguous()
+        if seen.shape != (n,):
+            raise ValueError(f"prefill attention kernel: seen {tuple(seen.shape)} for {n} query rows")
     out = torch.empty(n, h, d, dtype=dtype)
     with traced(PREFILL_PROFILE_NAME):
         status = fn(q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), keys.stride(0), keys.stride(1),
                     values.data_ptr(), values.stride(0), values.stride(1), out.data_ptr(), out.stride(1),
-                    out.stride(0), n, t, h, h // hk, d, BF16_PATHS[path] if dtype == torch.bfloat16 else 0, scale,
-                    torch.get_num_threads())
+                    out.stride(0), n, t, None if seen is None else seen.data_ptr(), h, h // hk, d,
+                    BF16_PATHS[path] if dtype == torch.bfloat16 else 0, scale, torch.get_num_threads())
     if status == -2:
         raise MemoryError(f"prefill attention kernel: no memory for the packed keys of {tuple(keys.shape)} "
                           f"({2 * keys.numel() * keys.element_size() / 2**20:.0f} MiB)")

@@ -28,7 +28,7 @@ from ..errors import Cancelled, PCRagError, UnsupportedModelError
 from . import checkpoint, heap, kernels
 from . import rope as rope_check
 from .architecture import DEFAULT_ROPE
-from .attention import Heads, Writes, _gqa, _mask, attend, attend_decode
+from .attention import Heads, Writes, _gqa, attend, attend_decode
 from .backends import LINEAR_ROWS, MODULES, ONEDNN, Backends, Choice, choose, unfit
 from .cache import HeldBlock, ModelShape, SharedPrefix, SlotCache, _to_device
 from .families import SUPPORTED_MODEL_TYPES, describe
@@ -587,7 +587,7 @@ class LlamaRunner:
         if narrow is not None and writes[0].layout != "slots":  # rows may drop out: attention by mask over the buffer
             w = writes[0]
             rows = w.rows(dev)
-            writes = [Writes(w.n, w.kv, "slots", None, rows, _mask(rows, w.kv, self.dtype))]
+            writes = [Writes.scattered(rows, w.kv, self.dtype, self.backends)]
         for cache, w, at in zip(caches, writes, slots, strict=True):
             for a, b in _runs(at):
                 cache.wrote(a, b)
@@ -617,7 +617,7 @@ class LlamaRunner:
                     if keep is not None:
                         hidden, q, k, v = hidden[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
                         rope = {name: (cos[:, keep], sin[:, keep]) for name, (cos, sin) in rope.items()}
-                        writes, parts = [w.keep(keep, w.rows(dev), self.dtype)], [(q, k, v)]
+                        writes, parts = [w.keep(keep, w.rows(dev))], [(q, k, v)]
                 outs = [attend(c.keys[i], c.values[i], self.heads, layers[i].window, q, k, v, w, self.backends,
                                written, c.base_views(i))
                         for c, w, (q, k, v) in zip(caches, writes, parts, strict=True)]

@@ -9,7 +9,9 @@
 // bf16 kernel does). On AVX-512 CPUs without AVX512-BF16, bf16 tensors are widened to fp32 as they are packed.
 //
 // Query row i (of nq) sits after nk - nq earlier keys and sees keys [0, nk - nq + i]: the lower-right causal mask,
-// which is a cold prefill when nq == nk and a question after a cached prefix otherwise.
+// which is a cold prefill when nq == nk and a question after a cached prefix otherwise. Or, given `seen`, row i
+// sees keys [0, seen[i]]: rows at any slots (text between relocated chunks, blend's recomputed rows), which sdpa
+// could only take with a mask, computing every key of every row.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -565,7 +567,8 @@ PC_AVX512 void widen_values(const uint16_t* v, int64_t vt, int64_t nk, int64_t p
 
 template <int MODE>
 int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v, Rows vr, void* out, Rows orows,
-                  int64_t nq, int64_t nk, int64_t H, int64_t G, int64_t D, float scale, int threads) {
+                  int64_t nq, int64_t nk, const int64_t* seen, int64_t H, int64_t G, int64_t D, float scale,
+                  int threads) {
   using T = std::conditional_t<MODE == FP32, float, uint16_t>;      // the tensors' elements
   using C = std::conditional_t<MODE == BF16_DOT, uint16_t, float>;  // the packed keys' and query rows'
   constexpr bool DOT = MODE == BF16_DOT;
@@ -621,7 +624,9 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
       std::memset(pb, 0, BM * BN * sizeof(uint16_t));
       std::fill(s, s + BM * BN, 0.f);
       const int64_t tiles = (rows + QK_ROWS - 1) / QK_ROWS * QK_ROWS;  // rows computed, padding included
-      const int64_t last = before + i0 + rows - 1;                     // the last key any row sees
+      const auto sees = [&](int64_t i) { return seen ? seen[i] : before + i; };  // row i's last key
+      int64_t last = 0;                                                // the last key any row sees
+      for (int64_t r = 0; r < rows; ++r) last = std::max(last, sees(i0 + r));
       for (int64_t j0 = 0; j0 <= last; j0 += BN) {
         const C* kblock = kp.get() + hk * padded * D + j0 * D;
         const int64_t span = std::min(BN, (last - j0 + 32) / 32 * 32);  // the keys any row sees, in 32s
@@ -633,7 +638,7 @@ int attend_causal(const void* q, Rows qr, const void* k, Rows kr, const void* v,
         }
         int64_t widest = 0;
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t live = std::min({BN, nk - j0, before + i0 + r - j0 + 1});
+          const int64_t live = std::min({BN, nk - j0, sees(i0 + r) - j0 + 1});
           if (live <= 0) {  // this row sees none of the block: weights 0, nothing else changes
             if constexpr (DOT)
               std::memset(pb + r * BN, 0, BN * sizeof(uint16_t));
@@ -681,7 +686,8 @@ int pc_rag_prefill_amx_supported() {
   return amx;
 }
 
-// Causal attention of nq query rows over nk >= nq keys (row i sees keys [0, nk - nq + i]). q, out: H heads of nq
+// Causal attention of nq query rows over nk >= nq keys (row i sees keys [0, nk - nq + i], or [0, seen[i]] where
+// `seen` is not null: nq values in [0, nk); AMX is not used then, dot products are). q, out: H heads of nq
 // rows; k, v: H / G heads of nk rows (query head h uses KV head h / G, HF's repeat_kv); every row D contiguous
 // elements, heads and rows at the given element strides. Scores are scaled by `scale`. bf16: 0 for fp32 tensors;
 // for bf16 tensors 1 (the fastest this CPU has: AMX tiles where it has them, D % 32 == 0 and scale > 0, else
@@ -689,21 +695,23 @@ int pc_rag_prefill_amx_supported() {
 // tests. Returns 0, -1 for shapes or a CPU it does not take, -2 when its scratch memory cannot be allocated.
 int pc_rag_prefill_attention(const void* q, int64_t q_head, int64_t q_token, const void* k, int64_t k_head,
                              int64_t k_token, const void* v, int64_t v_head, int64_t v_token, void* out,
-                             int64_t o_head, int64_t o_token, int64_t nq, int64_t nk, int64_t H, int64_t G, int64_t D,
-                             int bf16, float scale, int threads) {
+                             int64_t o_head, int64_t o_token, int64_t nq, int64_t nk, const int64_t* seen,
+                             int64_t H, int64_t G, int64_t D, int bf16, float scale, int threads) {
   if (!avx512_supported() || bf16 < 0 || bf16 > 3) return -1;
   if (D % 16 != 0 || D > MAX_D || nq <= 0 || nk < nq || H <= 0 || G <= 0 || H % G != 0 || threads <= 0) return -1;
+  if (seen && std::any_of(seen, seen + nq, [nk](int64_t s) { return s < 0 || s >= nk; })) return -1;
   if (bf16 && (k_head % 2 || k_token % 2)) return -1;  // key rows are read as 32-bit words (pairs of dims)
   const Rows qr{q_head, q_token}, kr{k_head, k_token}, vr{v_head, v_token}, orows{o_head, o_token};
-  if (bf16 == 1 && pc_rag_prefill_amx_supported() && D % 32 == 0 && scale > 0)
+  // The AMX path takes the causal layout only (rows at any slots were never run on AMX hardware: not guessed at).
+  if (bf16 == 1 && !seen && pc_rag_prefill_amx_supported() && D % 32 == 0 && scale > 0)
     return attend_causal_amx(static_cast<const uint16_t*>(q), qr, static_cast<const uint16_t*>(k), kr,
                              static_cast<const uint16_t*>(v), vr, static_cast<uint16_t*>(out), orows, nq, nk, H, G, D,
                              scale, threads);
   if ((bf16 == 1 || bf16 == 3) && pc_rag_prefill_bf16_supported())
-    return attend_causal<BF16_DOT>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
+    return attend_causal<BF16_DOT>(q, qr, k, kr, v, vr, out, orows, nq, nk, seen, H, G, D, scale, threads);
   if (bf16)
-    return attend_causal<BF16_WIDENED>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
-  return attend_causal<FP32>(q, qr, k, kr, v, vr, out, orows, nq, nk, H, G, D, scale, threads);
+    return attend_causal<BF16_WIDENED>(q, qr, k, kr, v, vr, out, orows, nq, nk, seen, H, G, D, scale, threads);
+  return attend_causal<FP32>(q, qr, k, kr, v, vr, out, orows, nq, nk, seen, H, G, D, scale, threads);
 }
 
 }  // extern "C"
