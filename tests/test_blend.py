@@ -222,15 +222,20 @@ def test_context_shift_is_layer_zeros_move_in_context(engine, docs):
                                                                                       encoded_at + len(chunk))))
     want = (in_context - alone[len(sink):]).norm(dim=-1)
     rows = list(range(first, len(ids)))
-    got = runner.context_shift(ids, positions, rows, [(first, first - encoded_at)] * len(rows), sink)
     assert want.max() > 0.1  # the text before the chunk moves it
-    assert (got - want).abs().max() <= 1e-4 * want.max()
-    # a block's later rows only, beside a second block: each row against its own block
     other = list(range(len(sink), first))
-    got = runner.context_shift(ids, positions, [*other, *rows[5:]],
-                               [(len(sink), 0)] * len(other) + [(first, first - encoded_at)] * len(rows[5:]), sink)
-    assert (got[len(other):] - want[5:]).abs().max() <= 1e-4 * want.max()
-    assert got[: len(other)].abs().max() <= 1e-4 * want.max()  # a block at its own place, after the sink: exact
+    try:
+        for native in (True, False):  # attention through pc_rag's prefill kernel where it runs, and through sdpa
+            runner.choose_backends(native)
+            got = runner.context_shift(ids, positions, rows, [(first, first - encoded_at)] * len(rows), sink)
+            assert (got - want).abs().max() <= 1e-4 * want.max(), native
+            # a block's later rows only, beside a second block: each row against its own block
+            got = runner.context_shift(ids, positions, [*other, *rows[5:]], [(len(sink), 0)] * len(other)
+                                       + [(first, first - encoded_at)] * len(rows[5:]), sink)
+            assert (got[len(other):] - want[5:]).abs().max() <= 1e-4 * want.max(), native
+            assert got[: len(other)].abs().max() <= 1e-4 * want.max()  # a block at its own place: exact
+    finally:
+        runner.choose_backends(True)
 
 
 def test_shift_computes_layer_zero_for_what_its_probe_picked_only():

@@ -162,6 +162,17 @@ def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, w
                                           attn_mask=mask, scale=heads.scaling, **_gqa(heads))
 
 
+def attend_at(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, heads: Heads,
+              backends: Backends) -> torch.Tensor:
+    """Query rows q [1, H_q, n, D] at `slots` [n] among keys / values [1, H_kv, T, D] (nothing written), each
+    seeing the keys [0, its slot] (soft-capped if `heads.softcap`): [1, H_q, n, D]. pc_rag's prefill kernel where
+    it takes them, else sdpa in blocks of rows. For probes that need some rows' attention only
+    (runner.context_shift)."""
+    if heads.softcap is None and _prefill_kernel_takes(q, keys, values, backends):
+        return _attend_prefill(q, keys, values, heads, backends, slots)
+    return _attend_rows(q, keys, values, Writes(len(slots), keys.shape[2], "slots", None, slots, None), heads, None)
+
+
 def _prefill_kernel_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, backends: Backends) -> bool:
     """Whether pc_rag's prefill kernel runs q [1, H_q, n, D] over keys [1, H_kv, T, D]: the runner's choice,
     CPU, fp32 or bf16, every row's D elements contiguous (heads and rows may be strided: the fused projection's

@@ -11,7 +11,7 @@
 - decode_layers.cpp: a decode step's layers in one call, those kernels in a loop (fused.py), so that a step lets
   go of the GIL once instead of at every op.
 - prefill_attention.cpp: causal attention of many query rows (a cold prefill, the fresh tokens after a cached
-  prefix). sdpa's CPU kernel ran its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench
+  prefix, or rows at any slots: blend's recomputed rows, text between relocated chunks). sdpa's CPU kernel ran its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench
   machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster. In bf16 on
   CPUs with AMX, sdpa runs its products on AMX tiles, and so does the kernel (faster again: docs/speed.md#prefill).
 

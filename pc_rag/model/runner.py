@@ -21,14 +21,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from ..batch import TurnLock
 from ..errors import Cancelled, PCRagError, UnsupportedModelError
 from . import checkpoint, heap, kernels
 from . import rope as rope_check
 from .architecture import DEFAULT_ROPE
-from .attention import Heads, Writes, _gqa, attend, attend_decode
+from .attention import Heads, Writes, attend, attend_at, attend_decode
 from .backends import LINEAR_ROWS, MODULES, ONEDNN, Backends, Choice, choose, unfit
 from .cache import HeldBlock, ModelShape, SharedPrefix, SlotCache, _to_device
 from .families import SUPPORTED_MODEL_TYPES, describe
@@ -719,7 +718,7 @@ class LlamaRunner:
         running the layer's MLP: in context, one causal attention over the prompt; as encoded, one per block over
         the sink (`sink_ids`, at positions 0.. then, moved with the block now) and the block's own tokens. Layer 1's
         keys, which the full probe measures, differ from the cached ones by what this shift (and the MLP on it)
-        adds. An attention softcap and windows are left out: the result ranks tokens, it is no logit."""
+        adds. Sliding windows are left out: the result ranks tokens, it is no logit."""
         dev, n_sink = self.device, len(sink_ids)
         length = max(rows) + 1
         starts = sorted(set(blocks))
@@ -729,12 +728,12 @@ class LlamaRunner:
             hidden = self._embed(torch.tensor([new_ids], device=dev))
             rope = self._rope_at(hidden, torch.tensor([new_pos], device=dev))
             q, k, v = self._qkv(0, hidden, rope)  # [1, H, n, D]
-        def causal(idx: torch.Tensor) -> torch.Tensor:  # attention of the tokens `idx` among themselves, in order
-            return F.scaled_dot_product_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], is_causal=True,
-                                                  scale=self.heads.scaling, **_gqa(self.heads))[0]  # [H, n, D]
+        def among(idx: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+            """The rows `at` (indices into `idx`) of the tokens `idx` attending among themselves, in order."""
+            return attend_at(q[:, :, idx[at]], k[:, :, idx], v[:, :, idx], at, self.heads, self.backends)[0]
 
         at = torch.tensor(rows, device=dev)
-        in_context = causal(torch.arange(length, device=dev))[:, at]
+        in_context = among(torch.arange(length, device=dev), at)  # [H, n, D]
         encoded = torch.empty_like(in_context)
         by_block: dict[tuple[int, int], list[int]] = {}
         for r, block in enumerate(blocks):
@@ -742,8 +741,8 @@ class LlamaRunner:
         for i, (first, moved) in enumerate(starts):
             mine = by_block[(first, moved)]
             sink = torch.arange(length + i * n_sink, length + (i + 1) * n_sink, device=dev)
-            out = causal(torch.cat([sink, torch.arange(first, rows[mine[-1]] + 1, device=dev)]))
-            encoded[:, mine] = out[:, n_sink + at[mine] - first]
+            idx = torch.cat([sink, torch.arange(first, rows[mine[-1]] + 1, device=dev)])
+            encoded[:, mine] = among(idx, n_sink + at[mine] - first)
         shift = (in_context - encoded).transpose(0, 1).reshape(len(rows), -1)
         return self.weights.layers[0].o(shift).float().norm(dim=-1)
 
