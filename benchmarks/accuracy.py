@@ -15,6 +15,7 @@ greedy first token is the right answer, in each mode:
   1 differ most; `progressive`: the same, narrowed layer by layer; see pc_rag/assemble.py `tokens_per_layer`);
 - auto T: blend with a quality target T (`recompute_target`): its layer-1 probe decides per prompt how many
   chunk tokens to recompute (pc_rag/assemble.py `target_tokens`), so its work varies by prompt (the mean is shown);
+  `--auto T:shift` (rows "auto T shift") reads the target from the cheap layer-0 probe instead;
 - scaffold: modular with the prompt's chunks declared as a scaffold (encoded jointly, so each sees those
   before it);
 - modular int8 (with --codec int8): modular with every chunk block read back from a disk tier that stores
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 
 import pc_rag
-from pc_rag.assemble import SELECTIONS, recompute_work
+from pc_rag.assemble import SELECTIONS, recompute_work, tokens_per_layer
 
 from .fidelity import kl
 from .retrieval_task import ALL_TASKS, TASKS, make_example, names, token_ids, values
@@ -66,11 +67,20 @@ def parse_blend(spec: str) -> tuple[float, str]:
 TASK_TITLES = {"single": "single hop", "two_hop": "two hop", "alias": "alias"}
 
 
-def auto_name(target: float) -> str:
-    return f"auto {target:g}"
+def parse_auto(spec: str | float) -> tuple[float, str]:
+    """`--auto` T (the target read from layer 1, as `progressive`) or T:shift (from the cheap probe)."""
+    target, _, selection = str(spec).partition(":")
+    if selection not in ("", "shift"):
+        raise SystemExit(f"--auto {spec!r}: expected T or T:shift")
+    return float(target), selection or "progressive"
 
 
-def answer_logprobs(engine, example, blends: list[str], coded: dict | None = None, targets: list[float] = (),
+def auto_name(spec: str | float) -> str:
+    target, selection = parse_auto(spec)
+    return f"auto {target:g}" + (" shift" if selection == "shift" else "")
+
+
+def answer_logprobs(engine, example, blends: list[str], coded: dict | None = None, targets: list[float | str] = (),
                     recomputed: dict | None = None) -> dict[str, torch.Tensor]:
     """Per mode, the log-probabilities of the answer token (the next token after the prompt). `coded`: codec
     name -> an engine on the same model over a disk tier that stores blocks with that codec. `targets`: blend
@@ -96,14 +106,19 @@ def answer_logprobs(engine, example, blends: list[str], coded: dict | None = Non
             out[blend_name(spec)] = logp("blend", ratio)
     finally:
         engine.blend_selection = selection
-    for target in targets:
-        with engine.traffic.counted():
-            options = GenerationOptions(mode="blend", recompute_ratio=0.0, recompute_target=target)
-            asm = prefill(engine, prompt, options)
-            engine.runner.release_cache(asm.cache)
-        out[auto_name(target)] = torch.log_softmax(asm.logits.float(), -1)
+    for spec in targets:
+        target, select = parse_auto(spec)
+        try:
+            engine.blend_selection = select
+            with engine.traffic.counted():
+                options = GenerationOptions(mode="blend", recompute_ratio=0.0, recompute_target=target)
+                asm = prefill(engine, prompt, options)
+                engine.runner.release_cache(asm.cache)
+        finally:
+            engine.blend_selection = selection
+        out[auto_name(spec)] = torch.log_softmax(asm.logits.float(), -1)
         if recomputed is not None:
-            recomputed[auto_name(target)] = asm.recomputed_tokens
+            recomputed[auto_name(spec)] = asm.recomputed_tokens
     engine.add_scaffold(list(example.chunks))
     engine.next_token_logits(prompt, mode="modular")  # the first use encodes the group
     engine.wait_for_background()
@@ -125,7 +140,7 @@ def answers(engine, example, blends: list[str]) -> dict[str, str]:
 
 
 def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: list[str],
-        codecs: list[str] = (), tasks: tuple[str, ...] = TASKS, targets: list[float] = ()) -> dict:
+        codecs: list[str] = (), tasks: tuple[str, ...] = TASKS, targets: list[float | str] = ()) -> dict:
     engine = pc_rag.Engine.from_pretrained(model, store="memory")
     # A disk tier alone: a block is written compressed and every later request reads it back from there.
     folder = Path(tempfile.mkdtemp(prefix="pc_rag_accuracy_"))
@@ -155,7 +170,13 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
                     work[blend_name(b)] += recompute_work(select, ratio, chunk_tokens, layers,
                                                           engine.runner.shift_probe_share(len(ids))) / prompts
                 for name, chosen in recomputed.items():  # the probe, then the tokens it chose, narrowed as progressive
-                    work[name] += recompute_work("progressive", chosen / chunk_tokens, chunk_tokens, layers) / prompts
+                    if name.endswith("shift"):  # the cheap probe over every candidate, then layer 0 over 3x its pick
+                        probe = engine.runner.shift_probe_share(len(ids)) * chunk_tokens
+                        computed = sum(tokens_per_layer("shift", chosen, chunk_tokens, layers)) + probe
+                        work[name] += computed / (chunk_tokens * layers) / prompts
+                    else:
+                        work[name] += recompute_work("progressive", chosen / chunk_tokens, chunk_tokens,
+                                                     layers) / prompts
                 got = greedy(engine.tokenizer, logps)
                 for m in modes:
                     right[m] += got[m] == ex.answer
@@ -241,8 +262,9 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=200, help="held-out prompts per task and chunk count")
     ap.add_argument("--chunks", type=int, nargs="+", default=[4])
     ap.add_argument("--blend", nargs="*", default=list(DEFAULT_BLENDS), help="RATIO:SELECTION settings to compare")
-    ap.add_argument("--auto", nargs="*", type=float, default=list(DEFAULT_TARGETS),
-                    help="quality targets: blend with recompute_target T, rows named 'auto T'")
+    ap.add_argument("--auto", nargs="*", default=list(DEFAULT_TARGETS),
+                    help="quality targets: blend with recompute_target T, rows named 'auto T' (T:shift: the target "
+                         "read from the cheap probe, rows 'auto T shift')")
     ap.add_argument("--codec", nargs="*", default=[], choices=["int8"],
                     help="also modular with chunk blocks stored with this codec (read back from a disk tier)")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(ALL_TASKS),
@@ -255,6 +277,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     for spec in args.blend:
         parse_blend(spec)
+    for spec in args.auto:
+        parse_auto(spec)
     result = run(args.model, args.prompts, args.chunks, args.seed, args.blend, args.codec, tuple(args.tasks),
                  args.auto)
     out = Path(args.out)

@@ -16,7 +16,8 @@ can pass (`bounds`). Prints a table, writes serving.json: `eviction.<policy>.<al
 Load (`--systems`, default every one found): the trace sent to each server in turn, one at a time on this
 machine, with the `openai` async client as an app sends it: a system message, then one user message holding the
 retrieved documents as plain text (joined by blank lines) and the question; a follow-up sends the conversation
-so far (the earlier answer included) and one more question. Answers of 32-64 tokens (seeded per request),
+so far (the earlier answer included) and one more question. Answers of 32-64 tokens (`--answer-tokens`; seeded
+per request),
 streamed, greedy. Rates double from `--rates`' first value while the TTFT p99 stays under `--slo`, and one
 rate past it is measured too (2x the saturation rate); where the first rate fails they halve until one holds.
 Each rate sends `--requests-per-rate` requests (fewer below 1 req/s: arrivals span at most
@@ -358,7 +359,7 @@ def run_system(name: str, server, trace: list[Request], chunks: list[str], args)
     marked = name.endswith("marked")
     extra = {"mode": name.split()[1]} if name.startswith("pc-rag") else {}
     rng = random.Random(args.seed + 1)
-    max_tokens = [rng.randint(32, 64) for _ in trace]
+    max_tokens = [rng.randint(*args.answer_tokens) for _ in trace]
     rows, offset, rate = [], 0, args.rates[0]
     with server:
         warm = [Request(0.0, (0, 1, 2, 3), "A warm-up question.", 0)]  # load, allocator, kernels: outside timing
@@ -429,7 +430,8 @@ def load(args, out: Path) -> dict:
         systems[name] = run_system(name, server, trace, chunks, args)
         (out / "serving.partial.json").write_text(json.dumps(systems, indent=1))  # a long run keeps what it has
     return {"model": model.name, "alpha": args.alpha, "slo_s": args.slo, "requests_per_rate": args.requests_per_rate,
-            "chunks": args.chunks, "ttft_limit_s": args.ttft_limit, "systems": systems}
+            "chunks": args.chunks, "ttft_limit_s": args.ttft_limit, "answer_tokens": list(args.answer_tokens),
+            "systems": systems}
 
 
 def concurrency(model: Path, counts: list[int], prefix_tokens: int, max_new_tokens: int = 24) -> dict:
@@ -502,7 +504,9 @@ def concurrency(model: Path, counts: list[int], prefix_tokens: int, max_new_toke
 
 
 def markdown(result: dict) -> str:
+    answers = "-".join(map(str, sorted(set(result.get("answer_tokens", [32, 64])))))
     lines = [f"Trace: {result['chunks']} chunks, Zipf alpha {result['alpha']}, 4-8 chunks per question, "
+             f"answers of {answers} tokens, "
              f"{result['requests_per_rate']} requests per rate, SLO: TTFT p99 <= {result['slo_s']:g} s; model "
              f"{result['model']}, CPU.", "",
              "| system | highest rate under the SLO (req/s) | rate | TTFT p50 / p90 / p99 (s) | inter-token (ms) "
@@ -559,6 +563,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", type=float, nargs=1, default=[1.0], help="the first arrival rate (req/s); doubled")
     ap.add_argument("--max-rate", type=float, default=64.0)
     ap.add_argument("--rate-list", type=float, nargs="*", help="measure exactly these rates, in order (no stepping)")
+    ap.add_argument("--answer-tokens", type=int, nargs=2, default=[32, 64], metavar=("LO", "HI"),
+                    help="each answer's max_tokens, drawn in [LO, HI] per request (the issue's first table: 16 16)")
     ap.add_argument("--min-rate", type=float, default=0.125, help="where a first rate that fails steps down to")
     ap.add_argument("--requests-per-rate", type=int, default=200)
     ap.add_argument("--max-seconds-per-rate", type=float, default=240.0,

@@ -55,7 +55,9 @@ class Recompute:
             `reference` per token (the model's typical deviation of a chunk after unrelated ones:
             quality.deviation_reference). A prompt whose chunks barely deviate costs the probe only (modular's KV),
             one where they deviate much gets more; 1 recomputes every token that deviates at all (full), 0 none
-            (modular). Narrowed as "progressive" from there.
+            (modular). Narrowed as "progressive" from there. With select "shift" the cheap probe is read instead
+            (each candidate's layer-0 shift relative to its in-context output, against the model's reference
+            shift): layer 0 then runs only over the tokens it picks, as fixed "shift" does.
     """
 
     ratio: float
@@ -467,7 +469,22 @@ class Assembler:
         if not auto and recompute.select == "chunk_start":
             return run(set(first_tokens(spans, k)))
         layers = runner.shape.num_layers
-        if not auto and recompute.select == "shift":
+        probed = None  # the mean relative shift, where a target was read from the cheap probe
+        if auto and recompute.select == "shift":
+            # The target read from the cheap probe instead of layer 1: how far layer 0 moves each candidate in
+            # context (relative, against the model's reference shift) says how many tokens to recompute, and the
+            # most moved are what layer 0 computes; from there the fixed "shift" schedule for that many.
+            relative = self._shift(pieces, ids, positions, candidates, relative=True)
+            # Target 1 takes them all: a token whose layer-0 attention sits on one key moves by exactly 0 there
+            # and still moves deeper (seen on the retrieval testbed), which this probe cannot see.
+            k = len(candidates) if recompute.target >= 1.0 else target_tokens(relative, recompute)
+            probed, auto = float(relative.mean()), False
+            if k == 0:
+                logits, chosen, _ = run(set())
+                return logits, chosen, probed
+            width = tokens_per_layer("shift", k, len(candidates), layers)[0]
+            candidates = sorted(candidates[i] for i in torch.topk(relative, width).indices.tolist())
+        elif not auto and recompute.select == "shift":
             width = tokens_per_layer("shift", k, len(candidates), layers)[0]
             candidates = self._most_shifted(pieces, ids, positions, candidates, width)
         # Key deviation (CacheBlend): every candidate runs layer 0 in context (layer 0's keys never see context,
@@ -502,20 +519,24 @@ class Assembler:
         logits = runner.forward_layers(cache, [ids[s] for s in order], [positions[s] for s in order], order,
                                        narrow=narrow)
         final = set(kept[0].tolist()) if kept else set(order)
-        return logits, final & set(candidates), (measured[0] if measured else None)
+        return logits, final & set(candidates), (probed if probed is not None else measured[0] if measured else None)
 
     def _most_shifted(self, pieces, ids, positions, candidates: list[int], n: int) -> list[int]:
         """The `n` candidate slots whose layer-0 attention output moves most in context (`context_shift`)."""
         if n >= len(candidates):
             return candidates
+        shift = self._shift(pieces, ids, positions, candidates)
+        return sorted(candidates[i] for i in torch.topk(shift, n).indices.tolist())
+
+    def _shift(self, pieces, ids, positions, candidates: list[int], relative: bool = False) -> torch.Tensor:
+        """`runner.context_shift` of the candidate slots, each against the block it was encoded in."""
         block: dict[int, Piece] = {}
         for p in pieces:
             if p.source in (Source.CHUNK, Source.SCAFFOLD):
                 block.update(dict.fromkeys(range(p.slot, p.slot + p.n), p))
-        shift = self.runner.context_shift(ids, positions, candidates,
-                                          [(block[s].slot, block[s].position - block[s].encode_start)
-                                           for s in candidates], self.planner.sink_ids)
-        return sorted(candidates[i] for i in torch.topk(shift, n).indices.tolist())
+        return self.runner.context_shift(ids, positions, candidates,
+                                         [(block[s].slot, block[s].position - block[s].encode_start)
+                                          for s in candidates], self.planner.sink_ids, relative)
 
     def save_prefix(self, assembled: Assembled, generated: Sequence[int] = (),
                     skip: frozenset[str] = frozenset()) -> frozenset[str]:

@@ -130,7 +130,7 @@ class Engine:
         # request: max_batch is read then).
         self.traffic = Traffic(lambda: BatchDecoder(self.runner.step, self.eos_ids, self.max_batch, release_team,
                                                     self.runner.prefill_chunk_tokens), release_team)
-        self.measured_deviation: float | None = None  # quality.deviation_reference, once measured
+        self.measured_deviation: dict[str, float] = {}  # quality.deviation_reference per probe, once measured
         self.calibration: Calibration | None = None  # quality.calibrate, once measured (min_agreement set)
         self.runner.others_decoding = self.traffic.busy  # long prefills are chunked while others run
         release_team()  # loading and packing the weights computed on this thread, which may serve none (threads.py)
@@ -328,9 +328,10 @@ class Engine:
         """The gate per model (`min_agreement`, quality.gate): raises where it refuses `mode`."""
         gate(self, mode)
 
-    def deviation_reference(self) -> float:
-        """This model's typical key deviation of a reused chunk (quality.py), measured on first use."""
-        return deviation_reference(self)
+    def deviation_reference(self, select: str | None = None) -> float:
+        """This model's typical deviation of a reused chunk as blend's `select` (default: `blend_selection`)
+        probes it (quality.py), measured on first use."""
+        return deviation_reference(self, select or self.blend_selection)
 
     def stats(self) -> dict:
         """tiers: the store's counters; scaffolds: groups, bytes of their joint KV, failed builds (each logged);

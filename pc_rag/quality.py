@@ -153,11 +153,13 @@ def calibrate(engine) -> Calibration:
         return engine.calibration
 
 
-def deviation_reference(engine) -> float:
-    """The engine's reference deviation, measured on its first use (a prefill of `reference_prompt` in a store
-    of its own, so nothing of it is kept) and remembered."""
+def deviation_reference(engine, select: str = "progressive") -> float:
+    """The engine's reference deviation for the probe blend's `select` reads a target from (layer 1's key
+    deviation; for "shift", layer 0's relative shift), measured on its first use (a prefill of `reference_prompt`
+    in a store of its own, so nothing of it is kept) and remembered."""
+    probe = "shift" if select == "shift" else "keys"
     with _lock:
-        if engine.measured_deviation is None:
+        if probe not in engine.measured_deviation:
             from .assemble import Recompute
 
             planner, assembler = _own_assembler(engine)
@@ -167,10 +169,12 @@ def deviation_reference(engine) -> float:
                     assembler.ensure_stored(planner.chunk_wanted(seg))
             lookups = assembler.lookups()
             plan = planner.plan(segments, "blend", lookups)
-            asm = assembler.assemble(plan, lookups.blocks, 0, Recompute(1.0, "deviation"))
+            # keys: every token recomputed, layer 1 measured on the way; shift: target 0 reads the probe only
+            recompute = Recompute(1.0, "deviation") if probe == "keys" else Recompute(0.0, "shift", 0.0)
+            asm = assembler.assemble(plan, lookups.blocks, 0, recompute)
             engine.runner.release_cache(asm.cache)
-            engine.measured_deviation = max(asm.deviation or 0.0, 1e-6)
-        return engine.measured_deviation
+            engine.measured_deviation[probe] = max(asm.deviation or 0.0, 1e-6)
+        return engine.measured_deviation[probe]
 
 
 def gate(engine, mode: str) -> None:

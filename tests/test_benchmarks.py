@@ -59,6 +59,24 @@ def test_deep_model_exact_equals_full_blend_end_points_and_a_lone_chunk_first():
 def test_accuracy_rejects_a_bad_blend_setting():
     with pytest.raises(SystemExit, match="0.3:sideways"):
         accuracy.parse_blend("0.3:sideways")
+    with pytest.raises(SystemExit, match="0.8:deviation"):
+        accuracy.parse_auto("0.8:deviation")
+    assert [accuracy.auto_name(s) for s in (0.8, "0.9", "0.9:shift")] == ["auto 0.8", "auto 0.9", "auto 0.9 shift"]
+
+
+def test_accuracy_targets_read_from_either_probe_span_modular_to_full(engine):
+    # A target of 0 is modular, 1 is full (every deviating token recomputed), read from layer 1 or the cheap probe,
+    # within 1e-4 of the largest log-probability (fp32). The first chunk sits where it was encoded, right after BOS:
+    # the cheap probe finds it unmoved (0) and keeps its cached KV, which a full prefill computes over other shapes.
+    rng = random.Random(5)
+    for _ in range(3):
+        ex = make_example(rng, "two_hop", 4, names(), values())
+        logps = accuracy.answer_logprobs(engine, ex, [], targets=["0", "1", "0:shift", "1:shift"])
+        tol = 1e-4 * logps["full"].abs().max().item()
+        for probe in ("", " shift"):
+            assert torch.allclose(logps[f"auto 0{probe}"], logps["modular"], atol=tol), probe
+            assert torch.allclose(logps[f"auto 1{probe}"], logps["full"], atol=tol), probe
+    assert engine.blend_selection == "progressive"  # put back
 
 
 def test_training_is_reproducible(tmp_path):

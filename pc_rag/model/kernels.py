@@ -11,9 +11,11 @@
 - decode_layers.cpp: a decode step's layers in one call, those kernels in a loop (fused.py), so that a step lets
   go of the GIL once instead of at every op.
 - prefill_attention.cpp: causal attention of many query rows (a cold prefill, the fresh tokens after a cached
-  prefix, or rows at any slots: blend's recomputed rows, text between relocated chunks). sdpa's CPU kernel ran its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench
-  machine; register-blocked tiles (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster. In bf16 on
-  CPUs with AMX, sdpa runs its products on AMX tiles, and so does the kernel (faster again: docs/speed.md#prefill).
+  prefix, or rows at any slots: blend's recomputed rows, text between relocated chunks). sdpa's CPU kernel ran
+  its block products through MKL at 60-135 GFLOP/s in both dtypes on the bench machine; register-blocked tiles
+  (FMAs in fp32, AVX512-BF16 dot products in bf16) ran 1.5-3x faster, and with a mask sdpa computed every key of
+  every row. In bf16 on CPUs with AMX, sdpa runs its products on AMX tiles, and so does the kernel's causal layout
+  (faster again: docs/speed.md#prefill).
 
 Where they run: Linux on x86-64 with AVX-512 (what servers have: Intel since Skylake-SP, AMD since Zen 4), keys in
 fp32 or bf16, head_dim a multiple of 16 up to 256. The bf16 prefill multiplies in bf16: on AMX tiles where the

@@ -707,11 +707,13 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def context_shift(self, ids: Sequence[int], positions: Sequence[int], rows: list[int],
-                      blocks: list[tuple[int, int]], sink_ids: Sequence[int]) -> torch.Tensor:
+                      blocks: list[tuple[int, int]], sink_ids: Sequence[int],
+                      relative: bool = False) -> torch.Tensor:
         """How far layer 0 moves each reused token once it sees the whole prompt (`ids` at `positions`, by slot)
         instead of what its block was encoded with: the norm of o_proj(attention in context - attention as
-        encoded), [len(rows)] fp32. Row r is slot `rows[r]`; its block is (first slot, how many positions its keys
-        were moved) `blocks[r]`. Blend's cheap probe ("shift").
+        encoded), [len(rows)] fp32 (`relative`: divided by the norm of o_proj(attention in context), a scale that
+        holds across prompts and models). Row r is slot `rows[r]`; its block is (first slot, how many positions its
+        keys were moved) `blocks[r]`. Blend's cheap probe ("shift").
 
         Why it is cheap and exact: layer 0's queries, keys and values depend on the token and its position only,
         never on the context, so they are computed here from the ids alone, and both attentions come without
@@ -743,8 +745,13 @@ class LlamaRunner:
             sink = torch.arange(length + i * n_sink, length + (i + 1) * n_sink, device=dev)
             idx = torch.cat([sink, torch.arange(first, rows[mine[-1]] + 1, device=dev)])
             encoded[:, mine] = among(idx, n_sink + at[mine] - first)
-        shift = (in_context - encoded).transpose(0, 1).reshape(len(rows), -1)
-        return self.weights.layers[0].o(shift).float().norm(dim=-1)
+        o = self.weights.layers[0].o
+        delta = (in_context - encoded).transpose(0, 1).reshape(len(rows), -1)
+        bias = o(torch.zeros_like(delta[:1]))  # o_proj's bias, if it has one: the difference of two outputs has none
+        shift = (o(delta) - bias).float().norm(dim=-1)
+        if not relative:
+            return shift
+        return shift / o(in_context.transpose(0, 1).reshape(len(rows), -1)).float().norm(dim=-1).clamp_min(1e-12)
 
     def shift_probe_share(self, context: int) -> float:
         """What `context_shift` costs per token as a share of one layer's work on that token (multiply-adds: the
