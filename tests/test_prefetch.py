@@ -40,13 +40,16 @@ def chunk_keys(engine, docs) -> list[str]:
 
 
 def test_discovered_documents_are_loaded_into_memory(disk_engine, docs):
+    # A worker of its own: the process's is shared by every engine alive, and past MAX_PENDING jobs from one
+    # discover call (a full test run keeps dozens of engines) it drops the rest, this engine's among them.
+    disk_engine.prefetcher = prefetch.Prefetcher()
     memory = disk_engine.store.tiers[0]
     disk_engine.warm(docs[:3], progress=False)
     memory.clear()
     keys = chunk_keys(disk_engine, docs[:3])
     assert not any(memory.contains(k) for k in keys)
     discover(docs[:3])
-    assert prefetch.wait_idle(WAIT_S)
+    assert disk_engine.prefetcher.wait_idle(WAIT_S)
     assert all(memory.contains(k) for k in keys)
     disk_hits = disk_engine.store.tiers[1].tier_stats()[0].hits
     # the request then finds every chunk in memory: the prefetch keys are the keys a prompt string uses
