@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 import pc_rag
-from pc_rag.assemble import SELECTIONS, recompute_work, tokens_per_layer
+from pc_rag.assemble import SELECTIONS, recompute_work
 
 from .fidelity import kl
 from .retrieval_task import ALL_TASKS, TASKS, make_example, names, token_ids, values
@@ -171,9 +171,8 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
                                                           engine.runner.shift_probe_share(len(ids))) / prompts
                 for name, chosen in recomputed.items():  # the probe, then the tokens it chose, narrowed as progressive
                     if name.endswith("shift"):  # the cheap probe over every candidate, then layer 0 over 3x its pick
-                        probe = engine.runner.shift_probe_share(len(ids)) * chunk_tokens
-                        computed = sum(tokens_per_layer("shift", chosen, chunk_tokens, layers)) + probe
-                        work[name] += computed / (chunk_tokens * layers) / prompts
+                        work[name] += recompute_work("shift", chosen / chunk_tokens, chunk_tokens, layers,
+                                                     engine.runner.shift_probe_share(len(ids)), target=True) / prompts
                     else:
                         work[name] += recompute_work("progressive", chosen / chunk_tokens, chunk_tokens,
                                                      layers) / prompts

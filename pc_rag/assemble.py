@@ -470,23 +470,22 @@ class Assembler:
             return run(set(first_tokens(spans, k)))
         layers = runner.shape.num_layers
         probed = None  # the mean relative shift, where a target was read from the cheap probe
-        if auto and recompute.select == "shift":
-            # The target read from the cheap probe instead of layer 1: how far layer 0 moves each candidate in
-            # context (relative, against the model's reference shift) says how many tokens to recompute, and the
-            # most moved are what layer 0 computes; from there the fixed "shift" schedule for that many.
-            relative = self._shift(pieces, ids, positions, candidates, relative=True)
-            # Target 1 takes them all: a token whose layer-0 attention sits on one key moves by exactly 0 there
-            # and still moves deeper (seen on the retrieval testbed), which this probe cannot see.
-            k = len(candidates) if recompute.target >= 1.0 else target_tokens(relative, recompute)
-            probed, auto = float(relative.mean()), False
-            if k == 0:
-                logits, chosen, _ = run(set())
-                return logits, chosen, probed
+        if recompute.select == "shift":
+            relative = None
+            if auto:
+                # The target read from the cheap probe instead of layer 1: how far layer 0 moves each candidate in
+                # context (relative, against the model's reference shift) says how many tokens to recompute, and
+                # the most moved are what layer 0 computes; from there the fixed "shift" schedule for that many.
+                relative = self._shift(pieces, ids, positions, candidates, relative=True)
+                # Target 1 takes them all: a token whose layer-0 attention sits on one key moves by exactly 0 there
+                # and still moves deeper (seen on the retrieval testbed), which this probe cannot see.
+                k = len(candidates) if recompute.target >= 1.0 else target_tokens(relative, recompute)
+                probed, auto = float(relative.mean()), False
+                if k == 0:
+                    logits, chosen, _ = run(set())
+                    return logits, chosen, probed
             width = tokens_per_layer("shift", k, len(candidates), layers)[0]
-            candidates = sorted(candidates[i] for i in torch.topk(relative, width).indices.tolist())
-        elif not auto and recompute.select == "shift":
-            width = tokens_per_layer("shift", k, len(candidates), layers)[0]
-            candidates = self._most_shifted(pieces, ids, positions, candidates, width)
+            candidates = self._most_shifted(pieces, ids, positions, candidates, width, relative)
         # Key deviation (CacheBlend): every candidate runs layer 0 in context (layer 0's keys never see context,
         # so layer 1 is the first whose keys can show what the chunk missed); from layer 1 on, the candidates
         # whose fresh keys moved least from their cached ones are dropped and keep their cached KV.
@@ -521,11 +520,14 @@ class Assembler:
         final = set(kept[0].tolist()) if kept else set(order)
         return logits, final & set(candidates), (probed if probed is not None else measured[0] if measured else None)
 
-    def _most_shifted(self, pieces, ids, positions, candidates: list[int], n: int) -> list[int]:
-        """The `n` candidate slots whose layer-0 attention output moves most in context (`context_shift`)."""
+    def _most_shifted(self, pieces, ids, positions, candidates: list[int], n: int,
+                      shift: torch.Tensor | None = None) -> list[int]:
+        """The `n` candidate slots whose layer-0 attention output moves most in context (`context_shift`, unless
+        `shift` already holds a measure of it per candidate)."""
         if n >= len(candidates):
             return candidates
-        shift = self._shift(pieces, ids, positions, candidates)
+        if shift is None:
+            shift = self._shift(pieces, ids, positions, candidates)
         return sorted(candidates[i] for i in torch.topk(shift, n).indices.tolist())
 
     def _shift(self, pieces, ids, positions, candidates: list[int], relative: bool = False) -> torch.Tensor:
@@ -657,13 +659,16 @@ def target_tokens(relative: torch.Tensor, recompute: Recompute) -> int:
     return len(relative) - int((left <= allowed * (1 + 1e-9) + 1e-12).sum())
 
 
-def recompute_work(select: str, ratio: float, candidates: int, layers: int, probe: float = 0.0) -> float:
+def recompute_work(select: str, ratio: float, candidates: int, layers: int, probe: float = 0.0,
+                   target: bool = False) -> float:
     """The share of a full recompute of the chunk tokens (token-layers) that blend at `ratio` computes; "shift"
-    adds its probe over every candidate, `probe` of a layer each (`LlamaRunner.shift_probe_share`)."""
+    adds its probe over every candidate, `probe` of a layer each (`LlamaRunner.shift_probe_share`): always where a
+    target was read from it (`target`, the ratio then being what the target chose), else only where it picked."""
     if not candidates:
         return 0.0
     k = round(ratio * candidates)
-    probed = select == "shift" and 0 < PROGRESSIVE_START * k < candidates  # else every candidate runs layer 0
+    # a fixed ratio runs the probe only where it picks fewer than all (else every candidate runs layer 0)
+    probed = select == "shift" and (target or 0 < PROGRESSIVE_START * k < candidates)
     extra = probe * candidates if probed else 0.0
     return (sum(tokens_per_layer(select, k, candidates, layers)) + extra) / (candidates * layers)
 

@@ -254,6 +254,9 @@ def test_shift_computes_layer_zero_for_what_its_probe_picked_only():
     # the probe costs `probe` of a layer per candidate, only where it picks (below 3 x the share)
     assert recompute_work("shift", 0.2, 100, 4, probe=0.2) == pytest.approx((180 + 20) / 400)
     assert recompute_work("shift", 0.5, 100, 4, probe=0.2) == pytest.approx(350 / 400)
+    # a target read from the probe ran it whatever it chose, nothing included
+    assert recompute_work("shift", 0.5, 100, 4, probe=0.2, target=True) == pytest.approx((350 + 20) / 400)
+    assert recompute_work("shift", 0.0, 100, 4, probe=0.2, target=True) == pytest.approx(20 / 400)
 
 
 def test_many_scattered_rows_equal_a_plain_forward(engine, docs):

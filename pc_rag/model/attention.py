@@ -148,16 +148,19 @@ def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, w
         if w.start * PADDED_PREFIX_SHARE <= w.n:
             return _attend_padded(q, keys, values, w.start, heads)
         return _attend_after(q, layer_keys[:, :, : w.start], layer_values[:, :, : w.start], k, v, heads)
+    mask = w.mask
     if w.layout == "slots":
         keys, values = layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv]
         if _prefill_kernel_takes(q, keys, values, backends):  # each row up to its own slot, no mask
             return _attend_prefill(q, keys, values, heads, backends, w.index)
-    if w.layout == "slots" and w.n >= 2 * ROWS_PER_BLOCK:
-        # sdpa's CPU kernel with a mask computes every key of every row: blend's first layers (nearly every slot,
-        # scattered) paid for the whole square where a causal prefill pays for half (blend 0.2 at 3.9K tokens on
-        # the bench model: 551 of its 778 ms). In blocks of rows, each block reads the keys up to its last slot.
-        return _attend_rows(q, layer_keys, layer_values, w, heads, None)
-    mask = w.mask if w.mask is not None or w.layout != "slots" else _mask(w.index, w.kv, q.dtype)  # kernel refused
+        if w.n >= 2 * ROWS_PER_BLOCK:
+            # sdpa's CPU kernel with a mask computes every key of every row: blend's first layers (nearly every
+            # slot, scattered) paid for the whole square where a causal prefill pays for half (blend 0.2 at 3.9K
+            # tokens on the bench model: 551 of its 778 ms). In blocks of rows, each reads the keys up to its last
+            # slot.
+            return _attend_rows(q, layer_keys, layer_values, w, heads, None)
+        if mask is None:  # the runner has the kernel (Writes.scattered built none), but it refused these tensors
+            mask = _mask(w.index, w.kv, q.dtype)
     return F.scaled_dot_product_attention(q, layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv],
                                           attn_mask=mask, scale=heads.scaling, **_gqa(heads))
 
