@@ -17,8 +17,7 @@ Load (`--systems`, default every one found): the trace sent to each server in tu
 machine, with the `openai` async client as an app sends it: a system message, then one user message holding the
 retrieved documents as plain text (joined by blank lines) and the question; a follow-up sends the conversation
 so far (the earlier answer included) and one more question. Answers of 32-64 tokens (`--answer-tokens`; seeded
-per request),
-streamed, greedy. Rates double from `--rates`' first value while the TTFT p99 stays under `--slo`, and one
+per request), streamed, greedy. Rates double from `--rates`' first value while the TTFT p99 stays under `--slo`, and one
 rate past it is measured too (2x the saturation rate); where the first rate fails they halve until one holds.
 Each rate sends `--requests-per-rate` requests (fewer below 1 req/s: arrivals span at most
 `--max-seconds-per-rate`, 50 requests at least), fresh ones of the same trace, so the server's cache carries over

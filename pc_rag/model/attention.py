@@ -250,9 +250,10 @@ def attend_decode(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
 def _attend_with_base(q: torch.Tensor, base: tuple[torch.Tensor, torch.Tensor], layer_keys: torch.Tensor,
                       layer_values: torch.Tensor, w: Writes, heads: Heads, backends: Backends) -> torch.Tensor:
     """`attend` after a shared prefix `base` (keys, values [1, H_kv, P, D]), whose slots all precede the buffer's:
-    every query sees all of it, and the buffer's slots up to its own. Two attentions merged by their log-sum-exp,
-    in blocks of ROWS_PER_BLOCK query rows (a decode step: attend_decode, the kernel where the runner chose it).
-    Equal to one attention over the prefix and the buffer laid end to end, within float rounding."""
+    every query sees all of it, and the buffer's slots up to its own. pc_rag's prefill kernel over the two laid
+    end to end where it runs; else two attentions merged by their log-sum-exp, in blocks of ROWS_PER_BLOCK query
+    rows (a decode step: attend_decode, the kernel where the runner chose it). Equal to one attention over the
+    prefix and the buffer laid end to end, within float rounding."""
     if w.layout == "after" and w.n == 1:
         return attend_decode(q, [layer_keys[:, :, : w.kv]], [layer_values[:, :, : w.kv]], heads, backends, [base])
     rows = w.rows(q.device)
@@ -262,8 +263,9 @@ def _attend_with_base(q: torch.Tensor, base: tuple[torch.Tensor, torch.Tensor], 
         # spent a third of its prefill in those).
         keys = torch.cat([base[0], layer_keys[:, :, : w.kv]], 2)
         values = torch.cat([base[1], layer_values[:, :, : w.kv]], 2)
-        if _prefill_kernel_takes(q, keys, values, backends):
-            return _attend_prefill(q, keys, values, heads, backends, rows + base[0].shape[2])
+        if _prefill_kernel_takes(q, keys, values, backends):  # contiguous rows: the lower-right causal layout
+            slots = rows + base[0].shape[2] if w.layout == "slots" else None  # (which bf16 runs on AMX tiles)
+            return _attend_prefill(q, keys, values, heads, backends, slots)
     out = []
     for a in range(0, w.n, ROWS_PER_BLOCK):
         block, at = q[:, :, a: a + ROWS_PER_BLOCK], rows[a: a + ROWS_PER_BLOCK]
