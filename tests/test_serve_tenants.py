@@ -208,26 +208,25 @@ def test_public_documents_are_shared_and_the_prompts_around_them_are_not(servers
 
 
 def test_a_prompt_another_tenant_sent_is_computed_and_timed_like_one_nobody_sent(servers):
-    """96 trials each, interleaved: alpha sends a new prompt; beta sends it (matched) and a new one of the same
-    length (unmatched). Isolated: the same tokens are computed for both, every trial; the median time to the
-    first token differs by less than half of what the --shared-cache server's does (measured here, where
+    """48 trials each, interleaved: alpha sends a new prompt; beta sends it (matched) and a new one of the same
+    length (unmatched). Isolated: the same tokens are computed for both, every trial; the time to the first token
+    (lower quartile) differs by less than a third of what the --shared-cache server's does (measured here, where
     a matched prompt is read from the store). The times compared are the server's own (`usage.pc_rag.ttft_s`):
     the part of a client's wall time that the cache decides. On the tiny model the prefill that a leak saves is
     ~20 ms for 860 tokens, within the HTTP round trip's jitter on a fast machine (a wall-clock comparison failed
     on CI, shared gap 19 ms), and the server-side medians of isolated trials once differed by 8 ms of a 12 ms
     shared gap in a full run: the prompts are 1,700 tokens long. Since the prefill kernel took rows at any slots
-    (stop 51) the prefill a leak saves is faster again (shared gap 10-15 ms against 15-18 before, isolated medians
-    within +-5 ms on a 2-core machine; one clean-clone CI run failed at 4.1 of 10.3 ms): 96 trials, not 48, and
-    the isolated medians must differ by less than half the shared gap, not a third. What isolates is the route,
-    asserted per trial (the same tokens computed matched or not); the times say that the route leaves no gap a
-    leak's size. The wall times are printed beside them."""
+    (stop 51) the prefill a leak saves is ~5-10 ms here, and the medians moved with the server's own background
+    work (a document's encoding after a reply, which only adds time): isolated medians apart by 5.3 ms against a
+    shared gap of 4.7 in a clean-clone CI run. So each side's lower quartile is compared: isolated 0.05-0.36 ms
+    against shared 5.6-7.7 ms in three runs. The wall times are printed beside them."""
     isolated, shared = servers
     rng = random.Random(7)
 
     def words(n: int) -> str:
         return " ".join(f"{rng.getrandbits(32):08x}" for _ in range(n))
 
-    def trials(server, n=96) -> dict[str, list]:
+    def trials(server, n=48) -> dict[str, list]:
         out = {"matched": [], "unmatched": []}
         for i in range(n):
             matched, unmatched = words(200) + TAIL, words(200) + TAIL  # ~1,700 of the 2,048 positions
@@ -243,8 +242,11 @@ def test_a_prompt_another_tenant_sent_is_computed_and_timed_like_one_nobody_sent
     trials(isolated, 4), trials(shared, 4)  # warm-up: the first requests of a process are slower
     kept, leaked = trials(isolated), trials(shared)
 
+    def low(values) -> float:  # the lower quartile: background work on the server only ever adds time
+        return statistics.quantiles(values, n=4)[0]
+
     def gap(t, at=0):  # at=0: the server's TTFT; 3: the client's wall time
-        return statistics.median(x[at] for x in t["unmatched"]) - statistics.median(x[at] for x in t["matched"])
+        return low([x[at] for x in t["unmatched"]]) - low([x[at] for x in t["matched"]])
 
     def told_apart(t) -> float:
         """Share of requests a threshold halfway between the two medians classifies right (0.5: chance)."""
@@ -263,4 +265,4 @@ def test_a_prompt_another_tenant_sent_is_computed_and_timed_like_one_nobody_sent
         assert abs((p1 - c1) - (p2 - c2)) <= 4 and max(p1 - c1, p2 - c2) <= len(TAIL) // 2, (kept, p1 - c1, p2 - c2)
     assert all(computed <= 2 for _, computed, _, _ in leaked["matched"])  # the leak: read from the store
     assert gap(leaked) > 0
-    assert abs(gap(kept)) < gap(leaked) / 2, (gap(kept), gap(leaked))
+    assert abs(gap(kept)) < gap(leaked) / 3, (gap(kept), gap(leaked))
