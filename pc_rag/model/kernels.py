@@ -8,6 +8,9 @@
   (fused.py); cached keys rotated to another position (rope.relocate).
 - linear_rows.cpp: the product of a few rows by a layer's weights (a decode step's linear layers; weights.py),
   reading the weights at a higher rate than oneDNN's or MKL's one-row products.
+- quant_rows.cpp: weights kept in GGML's quantized formats (quant.py): rows decoded to fp32 or bf16 (an
+  embedding's, a prefill's products), and the product of a few rows read straight from the quantized bytes, through
+  linear_rows' microkernels (rows.h) over rows decoded into a scratch buffer in L2.
 - decode_layers.cpp: a decode step's layers in one call, those kernels in a loop (fused.py), so that a step lets
   go of the GIL once instead of at every op.
 - prefill_attention.cpp: causal attention of many query rows (a cold prefill, the fresh tokens after a cached
@@ -60,12 +63,14 @@ log = logging.getLogger("pc_rag.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "decode_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "elementwise.cpp",
-           CSRC / "linear_rows.cpp", CSRC / "decode_layers.cpp"]  # one library
+           CSRC / "linear_rows.cpp", CSRC / "quant_rows.cpp", CSRC / "decode_layers.cpp"]  # one library
+HEADERS = [CSRC / "simd.h", CSRC / "rows.h"]
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read keys and values in
 PROFILE_NAME = "pc_rag::decode_attention"
 PREFILL_PROFILE_NAME = "pc_rag::prefill_attention"
 LINEAR_PROFILE_NAME = "pc_rag::linear_rows"
 LAYERS_PROFILE_NAME = "pc_rag::decode_layers"
+QUANT_PROFILE_NAME = "pc_rag::quant_rows"
 # No FMA contraction: the elementwise ops round as torch's separate ops do.
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 
@@ -96,18 +101,21 @@ class Kernels:
     linear_bf16: bool  # whether linear_rows takes bf16 here (AVX512-BF16)
     decode_layers: object  # a decode step's layers in one call (fused.py)
     prefill_amx: bool  # whether the prefill kernel runs bf16 on AMX tiles here
+    quant_rows: object  # a few rows times quantized weights (weights.Quantized)
+    dequant_rows: object  # rows of a quantized matrix decoded (quant.QuantEmbedding, a prefill's products)
 
 
 class Product(ctypes.Structure):
-    """decode_layers.cpp's PcProduct: a LinearRows' weights."""
+    """decode_layers.cpp's PcProduct: a LinearRows' (or QuantRows') weights."""
 
     _fields_ = [("segments", ctypes.c_int64), ("weights", ctypes.c_void_p), ("rows", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("outputs", ctypes.c_int64)]
+                ("types", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("outputs", ctypes.c_int64)]
 
     @classmethod
-    def of(cls, lr: LinearRows) -> Product:
+    def of(cls, lr: LinearRows | QuantRows) -> Product:
+        types = ctypes.cast(lr._types, ctypes.c_void_p) if isinstance(lr, QuantRows) else None
         return cls(len(lr.weights), ctypes.cast(lr._ptrs, ctypes.c_void_p), ctypes.cast(lr._rows, ctypes.c_void_p),
-                   None if lr.bias is None else lr.bias.data_ptr(), lr.n)
+                   types, None if lr.bias is None else lr.bias.data_ptr(), lr.n)
 
 
 class Layer(ctypes.Structure):
@@ -205,7 +213,7 @@ def _compiler() -> str | None:
 
 
 def _source_key() -> str:
-    text = b"".join(p.read_bytes() for p in (*SOURCES, CSRC / "simd.h"))
+    text = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     return hashlib.sha256(text + f"{FLAGS}".encode()).hexdigest()[:16]
 
 
@@ -320,8 +328,14 @@ def _bind(lib: ctypes.CDLL) -> Kernels:
     layers.argtypes = [i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32,
                        f32, f32, i32, i32]
     layers.restype = i32
+    quant = lib.pc_rag_quant_rows
+    quant.argtypes = [i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, i32, ptr, i64]
+    quant.restype = i32
+    dequant = lib.pc_rag_dequant_rows
+    dequant.argtypes = [i32, i64, ptr, i64, i64, ptr, i32, i32, ptr, i64]
+    dequant.restype = i32
     return Kernels(decode, prefill, step, norm, silu, rope, relocate, linear, bool(lib.pc_rag_linear_bf16_supported()),
-                   layers, bool(lib.pc_rag_prefill_amx_supported()))
+                   layers, bool(lib.pc_rag_prefill_amx_supported()), quant, dequant)
 
 
 def decode_attention(fn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -423,6 +437,68 @@ class LinearRows:
         if status != 0:
             raise RuntimeError(f"linear_rows kernel refused {self.dtype} on this CPU")
         return y
+
+
+class QuantRows:
+    """x [M, K] times quantized matrices (`weights`: uint8 [rows_s, row bytes] in GGML formats `formats`, one K)
+    concatenated, plus `bias` (in x's dtype): [M, sum of rows_s] in `dtype` (fp32 or bf16), through
+    `pc_rag_quant_rows` (fn); `dequantize` decodes them whole (or some of their rows) through `pc_rag_dequant_rows`
+    (fn_rows). Each output equals linear_rows' product by the decoded weights (quant_rows.cpp)."""
+
+    def __init__(self, fn, fn_rows, weights: list[torch.Tensor], formats: list, k: int, bias: torch.Tensor | None,
+                 dtype: torch.dtype):
+        if any(w.dtype != torch.uint8 or not w.is_contiguous() or w.shape[1] != f.row_bytes(k)
+               for w, f in zip(weights, formats, strict=True)) or dtype not in DTYPES:
+            raise ValueError(f"quant_rows: weights {[(tuple(w.shape), f.name) for w, f in zip(weights, formats)]} "
+                             f"for {k} inputs in {dtype} do not fit")
+        self.fn, self.fn_rows, self.weights, self.formats, self.bias = fn, fn_rows, weights, formats, bias
+        self.dtype, self.k, self.n = dtype, k, sum(w.shape[0] for w in weights)
+        self._ptrs = (ctypes.c_void_p * len(weights))(*[w.data_ptr() for w in weights])
+        self._rows = (ctypes.c_int64 * len(weights))(*[w.shape[0] for w in weights])
+        self._types = (ctypes.c_int * len(weights))(*[f.ggml_type for f in formats])
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.dim() == 2 and x.shape[1] == self.k and x.stride(1) == 1
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fits(x):
+            raise ValueError(f"quant_rows: x {tuple(x.shape)} {x.dtype} for weights [{self.n}, {self.k}] {self.dtype}")
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], self.n, dtype=self.dtype)
+        with traced(QUANT_PROFILE_NAME):
+            status = self.fn(x.shape[0], self.k, x.data_ptr(), x.stride(0), len(self.weights), self._ptrs, self._rows,
+                             self._types, None if self.bias is None else self.bias.data_ptr(),
+                             int(self.dtype == torch.bfloat16), torch.get_num_threads(), y.data_ptr(), y.stride(0))
+        if status != 0:
+            raise RuntimeError(f"quant_rows kernel refused {[f.name for f in self.formats]} in {self.dtype} here")
+        return y
+
+    def dequantize(self, first: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The decoded weights' rows [first, stop) of the concatenation: [rows, K] in `dtype`."""
+        stop = self.n if stop is None else stop
+        out = torch.empty(stop - first, self.k, dtype=self.dtype)
+        at = 0
+        for w, f in zip(self.weights, self.formats, strict=True):
+            a, b = max(first, at), min(stop, at + w.shape[0])
+            if a < b:
+                dequant_rows(self.fn_rows, w[a - at: b - at], f, self.k, None, out[a - first: b - first])
+            at += w.shape[0]
+        return out
+
+
+def dequant_rows(fn, weight: torch.Tensor, fmt, k: int, index: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (int64; None: all) of the quantized matrix `weight` (uint8, rows contiguous) decoded into `out`
+    [rows, k] (fp32 or bf16, rows contiguous) through `pc_rag_dequant_rows` (fn). Returns `out`."""
+    if index is not None:
+        index = index.to(torch.int64).contiguous()
+    n = weight.shape[0] if index is None else index.numel()
+    status = fn(fmt.ggml_type, k, weight.data_ptr(), weight.stride(0), n, None if index is None else index.data_ptr(),
+                int(out.dtype == torch.bfloat16), torch.get_num_threads(), out.data_ptr(), out.stride(0))
+    if status != 0:
+        raise RuntimeError(f"dequant_rows kernel refused {fmt.name} rows of {k} weights")
+    return out
 
 
 def _agrees(k: Kernels) -> bool:

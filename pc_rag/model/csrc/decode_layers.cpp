@@ -1,5 +1,5 @@
 // A whole decode step's decoder layers in one call (fused.py's FusedLayers.step, where every product of the step
-// goes through linear_rows): the same native ops as the Python loop, in the same order, so the same sums.
+// goes through linear_rows, or quant_rows for quantized weights): the same native ops as the Python loop, in the same order, so the same sums.
 //
 // Why one call: the Python loop made ~10 native calls and ~10 torch ops per layer, each dispatched from Python and
 // each letting go of the GIL and taking it back. Before and after, in one session (bench model, fp32, 600 keys a
@@ -20,6 +20,9 @@ struct PcBase {
 extern "C" {
 int pc_rag_linear_rows(int64_t M, int64_t K, const void* x, int64_t ldx, int64_t S, const void* const* w,
                        const int64_t* rows, const void* bias, int bf16, int threads, void* y, int64_t ldy);
+int pc_rag_quant_rows(int64_t M, int64_t K, const void* x, int64_t ldx, int64_t S, const void* const* w,
+                      const int64_t* rows, const int* types, const void* bias, int bf16, int threads, void* y,
+                      int64_t ldy);
 int pc_rag_add_rms_norm(int64_t B, int64_t N, void* x, const void* delta, const void* w, float eps, int bf16,
                         int threads, void* out);
 int pc_rag_silu_mul(int64_t B, int64_t N, const void* gate, const void* up, int64_t row, int bf16, int threads,
@@ -36,6 +39,7 @@ struct PcProduct {
   int64_t segments;
   const void* const* weights;
   const int64_t* rows;
+  const int* types;  // GGML types of quantized segments (quant_rows.cpp), or null for weights in x's dtype
   const void* bias;  // [sum of rows] or null
   int64_t outputs;   // sum of rows
 };
@@ -71,6 +75,9 @@ int pc_rag_decode_layers(int64_t B, int64_t N, void* hidden, int64_t L, const Pc
     const PcLayer& l = layers[i];
     const int64_t q = H * G * D, n = l.qkv.outputs;
     auto product = [&](const PcProduct& p, const void* in, int64_t k, void* out) {
+      if (p.types)
+        return pc_rag_quant_rows(B, k, in, k, p.segments, p.weights, p.rows, p.types, p.bias, bf16, threads, out,
+                                 p.outputs);
       return pc_rag_linear_rows(B, k, in, k, p.segments, p.weights, p.rows, p.bias, bf16, threads, out, p.outputs);
     };
     if ((status = product(l.qkv, x.data(), N, y.data())) != 0) break;
