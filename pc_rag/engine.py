@@ -136,9 +136,13 @@ class Engine:
         release_team()  # loading and packing the weights computed on this thread, which may serve none (threads.py)
 
     @classmethod
-    def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu", store=None) -> Engine:
+    def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu", store=None,
+                        quantize: str | None = None) -> Engine:
+        """A checkpoint folder or a GGUF file (its weights kept in the file's quantized formats); `quantize`
+        ("q8_0", "q4_0", "q4_k") quantizes a float checkpoint as it loads. `dtype`: the activations' (and any float
+        weight's) dtype."""
         device = check_device(device)  # before reading any weights: a missing GPU is a one-line error
-        runner = LlamaRunner.from_pretrained(str(path_or_id), dtype=dtype, device=device)
+        runner = LlamaRunner.from_pretrained(str(path_or_id), dtype=dtype, device=device, quantize=quantize)
         return cls(runner.model, runner.tokenizer, store=store)
 
     @property

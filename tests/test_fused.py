@@ -38,7 +38,7 @@ def _kernel_products(engine, dtype, rows: int):
     after); a skip where linear_rows does not take `dtype` on this CPU."""
     if engine.runner.backends.kernels is None or (dtype == torch.bfloat16 and not kernels.loaded().linear_bf16):
         pytest.skip("no AVX512-BF16 here: bf16 products stay oneDNN's")
-    products = weights._packed_products(engine.runner.weights)
+    products = weights._products(engine.runner.weights)
     keep = [(p.few, p.few_rows) for p in products]
     for p in products:
         p.few, p.few_rows = p.kernel, rows

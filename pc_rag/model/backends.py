@@ -9,8 +9,12 @@ rope.py, fused.py, the products in weights.py), never looked up in a module glob
 | `decode_attention` (one query token per request) | kernel, sdpa, eager (soft-capped logits) | `choose` |
 | `prefill_attention` (many query rows, causal) | kernel, sdpa, eager | `choose` |
 | `relocation` (cached keys rotated to another position) | kernel (bf16), torch | `choose` |
-| `products` (the linear layers) | oneDNN (packed weights), modules (F.linear, cuBLAS) | the runner (weights.py) |
+| `products` (the linear layers) | oneDNN (one copy of the weights), modules (F.linear, cuBLAS) | the runner |
 | `few_rows` (products of a decode step's few rows) | linear_rows (up to 4 or 8 rows), as `products` | timed at load |
+
+Quantized weights (weights.Quantized) have their own `products` (dequantized+oneDNN: decoded a tile at a time by
+the native kernel, then oneDNN; torch: decoded by torch, then F.linear) and `few_rows` (quant_rows up to 16 rows,
+or torch's as `products`).
 | `layers` (a layer's small ops between products) | fused (native calls), modules | a probe at load (fused.py) |
 
 The native kernels (kernels.py) are one library: where it does not load (another platform, no compiler and no
@@ -29,6 +33,7 @@ from . import kernels
 
 KERNEL, SDPA, EAGER, TORCH, ONEDNN, MODULES, LINEAR_ROWS, FUSED = (
     "kernel", "sdpa", "eager", "torch", "oneDNN", "modules", "linear_rows", "fused")
+QUANT, QUANT_ROWS_BACKEND = "dequantized+oneDNN", "quant_rows"  # quantized weights' products (weights.Quantized)
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,17 @@ transformers, every failure a CheckpointError (or UnsupportedModelError) naming 
 A path is one of:
 - a Hugging Face checkpoint folder: config.json and weights (*.safetensors, pytorch_model*.bin);
 - a GGUF file (what llama.cpp and Ollama users have), or a folder holding exactly one .gguf and no config.json:
-  transformers reads the config, the tokenizer and the weights from it (`gguf_file=`, the `gguf` package), for the
-  families it reads from GGUF (Llama, Mistral, Qwen2/3, Gemma...), dequantizing every tensor to the requested
-  dtype; pc_rag then runs it as any checkpoint. Its tokenizer is the one transformers builds from the file's
-  vocabulary and merges (no tokenizer.json needed), less any token transformers adds past the model's vocabulary;
+  transformers reads the config and the tokenizer from it (`gguf_file=`, the `gguf` package), for the families it
+  reads from GGUF (Llama, Mistral, Qwen2/3, Gemma...); the weights are loaded by gguf.py, every matrix kept in the
+  file's quantized format (Q8_0, Q4_0, Q4_K_M's Q4_K and Q6_K, ...; quant.py), the norms and any float tensor in the
+  requested dtype. Its tokenizer is the one transformers builds from the file's vocabulary and merges (no
+  tokenizer.json needed), less any token transformers adds past the model's vocabulary;
 - a Hub id ("org/name") that is not a local path: passed to transformers as it is (found in the local Hugging Face
   cache; nothing is downloaded where the machine has no network).
 
 Quantized HF checkpoints (`quantization_config` in config.json: bitsandbytes, GPTQ, AWQ, ...) are refused before
-any weight loads: pc_rag's layer loop multiplies by float weights (weights.py), which those formats do not have.
+any weight loads: pc_rag multiplies by float weights and GGML's formats (weights.py), not by those. A float
+checkpoint can be quantized as it loads instead (`quantize=`, quant.quantize_model).
 """
 
 from __future__ import annotations
@@ -67,10 +69,14 @@ class Checkpoint:
             _drop_tokens_past(tokenizer, vocab_size)
         return tokenizer
 
-    def model(self, dtype):
+    def model(self, dtype, config=None):
         from transformers import AutoModelForCausalLM
 
         try:
+            if self.gguf_file:
+                from . import gguf
+
+                return gguf.load(Path(self.source) / self.gguf_file, config or self.config(), dtype, self.given)
             return AutoModelForCausalLM.from_pretrained(self.source, dtype=dtype, **self.kwargs)
         except (PCRagError, KeyboardInterrupt, MemoryError):
             raise
@@ -148,9 +154,9 @@ def refuse_quantized(given: str, config: dict) -> None:
     method = quantization.get("quant_method", "unknown method") if isinstance(quantization, dict) else "unknown"
     raise CheckpointError(
         f"{given}: a quantized checkpoint ({method}, config.json's quantization_config); pc_rag runs float weights "
-        f"(its own layer loop multiplies by them), so it cannot run this one. Load the unquantized checkpoint it was "
-        f"made from (dtype='bfloat16' halves its memory), or a GGUF file of the model (llama.cpp's Q8_0, Q4_K, ...: "
-        f"pc_rag loads it dequantized to the dtype asked for; {GGUF_INSTALL})")
+        f"and GGUF's quantized formats, not this one. Load a GGUF file of the model (llama.cpp's Q4_K_M, Q8_0, ...: "
+        f"pc_rag keeps them quantized; {GGUF_INSTALL}), or the unquantized checkpoint it was made from, quantized as "
+        f"it loads (quantize='q4_k', 'q4_0' or 'q8_0')")
 
 
 def _gguf(given: str, path: Path) -> Checkpoint:

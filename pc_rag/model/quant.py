@@ -304,3 +304,14 @@ def quantize_model(model, scheme: str) -> None:
             model.lm_head = QuantLinear(q, efmt, dim)
     if not tied:
         swap(model, "lm_head", head)
+
+
+def to_device(model, device) -> torch.nn.Module:
+    """`model.to(device)`, with an output layer that shares its quantized bytes with the embedding still sharing
+    them there (`to` copies each module's buffers on its own)."""
+    head, embed = model.lm_head, model.model.embed_tokens
+    shared = isinstance(head, QuantLinear) and isinstance(embed, QuantEmbedding) and head.qweight is embed.qweight
+    model = model.to(device)
+    if shared:
+        head.qweight = embed.qweight
+    return model

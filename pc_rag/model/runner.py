@@ -23,18 +23,18 @@ from dataclasses import replace
 import torch
 
 from ..batch import TurnLock
-from ..errors import Cancelled, PCRagError, UnsupportedModelError
-from . import checkpoint, heap, kernels
+from ..errors import Cancelled, OptionError, PCRagError, UnsupportedModelError
+from . import checkpoint, heap, kernels, quant
 from . import rope as rope_check
 from .architecture import DEFAULT_ROPE
 from .attention import Heads, Writes, attend, attend_at, attend_decode
-from .backends import LINEAR_ROWS, MODULES, ONEDNN, Backends, Choice, choose, unfit
+from .backends import LINEAR_ROWS, MODULES, ONEDNN, QUANT, QUANT_ROWS_BACKEND, TORCH, Backends, Choice, choose, unfit
 from .cache import HeldBlock, ModelShape, SharedPrefix, SlotCache, _to_device
 from .families import SUPPORTED_MODEL_TYPES, describe
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .fused import FusedLayers
 from .rope import RelocationCheck, relocate, rope_of
-from .weights import few_rows_limit, weights_of
+from .weights import QUANT_ROWS, Quantized, few_rows_limit, weights_of
 
 # Free request buffers kept for reuse (each is layers x capacity x KV bytes per token): at most POOL_SIZE of
 # them and at most `LlamaRunner.pool_max_bytes` together, by default POOL_SIZE context-size buffers capped at
@@ -166,22 +166,24 @@ class LlamaRunner:
             library = native if why is None else None
         chosen = choose(self.dtype, self.heads.softcap is not None, library, why or "")
         shared = weights_of(self.model, self.arch)
-        fn, rows = None, 0
-        if not shared.packed:
-            products = few = Choice(MODULES, "oneDNN's packed products do not run here (CUDA, fp16, or a torch whose "
+        route, rows = None, 0  # the library the products go through, and up to how many rows for float weights
+        if shared.quantized:
+            products, few, route = self._quantized_products(library, why)
+        elif not shared.packed:
+            products = few = Choice(MODULES, "pc_rag's products do not run here (CUDA, fp16, or a torch whose oneDNN "
                                     "op failed its check): the model's own linear layers")
         else:
-            products = Choice(ONEDNN, "weights packed once: MKL's F.linear ran prefill products at 113-134 against "
-                              "191-201 GFLOP/s and one-row products at 10 against 17-19 GB/s (AMD EPYC, bench shapes)")
+            products = Choice(ONEDNN, "oneDNN's linear op on the model's own row-major weights (one copy; q|k|v and "
+                              "gate|up each one matrix the modules view)")
             if library is None:
                 few = Choice(ONEDNN, f"no native kernels: {why}")
             elif self.dtype == torch.bfloat16 and not library.linear_bf16:
                 few = Choice(ONEDNN, "bf16 and this CPU has no AVX512-BF16 for linear_rows")
             else:
-                fn = library.linear_rows
-                rows, timed = few_rows_limit(shared, fn)
+                route = library
+                rows, timed = few_rows_limit(shared, library)
                 few = Choice(LINEAR_ROWS if rows else ONEDNN, timed)
-        self.weights = shared.routed(fn, rows)
+        self.weights = shared.routed(route, rows)
         self.backends = replace(chosen, products=products, few_rows=few)
         self._fused = None
         self._fused, layers, batches = FusedLayers.of(self)
@@ -191,6 +193,28 @@ class LlamaRunner:
         self.solo_chunk_tokens = SOLO_CHUNK_TOKENS if self.backends.prefill_kernel is not None else 0
         log.info("pc_rag: %s runs %s", self._model_name(), self.backends.summary())
         return self.backends
+
+    def _quantized_products(self, library: kernels.Kernels | None, why: str) -> tuple[Choice, Choice, object]:
+        """The backends of quantized weights' products (weights.Quantized), and the library they go through."""
+        formats = sorted({f.name for p in self._quantized() for f in p.formats})
+        torch_path = (f"{', '.join(formats)} decoded by torch (quant.dequantize) for each product, then F.linear "
+                      "(no float copy kept)")
+        if library is None:
+            return Choice(TORCH, f"{torch_path}: no native kernels ({why})"), Choice(TORCH, why), None
+        if self.dtype == torch.bfloat16 and not library.linear_bf16:
+            because = "bf16 and this CPU has no AVX512-BF16 for the quantized kernels"
+            return Choice(TORCH, f"{torch_path}: {because}"), Choice(TORCH, because), None
+        return (Choice(QUANT, f"{', '.join(formats)}: over {QUANT_ROWS} rows the matrices are decoded to "
+                       f"{str(self.dtype).removeprefix('torch.')} a tile at a time by the native kernel, then "
+                       "multiplied by oneDNN (the decoding paid once for a prefill's rows)"),
+                Choice(QUANT_ROWS_BACKEND, f"up to {QUANT_ROWS} rows straight from the quantized bytes (quant_rows.cpp:"
+                       " 4.5 ms for a row of 8 layers' MLP at the 0.37B shape in Q4_0, against 27-30 ms decoding "
+                       "them for oneDNN)"), library)
+
+    def _quantized(self) -> list:
+        w = weights_of(self.model, self.arch)
+        return [p for lw in w.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down, w.lm_head)
+                if isinstance(p, Quantized)]
 
     @property
     def fingerprint(self) -> str:
@@ -207,14 +231,23 @@ class LlamaRunner:
             return self._fingerprint
 
     @classmethod
-    def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu") -> LlamaRunner:
+    def from_pretrained(cls, path_or_id: str, dtype="float32", device="cpu", quantize: str | None = None
+                        ) -> LlamaRunner:
         """An HF checkpoint folder, a GGUF file (or a folder holding one), or a Hub id in the local cache
-        (checkpoint.py); every bad path a CheckpointError naming it, before any weight loads where it can be."""
+        (checkpoint.py); every bad path a CheckpointError naming it, before any weight loads where it can be. A GGUF
+        keeps its quantized formats (gguf.py); `quantize` ("q8_0", "q4_0", "q4_k") quantizes a float checkpoint as it
+        loads (quant.quantize_model). `dtype` is then the activations' and the float tensors' dtype."""
         from ..options import check_device
 
         check_device(device)  # before any weights load: "cuda" on a CPU build is one clear error
         dtype = parse_dtype(dtype)
+        if quantize is not None and quantize not in quant.SCHEMES:
+            raise OptionError(f"quantize={quantize!r}: choose one of {sorted(quant.SCHEMES)} (or None for the "
+                              "checkpoint's own weights)")
         source = checkpoint.locate(path_or_id)
+        if quantize is not None and source.gguf_file:
+            raise OptionError(f"{path_or_id}: a GGUF file is already quantized and runs in its own formats; "
+                              f"quantize={quantize!r} is for float checkpoints")
         config = source.config()
         try:
             describe(config)  # before any weights load: an unsupported family is one clear error
@@ -223,8 +256,10 @@ class LlamaRunner:
         tokenizer = source.tokenizer(getattr(config, "vocab_size", None))
         # The attention implementation is transformers' default for the family (sdpa, or eager for Gemma 2's
         # soft-capping): it only serves `reference_logits` and a user's own calls of the model.
-        model = source.model(dtype)
-        return cls(model.to(device), tokenizer)
+        model = source.model(dtype, config)
+        if quantize is not None:
+            quant.quantize_model(model, quantize)
+        return cls(quant.to_device(model, device), tokenizer)
 
     @property
     def eos_ids(self) -> frozenset[int]:

@@ -1,36 +1,33 @@
-"""A decoder's linear layers as the forward passes multiply by them: fused and packed by oneDNN on CPU.
+"""A decoder's linear layers as the forward passes multiply by them: one copy of the weights, float or quantized.
 
-torch's `F.linear` on CPU goes to MKL, which on the AMD EPYC we measure on ran far below the machine
-(2 threads, bench model's layer shapes, quiet machine, `benchmarks/peers.py` keeps the figures current):
+Float weights (`Packed`): each layer's q/k/v projections (and gate/up) are concatenated once into one matrix, and the
+modules' own weights become views of it, so there is one copy (the HF model still runs as loaded, and
+`LlamaRunner.reference_logits` stays an independent reference) and one product per group. Products of a decode step's
+few rows go to pc_rag's own kernel (kernels.linear_rows, linear_rows.cpp), longer ones to oneDNN's linear op on the
+same row-major matrix. A packed copy in oneDNN's blocked layout (what pc_rag kept until 2026-12) was a second copy of
+every matrix, 2.3x the weights' bytes in all; on the bench machine (Xeon with AMX, 2 threads, 2026-12-07) the plain
+matrix ran the 0.37B shape's products within 0-15% of the packed one from 512 rows up (bf16 4.7 against 5.2 ms for
+512 rows of gate|up, fp32 equal within noise) and 30-40% slower at 16-64 rows in bf16 (0.55 against 0.89 ms), where
+a prefill is short anyway.
 
-| product | F.linear (MKL) | oneDNN, weights packed once |
-|---|---|---|
-| fp32, 2048 rows (prefill) | 113-134 GFLOP/s | 191-201 GFLOP/s |
-| fp32, 1 row (decode) | 10 GB/s of weights | 17-19 GB/s |
-| fp32, 8 rows (batched decode) | 6 GB/s | 17 GB/s |
-| bf16, 1 / 8 rows | 9 / 8 GB/s | 13-15 / 14-15 GB/s |
+Which of linear_rows and oneDNN takes products of a few rows is timed once per model at load (`few_rows_limit`): on
+the Intel Xeon with AMX linear_rows read the weights at 1.3-1.7x oneDNN's rate in bf16 and 1.0-1.2x in fp32 up to 4
+rows, and from 6 rows oneDNN's AMX tiles caught up in bf16; on the AMD EPYC it was ahead in fp32, not in bf16. So up
+to FEW_ROWS (a decode step's) or BATCH_ROWS (a batched step's) rows go to it where it was faster, more rows always to
+oneDNN. The runner records the answer (backends.py) and multiplies through `Weights.routed`, its own view of the
+shared weights. Where the products alone lose at BATCH_ROWS, a whole step of that many requests may still be faster
+as one native call over them (fused.py, `FusedLayers._time_batches`).
 
-On an Intel Xeon with AMX (2026-12-02, 1 row, 24 weights in turn so they come from memory): fp32 F.linear 17-25
-GB/s against packed 13-20, bf16 8.5-12 against 10-16: all below what the machine reads (18-24 GB/s). pc_rag's own
-kernel for a few rows (kernels.linear_rows, linear_rows.cpp, on the modules' own weights) read them there at
-1.3-1.7x oneDNN's packed rate in bf16 and 1.0-1.2x MKL's in fp32 (2026-12-03), up to 4 rows; from 6 rows oneDNN's
-AMX tiles catch up in bf16, while in fp32 a batched step of 8 rows was faster through the kernel (bench model, 8
-requests: 14.3 against 16.0 ms a step). An earlier version of it on the AMD EPYC was ahead in fp32 and not in
-bf16. So which one takes products of up to FEW_ROWS rows (a decode step's) is timed once per model at load
-(`few_rows_limit`), then whether it also takes up to BATCH_ROWS (a batched step's); more rows always go to oneDNN.
-The runner records the answer (backends.py) and multiplies through `Weights.routed`, its own view of the shared
-packed weights. Where the products alone lose at BATCH_ROWS, a whole step of that many requests may still be
-faster as one native call over them (fused.py, `FusedLayers._time_batches`, timed once the fused layers are
-built).
+Quantized weights (`Quantized`: quant.QuantLinear modules, from a GGUF file or `quantize=`): the modules' bytes are
+the only copy. Up to QUANT_ROWS rows, kernels.QuantRows multiplies straight from them (quant_rows.cpp: the formats'
+integers into AVX512-BF16 dot products, in bf16, or through decoded rows in fp32); more rows decode the matrix to the
+model's dtype QUANT_TILE_BYTES at a time and multiply by oneDNN, which for a prefill costs the decoding once for all
+its rows (0.37B shape, Q4_0, bf16, 8 layers' MLP: the kernel 4.5 ms at 1 row, 16 at 8, 28 at 16, 55 at 32; decoding
+then oneDNN 27-30 ms from 1 to 32 rows, 38 at 64). Without the native kernels (CUDA, no AVX-512, fp16) each product
+decodes its matrix with torch (quant.dequantize) and multiplies by F.linear.
 
-So on CPU each layer's q/k/v projections (and gate/up) are concatenated into one weight and reordered once into
-oneDNN's blocked layout ("packed", without a batch-size hint: measured best across 1 to 2048 rows), and the
-forward calls oneDNN's linear op on them. The cost is memory: the packed weights are a second copy of the
-decoder's linear weights (the model's own modules keep theirs, so the HF model still works as loaded, and
-`LlamaRunner.reference_logits` stays an independent reference). Engines over one model share one packed copy.
-Half precision fp16 (no fast oneDNN path on CPUs without AVX512-FP16), CUDA, and any torch whose oneDNN op fails
-the check below use the modules themselves. Weights changed in place after packing are not seen (nor by the
-model fingerprint, which is computed once).
+Half precision fp16 (no fast oneDNN path on CPUs without AVX512-FP16), CUDA, and any torch whose oneDNN op fails the
+check below use the modules themselves (`Plain`) for float weights.
 
 Which modules a layer has (norms before or after each sublayer, q/k norms, fused projections) comes from the
 model's Architecture (architecture.py): a norm the family does not have is None here, not an identity module.
@@ -49,7 +46,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import UnsupportedModelError
-from . import kernels
+from . import kernels, quant
 from .architecture import Architecture
 
 log = logging.getLogger("pc_rag.weights")
@@ -57,6 +54,8 @@ log = logging.getLogger("pc_rag.weights")
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 FEW_ROWS = 4  # products of at most this many rows go through kernels.linear_rows where it runs (docstring)
 BATCH_ROWS = 8  # and of up to this many where it was faster at this many rows too, timed at load
+QUANT_ROWS = 16  # products of at most this many rows read quantized weights straight (docstring's figures)
+QUANT_TILE_BYTES = 32 << 20  # longer products decode this many bytes of a matrix at a time
 
 
 class Plain:
@@ -75,33 +74,31 @@ class Plain:
 
 
 class Packed:
-    """The modules' weights concatenated ([out_1 + out_2 + ..., in]) and reordered by oneDNN; the product is split
-    back into one output per module (or into `splits` of a fused module's output). Products of at most `few_rows`
-    rows go to `few` (kernels.LinearRows over the modules' own weights) instead, in a runner's view (`routed`)."""
+    """The modules' float weights as one matrix ([out_1 + out_2 + ..., in], row-major), which the modules' own
+    weights then view (one copy); the product is split back into one output per module (or into `splits` of a fused
+    module's output). Products of at most `few_rows` rows go to `few` (kernels.LinearRows) instead, in a runner's
+    view (`routed`), the rest to oneDNN."""
 
     def __init__(self, modules: list[torch.nn.Module], splits: list[int] | None = None):
-        weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+        self.weight = _one_matrix(modules)
         biases = [m.bias for m in modules]
         if any(b is not None for b in biases):
-            biases = [b.detach() if b is not None else weight.new_zeros(m.weight.shape[0])
+            biases = [b.detach() if b is not None else self.weight.new_zeros(m.weight.shape[0])
                       for b, m in zip(biases, modules, strict=True)]
             self.bias = torch.cat(biases)
         else:
             self.bias = None
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.splits = splits if splits is not None else [m.weight.shape[0] for m in modules]
-        self.dtype = weight.dtype
-        self.module_weights = [m.weight.detach() for m in modules]  # what linear_rows reads (no copy)
+        self.dtype = self.weight.dtype
         self.kernel: kernels.LinearRows | None = None  # linear_rows over them, in a runner's view (`routed`)
         self.few: kernels.LinearRows | None = None  # `kernel` where it takes a few rows' products, else None
         self.few_rows = 0  # the most rows `few` takes: FEW_ROWS or BATCH_ROWS, as timed at load
 
-    def routed(self, fn, rows: int) -> Packed:
-        """This product sharing its packed weights, with products of up to `rows` rows through linear_rows (`fn`,
-        None: none; rows 0: the kernel kept for the fused step's choice, not used by `product`)."""
+    def routed(self, library: kernels.Kernels | None, rows: int) -> Packed:
+        """This product sharing its weights, with products of up to `rows` rows through `library`'s linear_rows
+        (None: none; rows 0: the kernel kept for the fused step's choice, not used by `product`)."""
         view = copy.copy(self)
-        view.kernel = None if fn is None else kernels.LinearRows(fn, [w.contiguous() for w in self.module_weights],
-                                                                 self.bias)
+        view.kernel = None if library is None else kernels.LinearRows(library.linear_rows, [self.weight], self.bias)
         view.few = view.kernel if rows else None
         view.few_rows = rows if view.kernel is not None else 0
         return view
@@ -115,6 +112,90 @@ class Packed:
         if self.takes_few(x.shape[0]) and self.few.fits(x):
             return self.few.run(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def __call__(self, x: torch.Tensor):
+        y = self.product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return list(y.split(self.splits, -1)) if len(self.splits) > 1 else y
+
+
+def _one_matrix(modules: list[torch.nn.Module]) -> torch.Tensor:
+    """The modules' weights as one row-major matrix, the modules' own weights made views of it (so the model keeps
+    one copy, and sees what pc_rag multiplies by). One module: its weight itself."""
+    weights = [m.weight.detach() for m in modules]
+    if len(weights) == 1 and weights[0].is_contiguous():
+        return weights[0]
+    whole = torch.cat(weights) if len(weights) > 1 else weights[0].contiguous()
+    at = 0
+    for m, w in zip(modules, weights, strict=True):
+        m.weight.data = whole[at: at + w.shape[0]]
+        at += w.shape[0]
+    return whole
+
+
+class Quantized:
+    """Quantized modules' products (quant.QuantLinear, one input size), their bytes the only copy, concatenated as
+    segments of one product and split back like Packed's. Up to `few_rows` rows through `few` (kernels.QuantRows);
+    more by oneDNN over the matrices decoded QUANT_TILE_BYTES at a time (by the kernel, or by torch without one)."""
+
+    def __init__(self, modules: list[torch.nn.Module], splits: list[int] | None, dtype: torch.dtype):
+        self.modules = modules
+        self.formats = [m.format for m in modules]
+        self.k = modules[0].in_features
+        if any(m.in_features != self.k for m in modules):
+            raise UnsupportedModelError(f"quantized modules of {[m.in_features for m in modules]} inputs in one "
+                                        "product")
+        biases = [m.bias for m in modules]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach().to(dtype) if b is not None else m.qweight.new_zeros(m.out_features, dtype=dtype)
+             for b, m in zip(biases, modules, strict=True)])
+        self.splits = splits if splits is not None else [m.out_features for m in modules]
+        self.n = sum(m.out_features for m in modules)
+        self.dtype = dtype
+        self.kernel: kernels.QuantRows | None = None
+        self.few: kernels.QuantRows | None = None
+        self.few_rows = 0
+
+    def routed(self, library: kernels.Kernels | None, rows: int) -> Quantized:
+        """This product sharing its bytes, through `library`'s kernels where it runs here (fp32, or bf16 with
+        AVX512-BF16, on the CPU): up to QUANT_ROWS rows straight from the bytes, whatever `rows` the float products
+        take."""
+        view = copy.copy(self)
+        runs = (library is not None and self.dtype in kernels.DTYPES and self.modules[0].qweight.device.type == "cpu"
+                and (self.dtype == torch.float32 or library.linear_bf16))
+        view.kernel = None if not runs else kernels.QuantRows(
+            library.quant_rows, library.dequant_rows, [m.qweight for m in self.modules], self.formats, self.k,
+            self.bias, self.dtype)
+        view.few = view.kernel
+        view.few_rows = QUANT_ROWS if view.kernel is not None else 0
+        return view
+
+    def takes_few(self, rows: int) -> bool:
+        return self.few is not None and rows <= self.few_rows
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_few(x.shape[0]) and self.few.fits(x):
+            return self.few.run(x)
+        tile = max(16, QUANT_TILE_BYTES // (self.k * x.element_size()))
+        if tile >= self.n:
+            return self._times(x, 0, self.n)
+        y = torch.empty(x.shape[0], self.n, dtype=x.dtype, device=x.device)
+        for a in range(0, self.n, tile):
+            y[:, a: a + tile] = self._times(x, a, min(self.n, a + tile))
+        return y
+
+    def _times(self, x: torch.Tensor, first: int, stop: int) -> torch.Tensor:
+        """x times output rows [first, stop) of the product, decoded to x's dtype."""
+        bias = None if self.bias is None else self.bias[first:stop]
+        if self.kernel is not None and x.dtype == self.dtype and x.device.type == "cpu":
+            weight = self.kernel.dequantize(first, stop)
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+        parts, at = [], 0
+        for m in self.modules:  # torch's decoding, on any device
+            a, b = max(first, at), min(stop, at + m.out_features)
+            if a < b:
+                parts.append(quant.dequantize(m.qweight[a - at: b - at], m.format, self.k).to(x.dtype))
+            at += m.out_features
+        return torch.nn.functional.linear(x, parts[0] if len(parts) == 1 else torch.cat(parts), bias)
 
     def __call__(self, x: torch.Tensor):
         y = self.product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
@@ -142,19 +223,21 @@ class LayerWeights:
 class Weights:
     layers: tuple[LayerWeights, ...]
     lm_head: Callable
-    packed: bool  # whether the products go through oneDNN packed weights
+    packed: bool  # whether the products are pc_rag's own (Packed, Quantized), not the modules' forwards
+    quantized: bool  # whether the decoder's products are Quantized (a GGUF file, or quantize=)
     # few_rows_limit's timings of these weights: id(linear_rows fn) -> (fn, rows, why); shared by the views
     timed: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def routed(self, fn, rows: int) -> Weights:
-        """A runner's view of these (shared) weights: products of up to `rows` rows through linear_rows (`fn`, or
-        None for none), the packed weights themselves shared."""
+    def routed(self, library: kernels.Kernels | None, rows: int) -> Weights:
+        """A runner's view of these (shared) weights: products of up to `rows` rows through `library`'s kernels
+        (None for none), the weights themselves shared."""
         if not self.packed:
             return self
-        layers = tuple(replace(lw, qkv=lw.qkv.routed(fn, rows), o=lw.o.routed(fn, rows),
-                               gate_up=lw.gate_up.routed(fn, rows), down=lw.down.routed(fn, rows))
+        layers = tuple(replace(lw, qkv=lw.qkv.routed(library, rows), o=lw.o.routed(library, rows),
+                               gate_up=lw.gate_up.routed(library, rows), down=lw.down.routed(library, rows))
                        for lw in self.layers)
-        return replace(self, layers=layers, lm_head=self.lm_head.routed(fn, rows))
+        return replace(self, layers=layers, lm_head=self.lm_head.routed(library, rows))
+
 
 
 def _packs(dtype: torch.dtype, device: torch.device) -> bool:
@@ -190,7 +273,15 @@ def weights_of(model, arch: Architecture) -> Weights:
         if found is not None and len(found.layers) == num_layers:
             return found
         pack = _packs(p.dtype, p.device)
-        kind = Packed if pack else Plain
+
+        def product(modules: list[torch.nn.Module], splits: list[int] | None):
+            quantized = [isinstance(m, quant.QuantLinear) for m in modules]
+            if all(quantized):
+                return Quantized(modules, splits, p.dtype)
+            if pack and not any(quantized):
+                return Packed(modules, splits)
+            return Plain(modules, splits)  # CUDA, fp16, or float and quantized matrices in one group (rare)
+
         q_size, kv_size = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
         layers = []
         for i, layer in enumerate(model.model.layers[:num_layers]):
@@ -200,28 +291,48 @@ def weights_of(model, arch: Architecture) -> Weights:
             norms = arch.norms
             layers.append(LayerWeights(
                 input_norm=_module(layer, norms.before_attention, arch, i),
-                qkv=kind(qkv, [q_size, kv_size, kv_size] if len(qkv) == 1 else None),
+                qkv=product(qkv, [q_size, kv_size, kv_size] if len(qkv) == 1 else None),
                 q_norm=_module(attn, "q_norm" if arch.qk_norm else None, arch, i),
                 k_norm=_module(attn, "k_norm" if arch.qk_norm else None, arch, i),
-                o=kind([attn.o_proj]),
+                o=product([attn.o_proj], None),
                 attn_out_norm=_module(layer, norms.after_attention, arch, i),
                 mlp_norm=_module(layer, norms.before_mlp, arch, i),
-                gate_up=kind(gate_up, [gate_up[0].weight.shape[0] // 2] * 2 if len(gate_up) == 1 else None),
-                down=kind([mlp.down_proj]),
+                gate_up=product(gate_up, [_outputs(gate_up[0]) // 2] * 2 if len(gate_up) == 1 else None),
+                down=product([mlp.down_proj], None),
                 act=_module(mlp, arch.act, arch, i),
                 mlp_out_norm=_module(layer, norms.after_mlp, arch, i),
             ))
-        found = Weights(tuple(layers), kind([model.lm_head]), pack)
+        head = product([model.lm_head], None)
+        products = [*(q for lw in layers for q in (lw.qkv, lw.o, lw.gate_up, lw.down)), head]
+        found = Weights(tuple(layers), head, all(not isinstance(q, Plain) for q in products),
+                        any(isinstance(q, Quantized) for q in products))
         _SHARED[model] = found
         return found
 
 
-def few_rows_limit(w: Weights, fn) -> tuple[int, str]:
-    """How many rows' products go to linear_rows (`fn`) rather than oneDNN for these packed weights, and why:
+def model_bytes(model: torch.nn.Module) -> int:
+    """What the model's tensors hold (parameters and buffers, each storage counted once: views and tied weights
+    share theirs): the weights' memory, float or quantized, as engine.stats() reports it."""
+    seen, total = set(), 0
+    for t in (*model.parameters(), *model.buffers()):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _outputs(module: torch.nn.Module) -> int:
+    return module.out_features if isinstance(module, quant.QuantLinear) else module.weight.shape[0]
+
+
+def few_rows_limit(w: Weights, library: kernels.Kernels) -> tuple[int, str]:
+    """How many rows' products go to `library`'s linear_rows rather than oneDNN for these float weights, and why:
     0, FEW_ROWS or BATCH_ROWS, as timed (`_few_rows_faster`) once per model and kernel, then kept on `w`."""
+    fn = library.linear_rows
     with _SHARED_LOCK:
         if id(fn) not in w.timed:  # (ctypes functions do not hash); the entry keeps `fn` alive, so its id stays its
-            view = w.routed(fn, FEW_ROWS)
+            view = w.routed(library, FEW_ROWS)
             one, one_why = _few_rows_faster(view, 1)
             if not one:
                 rows, why = 0, f"oneDNN: faster for one row at load ({one_why})"
@@ -233,7 +344,7 @@ def few_rows_limit(w: Weights, fn) -> tuple[int, str]:
         return w.timed[id(fn)][1:]
 
 
-def _packed_products(w: Weights) -> list[Packed]:
+def _products(w: Weights) -> list:
     return [*(p for lw in w.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)), w.lm_head]
 
 
