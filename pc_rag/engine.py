@@ -341,7 +341,8 @@ class Engine:
         """tiers: the store's counters; scaffolds: groups, bytes of their joint KV, failed builds (each logged);
         prefix: blocks indexed; registered: chunks and remembered replies; passages: those remembered and what they
         did (`PassageCounts`); decode: the shared loop's steps, tokens (first_tokens, prompt_tokens), largest batch,
-        rows decoding and waiting; backends; relocation_check and quality_gate: None until they ran."""
+        rows decoding and waiting; backends; model: the loaded model's bytes, dtype and matrices by format
+        (LlamaRunner.memory); relocation_check and quality_gate: None until they ran."""
         groups, failed = self.scaffolds.snapshot()  # background builds may add groups meanwhile
         check = self.runner.relocation_check
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
@@ -352,6 +353,7 @@ class Engine:
                 "passages": self.planner.passages.stats(),
                 "decode": self.traffic.stats(self.max_batch),
                 "backends": self.runner.backends.as_dict(),
+                "model": self.runner.memory(),
                 "relocation_check": check.as_dict() if check is not None else None,
                 "quality_gate": None if self.calibration is None else {
                     "min_agreement": self.min_agreement, **self.calibration.as_dict()}}

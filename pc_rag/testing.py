@@ -47,6 +47,8 @@ SIZES = {
     # The layer shapes of Qwen2.5-0.5B (24 layers, hidden 896, 14/2 heads of 64, MLP 4864) with the bench vocabulary,
     # as a Llama: 0.37B parameters, for benchmarks at the size of a small model people run (benchmarks/peers.py).
     "large": TinyShape(8192, 896, 24, 14, 2, 4864, 32768),
+    # Rows of 256 weights and more, so that the K-quants (blocks of 256) are exercised (the tiny one's 64 take none).
+    "quant": TinyShape(2048, 256, 2, 4, 2, 512, 2048),
     # Llama 3.2 1B's layers (16 of hidden 2048, 32/8 heads of 64, MLP 8192) with the bench vocabulary: 1.0B
     # parameters, for the GPU check (benchmarks/gpu_check.py), built in memory on the device.
     "1b": TinyShape(8192, 2048, 16, 32, 8, 8192, 16384),
@@ -141,8 +143,9 @@ def write_gguf(checkpoint: str | Path, path: str | Path, qtype: str = "F32") -> 
     """Write the Llama HF checkpoint folder `checkpoint` (a `build_tiny_llama` one: byte-level BPE tokenizer,
     untied output) as one GGUF file at `path`, as llama.cpp's convert_hf_to_gguf.py does for a Llama (its
     metadata keys, tensor names, the q/k rows permuted for llama.cpp's RoPE, the tokenizer as a "gpt2" vocabulary
-    with merges), offline with the `gguf` package's writer. `qtype`: "F32", "F16" or "Q8_0" for the matrices
-    (norms stay F32, as llama.cpp keeps them); returns `path`."""
+    with merges), offline with the `gguf` package's writer. `qtype`: "F32", "F16", "Q8_0", "Q4_0" or "Q4_K_M" for
+    the matrices, each as llama.cpp's llama-quantize lays that type out (`gguf_types`); norms stay F32, as llama.cpp
+    keeps them. Returns `path`."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -151,6 +154,8 @@ def write_gguf(checkpoint: str | Path, path: str | Path, qtype: str = "F32") -> 
     config = json.loads((checkpoint / "config.json").read_text())
     if config.get("model_type") != "llama":
         raise PCRagError(f"write_gguf writes Llama checkpoints; {checkpoint} is {config.get('model_type')!r}")
+    if qtype not in GGUF_TYPES:
+        raise PCRagError(f"write_gguf: qtype {qtype!r}; choose one of {sorted(GGUF_TYPES)}")
     spec = json.loads((checkpoint / "tokenizer.json").read_text())
     tok_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -194,9 +199,6 @@ def write_gguf(checkpoint: str | Path, path: str | Path, qtype: str = "F32") -> 
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
-    quant = {"F32": None, "F16": gguf.GGMLQuantizationType.F16, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
-    if qtype not in quant:
-        raise PCRagError(f"write_gguf: qtype {qtype!r}; choose one of {sorted(quant)}")
     for name, tensor in load_file(checkpoint / "model.safetensors").items():
         data = tensor.float().numpy()
         if name.endswith("q_proj.weight"):
@@ -206,17 +208,55 @@ def write_gguf(checkpoint: str | Path, path: str | Path, qtype: str = "F32") -> 
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if target is None:
             raise PCRagError(f"write_gguf: no GGUF name for tensor {name}")
-        if data.ndim == 1 or quant[qtype] is None:
+        kind = "F32" if data.ndim == 1 else gguf_type(qtype, target, data.shape[1], config["num_hidden_layers"])
+        if kind == "F32":
             writer.add_tensor(target, np.ascontiguousarray(data, dtype=np.float32))
-        elif quant[qtype] == gguf.GGMLQuantizationType.F16:
+        elif kind == "F16":
             writer.add_tensor(target, data.astype(np.float16))
         else:
-            writer.add_tensor(target, gguf.quants.quantize(data, quant[qtype]), raw_dtype=quant[qtype])
+            writer.add_tensor(target, _quantized(data, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+GGUF_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M")
+
+
+def gguf_type(qtype: str, name: str, cols: int, layers: int) -> str:
+    """The type llama.cpp's llama-quantize gives the matrix `name` (of rows of `cols`) in a file of type `qtype`
+    (llama_tensor_get_type, llama.cpp 2025): Q4_0 and Q4_K_M keep the output matrix at Q6_K; Q4_K_M gives attn_v and
+    ffn_down Q6_K in the first and last eighth of the layers and every third between, Q4_K elsewhere; a row whose
+    length the type's blocks do not divide falls back (Q4_K to Q5_0, Q6_K to Q8_0)."""
+    if qtype in ("F32", "F16", "Q8_0"):
+        return qtype
+    if name == "output.weight":
+        kind = "Q6_K"
+    elif qtype == "Q4_0":
+        kind = "Q4_0"
+    else:
+        kind = "Q4_K"
+        if name.endswith(("attn_v.weight", "ffn_down.weight")):
+            i = int(name.split(".")[1])
+            if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2:
+                kind = "Q6_K"
+    if kind in ("Q4_K", "Q6_K") and cols % 256:
+        kind = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}[kind]
+    return kind
+
+
+def _quantized(data, kind: str):
+    """A float matrix's rows in GGML type `kind`: pc_rag's quantizers, or the gguf package's for Q5_0."""
+    import gguf
+    import torch
+
+    from .model import quant
+
+    if kind in quant.BY_NAME and kind != "Q5_0":
+        return quant.quantize(torch.from_numpy(data), quant.BY_NAME[kind]).numpy()
+    return gguf.quants.quantize(data, gguf.GGMLQuantizationType[kind])
 
 
 def save_tokenizer(out: Path, shape: TinyShape):

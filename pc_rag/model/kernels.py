@@ -501,6 +501,16 @@ def dequant_rows(fn, weight: torch.Tensor, fmt, k: int, index: torch.Tensor | No
     return out
 
 
+def embedding_rows(fn, weight: torch.Tensor, fmt, k: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of a quantized embedding table (quant.QuantEmbedding) decoded to `dtype` by `pc_rag_dequant_rows`
+    (fn); an id outside the table is torch's IndexError, as nn.Embedding's, never a read outside it."""
+    ids = ids.to(torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
+        raise IndexError(f"embedding: ids {int(ids.min())}..{int(ids.max())} outside the table's {weight.shape[0]} rows")
+    out = torch.empty(ids.numel(), k, dtype=dtype if dtype in DTYPES else torch.float32)
+    return dequant_rows(fn, weight, fmt, k, ids, out).to(dtype)
+
+
 def _agrees(k: Kernels) -> bool:
     """Each kernel against sdpa (or F.linear) on a probe per dtype it runs: the decode kernel over keys in several
     chunks, 2 query rows per KV head; the prefill kernel over 100 rows after 200 earlier keys (partial tiles and

@@ -14,6 +14,7 @@ reported by `engine.stats()["backends"]`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import threading
@@ -34,7 +35,7 @@ from .families import SUPPORTED_MODEL_TYPES, describe
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .fused import FusedLayers
 from .rope import RelocationCheck, relocate, rope_of
-from .weights import QUANT_ROWS, Quantized, few_rows_limit, weights_of
+from .weights import QUANT_ROWS, Quantized, few_rows_limit, model_bytes, weights_of
 
 # Free request buffers kept for reuse (each is layers x capacity x KV bytes per token): at most POOL_SIZE of
 # them and at most `LlamaRunner.pool_max_bytes` together, by default POOL_SIZE context-size buffers capped at
@@ -184,6 +185,10 @@ class LlamaRunner:
                 rows, timed = few_rows_limit(shared, library)
                 few = Choice(LINEAR_ROWS if rows else ONEDNN, timed)
         self.weights = shared.routed(route, rows)
+        embed = self.model.model.embed_tokens
+        if isinstance(embed, quant.QuantEmbedding):  # its lookups decoded by the kernel where it runs
+            embed.kernel = (None if route is None or not shared.quantized
+                            else functools.partial(kernels.embedding_rows, route.dequant_rows))
         self.backends = replace(chosen, products=products, few_rows=few)
         self._fused = None
         self._fused, layers, batches = FusedLayers.of(self)
@@ -210,6 +215,21 @@ class LlamaRunner:
                 Choice(QUANT_ROWS_BACKEND, f"up to {QUANT_ROWS} rows straight from the quantized bytes (quant_rows.cpp:"
                        " 4.5 ms for a row of 8 layers' MLP at the 0.37B shape in Q4_0, against 27-30 ms decoding "
                        "them for oneDNN)"), library)
+
+    def memory(self) -> dict:
+        """What the loaded model holds (engine.stats()["model"]): its tensors' bytes (each storage once), the dtype of
+        its activations and float tensors, and how many matrices each format holds ("float" for unquantized ones)."""
+        formats: dict[str, int] = {}
+        for module in self.model.modules():
+            if isinstance(module, (quant.QuantLinear, quant.QuantEmbedding)):
+                name = module.format.name
+            elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                name = "float"
+            else:
+                continue
+            formats[name] = formats.get(name, 0) + 1
+        return {"bytes": model_bytes(self.model), "dtype": str(self.dtype).removeprefix("torch."),
+                "matrices": dict(sorted(formats.items()))}
 
     def _quantized(self) -> list:
         w = weights_of(self.model, self.arch)

@@ -194,7 +194,7 @@ PC_AVX512 void decode_row(int type, Format f, const uint8_t* row, int64_t K, T* 
 // the K-quants' offsets, offset times the sum of x over the sub-block). So these products use the file's weights
 // exactly (scale times value); a prefill's products, through oneDNN on decoded weights, round them to bf16 first.
 // Q4_0 and Q5_0 store a block's weights j and j + 16 in one byte, so their x is read in pairs of blocks laid out as
-// their nibbles come (xpair below). Q4_1 and Q5_1 go through the scratch buffer.
+// their nibbles come (Xs.pairs below); Q4_1 and Q5_1 add their offset times the sum of x over the block.
 
 #define PC_QUANT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 
@@ -256,11 +256,14 @@ struct Xs {
 
 // y[m] += sum over the row's weights for M rows of x; `row` is one weight row of K weights in `type`.
 template <int M>
-PC_QUANT void dot_q4_0(const uint8_t* row, int64_t K, const Xs& xs, __m512* out, int five) {
+PC_QUANT void dot_legacy(const uint8_t* row, int64_t K, const Xs& xs, __m512* out, int type) {
+  // Q4_0, Q4_1, Q5_0, Q5_1: d [, m] [, 32 fifth bits], 16 bytes of nibbles (weights j and j + 16 in byte j)
+  const bool five = type == Q5_0 || type == Q5_1, offset = type == Q4_1 || type == Q5_1;
+  const int64_t bytes = format_of(type).bytes, nb = K / 32;
+  const int qh_at = offset ? 4 : 2, at = qh_at + (five ? 4 : 0);
   __m512 acc[M];
   PC_UNROLL for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i lut = table(five ? 16 : 8), low4 = _mm512_set1_epi16(0x0F);
-  const int64_t bytes = five ? 22 : 18, nb = K / 32;
+  const __m512i lut = table(offset ? 0 : five ? 16 : 8), low4 = _mm512_set1_epi16(0x0F);
   const __m512i sixteen = _mm512_set1_epi16(16);
   alignas(64) float ds[MAX_BLOCKS];
   block_scales(row, nb, bytes, 0, ds);
@@ -268,7 +271,6 @@ PC_QUANT void dot_q4_0(const uint8_t* row, int64_t K, const Xs& xs, __m512* out,
   for (; b + 2 <= nb; b += 2) {
     const uint8_t* p = row + b * bytes;
     ahead(p, 2 * bytes);
-    const int at = five ? 6 : 2;
     const __m256i raw = _mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at))),
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + bytes + at)), 1);
@@ -276,8 +278,8 @@ PC_QUANT void dot_q4_0(const uint8_t* row, int64_t K, const Xs& xs, __m512* out,
     __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_srli_epi16(q, 4);
     if (five) {  // fifth bits: weight j of a block is bit j of its qh
       uint32_t h0, h1;
-      std::memcpy(&h0, p + 2, 4);
-      std::memcpy(&h1, p + bytes + 2, 4);
+      std::memcpy(&h0, p + qh_at, 4);
+      std::memcpy(&h1, p + bytes + qh_at, 4);
       lo = _mm512_mask_add_epi16(lo, __mmask32((h0 & 0xFFFF) | (h1 << 16)), lo, sixteen);
       hi = _mm512_mask_add_epi16(hi, __mmask32((h0 >> 16) | (h1 & 0xFFFF0000u)), hi, sixteen);
     }
@@ -292,12 +294,12 @@ PC_QUANT void dot_q4_0(const uint8_t* row, int64_t K, const Xs& xs, __m512* out,
   }
   if (b < nb) {  // an odd last block: its x is in order in `pairs` too
     const uint8_t* p = row + b * bytes;
-    const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (five ? 6 : 2))));
+    const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at)));
     __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, _mm256_set1_epi16(0x0F))),
                                    _mm256_srli_epi16(q, 4), 1);
     if (five) {
       uint32_t h;
-      std::memcpy(&h, p + 2, 4);
+      std::memcpy(&h, p + qh_at, 4);
       v = _mm512_mask_add_epi16(v, __mmask32(h), v, sixteen);
     }
     const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(v, lut);
@@ -306,6 +308,18 @@ PC_QUANT void dot_q4_0(const uint8_t* row, int64_t K, const Xs& xs, __m512* out,
       const __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), w,
                                         (__m512bh)_mm512_loadu_si512(xs.pairs + m * xs.ld_pairs + 32 * b));
       acc[m] = _mm512_fmadd_ps(s, d, acc[m]);
+    }
+  }
+  if (offset) {  // + m times the sum of x over the block
+    alignas(64) float ms[MAX_BLOCKS];
+    block_scales(row, nb, bytes, 2, ms);
+    PC_UNROLL for (int m = 0; m < M; ++m) {
+      __m512 o = _mm512_setzero_ps();
+      for (int64_t i = 0; i < nb; i += 16) {
+        const __mmask16 live = nb - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - i)) - 1);
+        o = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, ms + i), _mm512_maskz_loadu_ps(live, xs.sums + m * xs.ld_sums + i), o);
+      }
+      acc[m] = _mm512_add_ps(acc[m], o);
     }
   }
   PC_UNROLL for (int m = 0; m < M; ++m) out[m] = _mm512_add_ps(out[m], acc[m]);
@@ -431,7 +445,7 @@ PC_QUANT void dot_q6_k(const uint8_t* row, int64_t K, const Xs& xs, __m512* out)
 
 // Whether `type` has a kernel above (bf16 x); the others go through the scratch buffer.
 inline bool direct(int type, int64_t K) {
-  return K / 32 <= MAX_BLOCKS && (type == Q4_0 || type == Q5_0 || type == Q8_0 || type == Q4_K || type == Q5_K || type == Q6_K);
+  return K / 32 <= MAX_BLOCKS && format_of(type).weights > 0;
 }
 
 // y[m, n] for output rows [n0, n1) of one weight matrix of `type` (rows row_bytes apart), M <= 8 rows of x.
@@ -449,8 +463,10 @@ PC_QUANT void direct_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t
       off[m] = _mm256_setzero_ps();
     }
     switch (type) {
-      case Q4_0: dot_q4_0<M>(row, K, xs, acc, 0); break;
-      case Q5_0: dot_q4_0<M>(row, K, xs, acc, 1); break;
+      case Q4_0:
+      case Q4_1:
+      case Q5_0:
+      case Q5_1: dot_legacy<M>(row, K, xs, acc, type); break;
       case Q8_0: dot_q8_0<M>(row, K, xs, acc); break;
       case Q4_K: dot_q4_k<M>(row, K, xs, acc, off, 0); break;
       case Q5_K: dot_q4_k<M>(row, K, xs, acc, off, 1); break;
@@ -507,8 +523,8 @@ void quant_rows(int64_t M, int64_t K, const T* x, int64_t ldx, int64_t S, const 
   bool pairs = false, sums = false, direct_any = false;
   for (int64_t s = 0; s < S; ++s) {
     N += rows_of[s];
-    pairs |= types[s] == Q4_0 || types[s] == Q5_0;
-    sums |= types[s] == Q4_K || types[s] == Q5_K;
+    pairs |= format_of(types[s]).weights == 32 && types[s] != Q8_0;
+    sums |= types[s] == Q4_K || types[s] == Q5_K || types[s] == Q4_1 || types[s] == Q5_1;
     direct_any |= direct(types[s], K);
   }
   // bf16 x in the layouts the direct kernels read, once for every thread
