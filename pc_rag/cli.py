@@ -55,10 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--cache-dir", type=Path, default=None,
                         help="cache folder (default: $PC_RAG_CACHE_DIR, else ~/.cache/pc_rag)")
     model = argparse.ArgumentParser(add_help=False)
-    model.add_argument("--model", help="local HF decoder checkpoint folder or hub id (families: docs/models.md; "
-                                       "default: the offline demo model, random weights, built once into the cache "
-                                       "folder)")
-    model.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    model.add_argument("--model", help="local HF decoder checkpoint folder, GGUF file, or hub id (families: "
+                                       "docs/models.md; default: the offline demo model, random weights, built once "
+                                       "into the cache folder)")
+    model.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16: the activations' "
+                       "(and a float checkpoint's weights')")
+    model.add_argument("--quantize", default=None, metavar="SCHEME",
+                       help="q4_k, q4_0 or q8_0: quantize a float checkpoint's matrices as it loads (a GGUF file keeps "
+                            "its own formats)")
     model.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     model.add_argument("--store", action="append", metavar="SPEC",
                        help="store tier spec, repeatable, top tier first (default: memory over disk in the "
@@ -232,17 +236,22 @@ def _engine(args, cache_dir: Path):
     _quiet_transformers()
     path = _check_model(args.model) if args.model else str(demo_model(cache_dir))
     store = args.store or ["memory", f"disk:{cache_dir}"]
-    engine = Engine.from_pretrained(path, dtype=args.dtype, device=args.device, store=store)
+    engine = Engine.from_pretrained(path, dtype=args.dtype, device=args.device, store=store, quantize=args.quantize)
     random_weights = Path(path, "pc_rag_test_model.json").is_file()  # pc_rag.testing's offline models
     return engine, path, random_weights
 
 
 def _check_model(model: str) -> str:
-    """A folder must hold an HF checkpoint; anything that is not a hub id ("org/name") must be a folder."""
+    """A path must hold a checkpoint (a folder with config.json, or a GGUF file or a folder holding one: checked as
+    from_pretrained checks it); anything that is not a hub id ("org/name") must exist."""
+    from .model import checkpoint
+
     path = Path(model).expanduser()
     if path.exists():
-        if not (path / "config.json").is_file():
-            raise PCRagError(f"--model {model}: no config.json there; pass an HF checkpoint folder")
+        try:
+            checkpoint.locate(path)
+        except PCRagError as e:
+            raise PCRagError(f"--model {e}") from None
         return str(path)
     if model.startswith(("/", ".", "~")) or model.count("/") > 1 or os.sep != "/" and os.sep in model:
         raise PCRagError(f"--model {model}: no such folder")

@@ -506,7 +506,8 @@ def embedding_rows(fn, weight: torch.Tensor, fmt, k: int, ids: torch.Tensor, dty
     (fn); an id outside the table is torch's IndexError, as nn.Embedding's, never a read outside it."""
     ids = ids.to(torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
-        raise IndexError(f"embedding: ids {int(ids.min())}..{int(ids.max())} outside the table's {weight.shape[0]} rows")
+        raise IndexError(f"embedding: ids {int(ids.min())}..{int(ids.max())} outside the table's "
+                         f"{weight.shape[0]} rows")
     out = torch.empty(ids.numel(), k, dtype=dtype if dtype in DTYPES else torch.float32)
     return dequant_rows(fn, weight, fmt, k, ids, out).to(dtype)
 
