@@ -7,7 +7,8 @@ standard library and the peer. REQUESTS.json: {"model": <HF dir (vLLM) or GGUF f
 "max_len": int, "threads": int, "requests": [{"ids": [...], "new_tokens": n, "reset": bool}, ...]}. Each request
 is run in order, greedy, exactly `new_tokens` tokens (EOS ignored: the weights are random, a reply's length must
 not depend on them); `reset` empties the peer's prefix cache first. OUT.json: per request, seconds from submitting
-it to its first token (`ttft_s`) and to its last (`total_s`), and the tokens produced.
+it to its first token (`ttft_s`) and to its last (`total_s`), and the tokens produced; with the resident memory the
+loaded model added to the process (llama.cpp) and, given `logits_ids`, the last token's logits of that prompt.
 
 Each peer is used the way its users run it: vLLM's engine with automatic prefix caching on (what `vllm serve`
 does), stepped here so the first token's time is seen; llama.cpp through llama-cpp-python's `Llama.generate`,
@@ -53,12 +54,42 @@ def run_vllm(spec: dict) -> list[dict]:
     return out
 
 
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def run_llamacpp(spec: dict) -> list[dict]:
+    import llama_cpp
     from llama_cpp import Llama
 
+    if spec.get("no_extra_buffers"):
+        # llama.cpp's AMX matrix products crashed (SIGSEGV in ggml_backend_amx_mul_mat) on the Xeon with AMX we
+        # measure on: its extra buffer types (AMX, repacked weights) off, as a user would have to run it there.
+        default = llama_cpp.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        llama_cpp.llama_model_default_params = params
+        llama_cpp.llama.llama_cpp.llama_model_default_params = params
+    before = rss_mib()
     # flash_attn: 6x faster decoding here (FIELD-NOTES); n_batch/n_ubatch stay at the library's defaults.
     llm = Llama(model_path=spec["model"], n_ctx=spec["max_len"], n_threads=spec["threads"],
                 n_threads_batch=spec["threads"], flash_attn=True, seed=0, verbose=False)
+    spec["load_rss_mib"] = rss_mib() - before
+    if spec.get("logits_ids"):  # the last token's logits of one prompt, to compare with pc_rag's on the same file
+        llm.reset()
+        llm.eval(spec["logits_ids"])
+        n = llm.n_vocab()
+        row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        spec["logits"] = [float(row[i]) for i in range(n)]
+        llm.reset()
     out = []
     for r in spec["requests"]:
         if r["reset"]:
@@ -84,7 +115,7 @@ def main(argv: list[str]) -> None:
     run = {"vllm": run_vllm, "llamacpp": run_llamacpp}[peer]
     results = run(spec)
     with open(out_path, "w") as f:
-        json.dump(results, f)
+        json.dump({"requests": results, "load_rss_mib": spec.get("load_rss_mib"), "logits": spec.get("logits")}, f)
 
 
 if __name__ == "__main__":

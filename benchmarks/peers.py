@@ -3,6 +3,13 @@
     bash benchmarks/peers_env.sh /tmp/peers          # once: the peers' virtualenvs and GGUF files (~25 minutes)
     python -m benchmarks.peers --peers /tmp/peers --size bench --dtype float32 bfloat16 --reps 5
     python -m benchmarks.peers --peers /tmp/peers --size large --dtype bfloat16 --reps 2 --workloads system rag chat
+    python -m benchmarks.peers --peers /tmp/peers --size large 1b --dtype bfloat16 --quant Q8_0 Q4_0 Q4_K_M --skip vllm
+
+With --quant, both run the same GGUF file, made by llama.cpp's own converter (f16) and quantizer (llama-quantize's
+types, through llama-cpp-python): pc_rag keeps its matrices quantized (docs/models.md), llama.cpp runs it as its
+users do. Each result then also holds the resident memory loading the model added to a fresh process (pc_rag: a
+subprocess that loads it; llama.cpp: its worker), and the last token's logits of one prompt on both, against each
+other and against the float checkpoint (pc_rag, fp32) the file was made from.
 
 Every system gets the same prompts as token ids (pc_rag gets the segments those ids come from and is checked to
 see exactly them), greedy decoding of exactly the requested number of tokens (EOS ignored: random weights), and
@@ -179,9 +186,58 @@ def gguf(peers: Path, model: Path, dtype: str, work: Path) -> Path | None:
     return path
 
 
-def run_peer(python: Path, peer: str, model: str, dtype: str, plan: Plan, max_len: int) -> list[dict]:
+QUANT_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+                "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M"}
+QUANTIZE = """import ctypes, sys, llama_cpp
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype = getattr(llama_cpp, sys.argv[3])
+p.nthread = int(sys.argv[4])
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))
+"""
+
+
+def quantized_gguf(peers: Path, model: Path, kind: str, work: Path) -> Path | None:
+    """The model as a GGUF of llama-quantize's type `kind`, from the f16 conversion, by llama.cpp's own quantizer."""
+    path = (work / f"{model.name}-{kind}.gguf").resolve()
+    if path.exists():
+        return path
+    f16, python = gguf(peers, model, "bfloat16", work), peer_python(peers, "llamacpp")
+    if f16 is None or python is None:
+        return None
+    done = subprocess.run([str(python), "-c", QUANTIZE, str(f16), str(path) + ".tmp", QUANT_FTYPES[kind],
+                           str(torch.get_num_threads())], capture_output=True, text=True)
+    if done.returncode:
+        print(f"[peers] quantizing to {kind} failed: {done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    os.replace(str(path) + ".tmp", path)
+    return path
+
+
+LOAD_RSS = """import json, sys, gc
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) / 1024
+import torch, pc_rag
+pc_rag.model.kernels.loaded()  # the native library is not the model's
+before = rss()
+engine = pc_rag.Engine.from_pretrained(sys.argv[1], dtype=sys.argv[2], store="memory")
+gc.collect()
+print(json.dumps({"load_rss_mib": rss() - before, "model": engine.stats()["model"]}))
+"""
+
+
+def pc_rag_load_rss(model: Path, dtype: str) -> dict:
+    """What loading the model adds to a fresh process's resident memory, and what engine.stats() says it holds."""
+    done = subprocess.run([sys.executable, "-c", LOAD_RSS, str(model), dtype], capture_output=True, text=True,
+                          check=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_peer(python: Path, peer: str, model: str, dtype: str, plan: Plan, max_len: int,
+             logits_ids: list[int] | None = None) -> dict:
+    """{"requests": per request, "load_rss_mib": what the model added (llama.cpp), "logits": of `logits_ids`}."""
     spec = {"model": model, "dtype": dtype, "max_len": max_len, "threads": torch.get_num_threads(),
-            "requests": [{"ids": r.ids, "new_tokens": r.new_tokens, "reset": r.reset} for r in plan.requests]}
+            "requests": [{"ids": r.ids, "new_tokens": r.new_tokens, "reset": r.reset} for r in plan.requests],
+            "logits_ids": logits_ids, "no_extra_buffers": peer == "llamacpp" and kernels.has_amx()}
     with tempfile.TemporaryDirectory() as tmp:
         req, res = Path(tmp) / "requests.json", Path(tmp) / "results.json"
         req.write_text(json.dumps(spec))
@@ -283,35 +339,85 @@ def profile(engine, texts: Texts) -> dict:
 
 
 # ---- one configuration -------------------------------------------------------------------------------------------
-def measure(model: Path, dtype: str, names, reps: int, peers: Path, work: Path, skip_peers=()) -> dict:
+def measure(model: Path, dtype: str, names, reps: int, peers: Path, work: Path, skip_peers=(),
+            float_model: Path | None = None) -> dict:
+    """One configuration. `model` is a checkpoint folder, or (with --quant) a GGUF file both systems run, made from
+    the checkpoint `float_model`."""
+    quantized = model.suffix == ".gguf"
     engine = pc_rag.Engine.from_pretrained(model, dtype=dtype, store="memory")
     plan = plan_workloads(engine, names, reps)
     max_len = min(engine.runner.shape.max_positions, 16384)
-    systems, notes = {"pc_rag": run_pc_rag(engine, plan)}, []
+    logits_ids = plan.requests[0].ids[:256]
+    systems, notes, peer_extra = {"pc_rag": run_pc_rag(engine, plan)}, [], {}
     for peer in PEERS:
         if peer in skip_peers:
             notes.append(f"{peer}: skipped (--skip)")
+            continue
+        if quantized and peer == "vllm":
+            notes.append("vllm: skipped (its CPU engine does not run llama.cpp's quantized GGUF files)")
             continue
         python = peer_python(peers, peer)
         if python is None:
             notes.append(f"{peer}: skipped (no working virtualenv under {peers / peer}; see benchmarks/peers_env.sh)")
             continue
-        target = str(model) if peer == "vllm" else gguf(peers, model, dtype, work)
+        target = model if quantized else str(model) if peer == "vllm" else gguf(peers, model, dtype, work)
         if target is None:
             notes.append(f"{peer}: skipped (no GGUF converter under {peers / 'convert'})")
             continue
+        if peer == "llamacpp" and kernels.has_amx():
+            notes.append("llamacpp: its extra buffer types (AMX, repacked weights) off: its AMX products crashed "
+                         "here (SIGSEGV in ggml_backend_amx_mul_mat)")
         try:
-            systems[peer] = run_peer(python, peer, str(target), dtype, plan, max_len)
+            done = run_peer(python, peer, str(target), dtype, plan, max_len, logits_ids if quantized else None)
+            systems[peer], peer_extra[peer] = done["requests"], done
         except subprocess.CalledProcessError as e:
             notes.append(f"{peer}: failed ({e})")
+    extra = {}
+    if quantized:
+        extra["memory_mib"] = {"file": model.stat().st_size / 2**20, "pc_rag": pc_rag_load_rss(model, dtype),
+                               "llamacpp": (peer_extra.get("llamacpp") or {}).get("load_rss_mib")}
+        extra["logits"] = compare_logits(engine, logits_ids, (peer_extra.get("llamacpp") or {}).get("logits"),
+                                         float_model)
     tdtype = pc_rag.model.parse_dtype(dtype)
     rates = machine_rates(tdtype)
     costs = model_costs(engine.model.config, tdtype)
     rows = summarize(plan, systems, costs, rates)
     prof = profile(engine, Texts(engine, seed=99))
-    return {"model": str(model), "params": sum(p.numel() for p in engine.model.parameters()), "dtype": dtype,
+    params = float_params(float_model) if quantized else sum(p.numel() for p in engine.model.parameters())
+    return {"model": str(model), "params": params, "dtype": dtype,
             "rates": {k: round(v, 1) for k, v in rates.items()}, "rows": rows, "notes": notes,
-            "profile": prof, "same_greedy_tokens": agreement(plan, systems)}
+            "profile": prof, "same_greedy_tokens": agreement(plan, systems), **extra}
+
+
+def float_params(model: Path) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
+
+
+def last_logits(engine, ids: list[int]) -> torch.Tensor:
+    runner = engine.runner
+    cache = runner.acquire_cache(len(ids) + 1)
+    try:
+        return runner.forward(cache, ids, list(range(len(ids))), list(range(len(ids)))).float()
+    finally:
+        runner.release_cache(cache)
+
+
+def compare_logits(engine, ids: list[int], theirs: list[float] | None, float_model: Path) -> dict:
+    """The last token's logits of one prompt: pc_rag on the quantized file against llama.cpp on it, and each
+    against the float checkpoint run by pc_rag in fp32 (the quantization's own error)."""
+    ours = last_logits(engine, ids)
+    reference = last_logits(pc_rag.Engine.from_pretrained(float_model, dtype="float32", store="memory"), ids)
+    out = {"logit_scale": round(float(reference.abs().max()), 3),
+           "pc_rag_vs_float_max_abs": round(float((ours - reference).abs().max()), 4)}
+    if theirs is not None:
+        theirs = torch.tensor(theirs[: ours.numel()])
+        out |= {"pc_rag_vs_llamacpp_max_abs": round(float((ours - theirs).abs().max()), 4),
+                "llamacpp_vs_float_max_abs": round(float((theirs - reference).abs().max()), 4),
+                "same_argmax": bool(ours.argmax() == theirs.argmax())}
+    return out
 
 
 def agreement(plan: Plan, systems: dict) -> dict:
@@ -365,7 +471,8 @@ def summarize(plan: Plan, systems: dict, costs: dict, rates: dict) -> list[dict]
 def markdown(result: dict) -> str:
     names = ["pc_rag", "vllm", "llamacpp"]
     title = {"pc_rag": "pc_rag", "vllm": "vLLM CPU", "llamacpp": "llama.cpp"}
-    lines = [f"### {result['params'] / 1e6:.0f}M parameters, {result['dtype']} "
+    quant = f", {Path(result['model']).stem.rsplit('-', 1)[-1]} GGUF" if result["model"].endswith(".gguf") else ""
+    lines = [f"### {result['params'] / 1e6:.0f}M parameters, {result['dtype']}{quant} "
              f"(matmul {result['rates']['matmul_gflops']:.0f} GFLOP/s, reads {result['rates']['read_gbps']:.0f} GB/s)",
              "", "| workload | " + " | ".join(title[n] for n in names) + " | pc_rag vs best peer | bound |",
              "|---|" + "---|" * (len(names) + 2)]
@@ -387,6 +494,18 @@ def markdown(result: dict) -> str:
               "longest prefix seen before), or weight + KV bytes per decode step at the measured read rate."]
     for note in result["notes"]:
         lines.append(f"- {note}")
+    if "memory_mib" in result:
+        mem = result["memory_mib"]
+        lc = f"{mem['llamacpp']:,.0f} MiB" if mem.get("llamacpp") is not None else "-"
+        lines.append(f"- Memory the loaded model adds to a process: pc_rag {mem['pc_rag']['load_rss_mib']:,.0f} MiB "
+                     f"(its tensors {mem['pc_rag']['model']['bytes'] / 2**20:,.0f} MiB: "
+                     f"{mem['pc_rag']['model']['matrices']}), llama.cpp {lc}; the file {mem['file']:,.0f} MiB.")
+    if "logits" in result:
+        lg = result["logits"]
+        lines.append(f"- Last-token logits of one prompt (scale {lg['logit_scale']}): pc_rag vs llama.cpp max |diff| "
+                     f"{lg.get('pc_rag_vs_llamacpp_max_abs', '-')} (same argmax: {lg.get('same_argmax', '-')}); "
+                     f"against the float checkpoint: pc_rag {lg['pc_rag_vs_float_max_abs']}, llama.cpp "
+                     f"{lg.get('llamacpp_vs_float_max_abs', '-')}.")
     agree = ", ".join(f"{title[k]} {v:.0%}" for k, v in result["same_greedy_tokens"].items() if v is not None)
     if agree:
         lines.append(f"- Greedy tokens equal to pc_rag's until the first difference: {agree}.")
@@ -409,7 +528,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", default=os.environ.get("PC_RAG_PEERS", "/tmp/peers"),
                     help="where benchmarks/peers_env.sh built the peers' virtualenvs")
-    ap.add_argument("--size", default="bench", choices=["bench", "large"], help="the offline model's shape")
+    ap.add_argument("--size", nargs="+", default=["bench"], choices=["bench", "large", "1b"],
+                    help="the offline model's shapes (large: Qwen2.5-0.5B's layers, 0.37B; 1b: Llama 3.2 1B's)")
+    ap.add_argument("--quant", nargs="*", default=[], choices=sorted(QUANT_FTYPES),
+                    help="run both systems on GGUF files of these llama-quantize types instead of the float model")
     ap.add_argument("--model", help="an HF checkpoint dir instead of --size")
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
@@ -419,15 +541,22 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = Path(args.model) if args.model else model_dir(args.size, out)
+    models = [Path(args.model)] if args.model else [model_dir(size, out) for size in args.size]
     results = []
-    for dtype in args.dtype:
-        result = measure(model, dtype, args.workloads, args.reps, Path(args.peers), out, args.skip)
-        results.append(result)
-        print(markdown(result), flush=True)
+    for model in models:
+        for dtype in args.dtype:
+            files = [quantized_gguf(Path(args.peers), model, kind, out) for kind in args.quant] or [model]
+            for target in files:
+                if target is None:
+                    print(f"[peers] no GGUF for {model} (llama.cpp's converter or quantizer missing)", file=sys.stderr)
+                    continue
+                result = measure(target, dtype, args.workloads, args.reps, Path(args.peers), out, args.skip,
+                                 float_model=model)
+                results.append(result)
+                print(markdown(result), flush=True)
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                           "torch": torch.__version__}, "results": results}
-    stem = f"peers-{model.name}"
+    stem = f"peers-{'-'.join(m.name for m in models)}{'-' + '-'.join(args.quant) if args.quant else ''}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     (out / f"{stem}.md").write_text("\n".join(markdown(r) for r in results))
 

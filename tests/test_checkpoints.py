@@ -62,10 +62,11 @@ def test_a_q8_0_gguf_answers_within_the_measured_tolerance(ggufs, hf_runner):
              for ids in _prompts(hf_runner.tokenizer)]
     assert max(diffs) < Q8_0_TOLERANCE, diffs
     assert max(diffs) > 1e-4  # it is quantized: the weights really changed
-    assert runner.dtype == torch.float32  # dequantized to the dtype asked for
+    assert runner.dtype == torch.float32  # activations in the dtype asked for, the matrices still Q8_0
+    assert runner.memory()["matrices"] == {"Q8_0": 16}
 
 
-def test_a_gguf_dequantizes_to_the_requested_dtype(ggufs):
+def test_a_gguf_runs_in_the_requested_dtype(ggufs):
     runner = LlamaRunner.from_pretrained(str(ggufs["Q8_0"]), dtype="bfloat16")
     assert runner.dtype == torch.bfloat16 and next(runner.model.parameters()).dtype == torch.bfloat16
 
