@@ -480,6 +480,97 @@ PC_QUANT void direct_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t
   }
 }
 
+// ---- A prefill's decoding: rows to bf16 by table lookups ------------------------------------------------------
+//
+// A prefill's products decode each matrix to bf16 for oneDNN; decode_row's way (fp32 through memory, then rounded
+// with integer ops) cost ~25 ops per 32 weights. Here each block's (or sub-block's) 16 or 32 possible values are
+// computed once, scale times value exactly in fp32 and rounded to bf16 by VCVTNE(2)PS2BF16 (to nearest even, as
+// torch's conversion and store16 do), and vpermw looks each weight up: ~7 ops per 32. 8- and 6-bit values have too
+// many possible values for one table; they are widened through fp32 and rounded the same way. Same values as
+// decode_row's, tested alike.
+
+// The table of 32 bf16 entries a * (j - bias) + c for j = 0..31 (16 distinct where the values are 4-bit).
+PC_QUANT inline __m512i values(float a, float c, int bias) {
+  const __m512 j = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 sixteen = _mm512_set1_ps(16.f), off = _mm512_set1_ps(float(bias));
+  const __m512 lo = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(j, off), _mm512_set1_ps(a)), _mm512_set1_ps(c));
+  const __m512 hi = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_add_ps(j, sixteen), off), _mm512_set1_ps(a)),
+                                  _mm512_set1_ps(c));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// 16 bytes of nibbles (weights j and j + 16 in byte j) as 32 word indices in weight order.
+PC_QUANT inline __m512i nibbles32(const uint8_t* p) {
+  const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, _mm256_set1_epi16(0x0F))),
+                            _mm256_srli_epi16(q, 4), 1);
+}
+
+PC_QUANT inline void put32(uint16_t* out, __m512 lo, __m512 hi) {
+  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// Row `row` of `type` decoded into out [K] (bf16), by tables.
+PC_QUANT void decode_row_bf16(int type, Format f, const uint8_t* row, int64_t K, uint16_t* out) {
+  const int64_t nb = K / f.weights;
+  switch (type) {
+    case Q4_0:
+    case Q4_1:
+    case Q5_0:
+    case Q5_1: {
+      const bool five = type == Q5_0 || type == Q5_1, offset = type == Q4_1 || type == Q5_1;
+      const int qh_at = offset ? 4 : 2, at = qh_at + (five ? 4 : 0), bias = offset ? 0 : five ? 16 : 8;
+      for (int64_t b = 0; b < nb; ++b, row += f.bytes, out += 32) {
+        __m512i idx = nibbles32(row + at);
+        if (five) {
+          uint32_t h;
+          std::memcpy(&h, row + qh_at, 4);
+          idx = _mm512_mask_add_epi16(idx, __mmask32(h), idx, _mm512_set1_epi16(16));
+        }
+        const __m512i t = values(f16(row), offset ? f16(row + 2) : 0.f, bias);
+        _mm512_storeu_si512(out, _mm512_permutexvar_epi16(idx, t));
+      }
+      return;
+    }
+    case Q8_0:
+      for (int64_t b = 0; b < nb; ++b, row += f.bytes, out += 32) {
+        const __m512 d = _mm512_set1_ps(f16(row));
+        put32(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                     reinterpret_cast<const __m128i*>(row + 2)))), d),
+              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                reinterpret_cast<const __m128i*>(row + 18)))), d));
+      }
+      return;
+    case Q4_K:
+    case Q5_K: {
+      const bool five = type == Q5_K;
+      alignas(32) float a[8], c[8];
+      for (int64_t b = 0; b < nb; ++b, row += f.bytes) {
+        scales_k4(row, a, c);
+        const uint8_t* qs = row + (five ? 48 : 16);
+        const __m512i qh = five ? _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16)))
+                                : _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j, out += 32) {
+          const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 2))));
+          __m512i idx = (j & 1) ? _mm512_srli_epi16(q, 4) : _mm512_and_si512(q, _mm512_set1_epi16(0x0F));
+          if (five)
+            idx = _mm512_or_si512(idx, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, j),
+                                                                          _mm512_set1_epi16(1)), 4));
+          _mm512_storeu_si512(out, _mm512_permutexvar_epi16(idx, values(a[j], -c[j], 0)));
+        }
+      }
+      return;
+    }
+    case Q6_K:
+      for (int64_t b = 0; b < nb; ++b, row += f.bytes, out += 256) {
+        alignas(64) float w[256];
+        block_f32(Q6_K, row, w);  // exact: d * scale * (q - 32) needs no rounding in fp32
+        for (int i = 0; i < 256; i += 32) put32(out + i, _mm512_load_ps(w + i), _mm512_load_ps(w + i + 16));
+      }
+      return;
+  }
+}
+
 // Xs for M rows of bf16 x: the pairs layout where `pairs`, the sums where `sums`, kept in pbuf and sbuf.
 PC_QUANT Xs prepare(int64_t M, int64_t K, const uint16_t* x, int64_t ldx, bool pairs, bool sums,
                     std::vector<uint16_t>& pbuf, std::vector<float>& sbuf) {
@@ -613,10 +704,13 @@ int pc_rag_dequant_rows(int type, int64_t K, const void* w, int64_t row_bytes, i
     return -1;
   const Format f = format_of(type);
   const uint8_t* base = static_cast<const uint8_t*>(w);
+  const bool tables = avx512_bf16_supported();
 #pragma omp parallel for num_threads(threads) if (n * K >= PARALLEL_WEIGHTS) schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t* row = base + (index ? index[i] : i) * row_bytes;
-    if (bf16)
+    if (bf16 && tables)
+      decode_row_bf16(type, f, row, K, static_cast<uint16_t*>(out) + i * ldo);
+    else if (bf16)
       decode_row(type, f, row, K, static_cast<uint16_t*>(out) + i * ldo);
     else
       decode_row(type, f, row, K, static_cast<float*>(out) + i * ldo);
