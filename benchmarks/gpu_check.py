@@ -3,9 +3,10 @@
     python -m benchmarks.gpu_check                       # CUDA, bf16: a 1B-shaped Llama and a Gemma 3
     python -m benchmarks.gpu_check --device cpu --small  # the same checks on the tiny models, on the CPU
 
-Both models have random weights and are built offline in memory by pc_rag.testing (nothing is downloaded): the
+The models have random weights and are built offline in memory by pc_rag.testing (nothing is downloaded): the
 Llama with Llama 3.2 1B's layers (SIZES["1b"]), the Gemma 3 at the bench shape with a 512-token sliding window on
-6 of its 8 layers and its own RoPE table for local and global layers, so the ~5K-token prompts cross the window.
+6 of its 8 layers and its own RoPE table for local and global layers, so the ~5K-token prompts cross the window,
+and the Llama again with its matrices quantized to Q4_K (quantize="q4_k"'s scheme, on the device).
 
 Checks per model (tolerances: fp32 1e-4 of the largest |logit|; half precision 5e-2, since the two sides
 round differently; a check also requires the same greedy tokens where it names them):
@@ -90,6 +91,12 @@ def build_models(small: bool, device: torch.device, dtype: torch.dtype) -> dict:
         with torch.device(device):
             model = tiny_model(family, tok, size, **changes).to(dtype).eval()
         models[name] = (model, tok)
+    # The Llama again with its matrices quantized (Q4_K, the output Q6_K; quant.quantize_model, on the device): on
+    # CUDA each product decodes its matrix with torch and multiplies by F.linear (weights.Quantized).
+    with torch.device(device):
+        model = tiny_model("llama", tok, llama_size).to(dtype).eval()
+    pc_rag.model.quant.quantize_model(model, "q4_k")
+    models[f"llama {llama_size} q4_k"] = (model, tok)
     return models
 
 

@@ -330,3 +330,21 @@ def test_float_weights_are_one_copy_the_modules_view(quant_path):
     fresh = LlamaRunner.from_pretrained(str(quant_path))
     ids = _ids()
     assert torch.allclose(runner.reference_logits(ids), fresh.reference_logits(ids), atol=1e-5)
+
+
+def test_without_native_kernels_each_product_decodes_with_torch(files):
+    """The path of CUDA and of CPUs without AVX-512: quant.dequantize per product, then F.linear (and the embedding
+    through torch): the same logits as transformers' dequantized model, prefill and decode step."""
+    loaded = LlamaRunner.from_pretrained(str(files["Q4_K_M"]))
+    runner = LlamaRunner(loaded.model, loaded.tokenizer, native=False)
+    assert runner.backends.products.backend == "torch" and runner.backends.few_rows.backend == "torch"
+    assert all(p.kernel is None for lw in runner.weights.layers for p in (lw.qkv, lw.down))
+    reference = _transformers_float_model(files["Q4_K_M"])
+    ids = _ids()
+    with torch.inference_mode():
+        want = reference(input_ids=torch.tensor([ids])).logits[0].float()
+    cache = runner.new_cache(64)
+    at = list(range(len(ids) - 1))
+    assert (runner.forward(cache, ids[:-1], at, at) - want[-2]).abs().max().item() < 1e-4
+    n = len(ids) - 1
+    assert (runner.forward(cache, ids[-1:], [n], [n]) - want[-1]).abs().max().item() < 1e-4
