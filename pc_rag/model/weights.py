@@ -321,7 +321,7 @@ def _own_memory(model: torch.nn.Module) -> None:
     if not mapped:
         return
     for module in model.modules():
-        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             if t is not None and t.device.type == "cpu" and t.numel() and _in(mapped, t.data_ptr()):
                 t.data = t.data.clone()
 
