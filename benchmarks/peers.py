@@ -217,7 +217,10 @@ LOAD_RSS = """import json, sys, gc
 def rss():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) / 1024
 import torch, pc_rag
-pc_rag.model.kernels.loaded()  # the native library is not the model's
+# The libraries every pc_rag process has loaded before any model (as llama.cpp's side counts from after
+# `import llama_cpp`): pc_rag's native kernels and transformers' modeling code (~120 MiB of it).
+pc_rag.model.kernels.loaded()
+import transformers.modeling_utils, transformers.generation, transformers.modeling_gguf_pytorch_utils
 before = rss()
 engine = pc_rag.Engine.from_pretrained(sys.argv[1], dtype=sys.argv[2], store="memory")
 gc.collect()

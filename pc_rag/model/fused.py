@@ -7,13 +7,14 @@ SiLU, the residual adds), each a dispatch of 3-10 us, plus the Python between th
 (24 layers) that was 13 of a 44 ms step. vLLM's CPU engine runs the same layer as fused C++ ops. Here, per layer:
 
     x = RMSNorm(h)                      pc_rag_add_rms_norm (fused with the previous residual add)
-    qkv = x Wqkv                        weights.Packed: pc_rag_linear_rows (a few rows), oneDNN packed (more)
+    qkv = x Wqkv                        weights.Packed: pc_rag_linear_rows (a few rows), oneDNN (more);
+                                        weights.Quantized: pc_rag_quant_rows (up to 16 rows)
     o = attention(RoPE(q), cache + k, v)  pc_rag_decode_step: RoPE, the KV written to each request's slot, attention
     h += o Wo; x = RMSNorm(h)           weights.Packed; pc_rag_add_rms_norm
     a = SiLU(x Wg) * (x Wu)             weights.Packed; pc_rag_silu_mul
     h += a Wd                           weights.Packed; fused into the next layer's norm
 
-Where every product of the step goes to linear_rows (a few rows, weights.Packed.few_rows), that loop over the
+Where every product of the step goes to linear_rows or quant_rows (a few rows, `few_rows`), that loop over the
 layers runs as one native call (csrc/decode_layers.cpp: the same kernels in the same order, so the same sums), and
 a step lets go of the GIL once instead of at each of ~20 ops per layer (docs/speed.md#decode).
 
@@ -244,7 +245,7 @@ class FusedLayers:
 
     def _native(self, rows: int) -> bool:
         """Whether a step of `rows` requests runs its layers in one native call: where every product would go to
-        linear_rows (Packed.takes_few, the test Packed.product makes)."""
+        linear_rows or quant_rows (`takes_few`, the test Packed.product and Quantized.product make)."""
         return (self._layers is not None and self.native
                 and all(p.takes_few(rows) for p in self._products))
 

@@ -97,7 +97,7 @@ class Kernels:
     silu_mul: object
     prefill_rope: object  # a prefill layer's RoPE and KV writes
     relocate_keys: object  # cached bf16 keys rotated to another position (rope.relocate)
-    linear_rows: object  # a few rows times a layer's weights (weights.Packed)
+    linear_rows: object  # a few rows times a layer's float weights (weights.Packed)
     linear_bf16: bool  # whether linear_rows takes bf16 here (AVX512-BF16)
     decode_layers: object  # a decode step's layers in one call (fused.py)
     prefill_amx: bool  # whether the prefill kernel runs bf16 on AMX tiles here
