@@ -36,6 +36,7 @@ model's Architecture (architecture.py): a norm the family does not have is None 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 import time
@@ -73,7 +74,27 @@ class Plain:
         return outs if len(outs) > 1 else outs[0]
 
 
-class Packed:
+class _Product:
+    """What Packed and Quantized share: a product of a few rows through the kernel (`few`, set in a runner's view),
+    and the unsplit product split back into the modules' outputs."""
+
+    few = None
+    few_rows = 0
+    splits: list[int]
+
+    def takes_few(self, rows: int) -> bool:
+        """Whether a product of `rows` rows goes to the kernel (`few`) rather than to oneDNN."""
+        return self.few is not None and rows <= self.few_rows
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor):
+        y = self.product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return list(y.split(self.splits, -1)) if len(self.splits) > 1 else y
+
+
+class Packed(_Product):
     """The modules' float weights as one matrix ([out_1 + out_2 + ..., in], row-major), which the modules' own
     weights then view (one copy); the product is split back into one output per module (or into `splits` of a fused
     module's output). Products of at most `few_rows` rows go to `few` (kernels.LinearRows) instead, in a runner's
@@ -103,19 +124,11 @@ class Packed:
         view.few_rows = rows if view.kernel is not None else 0
         return view
 
-    def takes_few(self, rows: int) -> bool:
-        """Whether a product of `rows` rows goes to the kernel (`few`) rather than to oneDNN."""
-        return self.few is not None and rows <= self.few_rows
-
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, in] (rows contiguous) times the weights, unsplit: [B, out]."""
         if self.takes_few(x.shape[0]) and self.few.fits(x):
             return self.few.run(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-
-    def __call__(self, x: torch.Tensor):
-        y = self.product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
-        return list(y.split(self.splits, -1)) if len(self.splits) > 1 else y
 
 
 def _one_matrix(modules: list[torch.nn.Module]) -> torch.Tensor:
@@ -132,7 +145,7 @@ def _one_matrix(modules: list[torch.nn.Module]) -> torch.Tensor:
     return whole
 
 
-class Quantized:
+class Quantized(_Product):
     """Quantized modules' products (quant.QuantLinear, one input size), their bytes the only copy, concatenated as
     segments of one product and split back like Packed's. Up to `few_rows` rows through `few` (kernels.QuantRows);
     more by oneDNN over the matrices decoded QUANT_TILE_BYTES at a time (by the kernel, or by torch without one)."""
@@ -169,9 +182,6 @@ class Quantized:
         view.few_rows = QUANT_ROWS if view.kernel is not None else 0
         return view
 
-    def takes_few(self, rows: int) -> bool:
-        return self.few is not None and rows <= self.few_rows
-
     def product(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_few(x.shape[0]) and self.few.fits(x):
             return self.few.run(x)
@@ -188,7 +198,9 @@ class Quantized:
         bias = None if self.bias is None else self.bias[first:stop]
         if self.kernel is not None and x.dtype == self.dtype and x.device.type == "cpu":
             weight = self.kernel.dequantize(first, stop)
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+            if _packs(x.dtype, x.device):
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+            return torch.nn.functional.linear(x, weight, bias)
         parts, at = [], 0
         for m in self.modules:  # torch's decoding, on any device
             a, b = max(first, at), min(stop, at + m.out_features)
@@ -196,10 +208,6 @@ class Quantized:
                 parts.append(quant.dequantize(m.qweight[a - at: b - at], m.format, self.k).to(x.dtype))
             at += m.out_features
         return torch.nn.functional.linear(x, parts[0] if len(parts) == 1 else torch.cat(parts), bias)
-
-    def __call__(self, x: torch.Tensor):
-        y = self.product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
-        return list(y.split(self.splits, -1)) if len(self.splits) > 1 else y
 
 
 @dataclass(frozen=True)
@@ -240,6 +248,7 @@ class Weights:
 
 
 
+@functools.cache
 def _packs(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether oneDNN's packed linear runs here and agrees with F.linear (one small product, checked once)."""
     if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
