@@ -21,7 +21,7 @@ as one native call over them (fused.py, `FusedLayers._time_batches`).
 Quantized weights (`Quantized`: quant.QuantLinear modules, from a GGUF file or `quantize=`): the modules' bytes are
 the only copy. Up to QUANT_ROWS rows, kernels.QuantRows multiplies straight from them (quant_rows.cpp: the formats'
 integers into AVX512-BF16 dot products, in bf16, or through decoded rows in fp32); more rows decode the matrix to the
-model's dtype QUANT_TILE_BYTES at a time and multiply by oneDNN, which for a prefill costs the decoding once for all
+model's dtype QUANT_TILE_BYTES (16 MB) at a time and multiply by oneDNN, which for a prefill costs the decoding once for all
 its rows (0.37B shape, Q4_0, bf16, 8 layers' MLP: the kernel 4.5 ms at 1 row, 16 at 8, 28 at 16, 55 at 32; decoding
 then oneDNN 27-30 ms from 1 to 32 rows, 38 at 64). Without the native kernels (CUDA, no AVX-512, fp16) each product
 decodes its matrix with torch (quant.dequantize) and multiplies by F.linear.
@@ -56,7 +56,9 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 FEW_ROWS = 4  # products of at most this many rows go through kernels.linear_rows where it runs (docstring)
 BATCH_ROWS = 8  # and of up to this many where it was faster at this many rows too, timed at load
 QUANT_ROWS = 16  # products of at most this many rows read quantized weights straight (docstring's figures)
-QUANT_TILE_BYTES = 32 << 20  # longer products decode this many bytes of a matrix at a time
+# Longer products decode this many bytes of a matrix at a time: under heap.MMAP_BYTES, so the buffer comes back from
+# malloc's heap at every product instead of as fresh pages (a fault and zeroing each).
+QUANT_TILE_BYTES = 16 << 20
 
 
 class Plain:
