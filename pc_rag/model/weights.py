@@ -20,9 +20,9 @@ as one native call over them (fused.py, `FusedLayers._time_batches`).
 
 Quantized weights (`Quantized`: quant.QuantLinear modules, from a GGUF file or `quantize=`): the modules' bytes are
 the only copy. Up to QUANT_ROWS rows, kernels.QuantRows multiplies straight from them (quant_rows.cpp: the formats'
-integers into AVX512-BF16 dot products, in bf16, or through decoded rows in fp32); more rows decode the matrix to the
-model's dtype QUANT_TILE_BYTES (16 MB) at a time and multiply by oneDNN, which for a prefill costs the decoding once for all
-its rows (0.37B shape, Q4_0, bf16, 8 layers' MLP: the kernel 4.5 ms at 1 row, 16 at 8, 28 at 16, 55 at 32; decoding
+integers into AVX512-BF16 dot products, in bf16, or through decoded rows in fp32); more rows decode the matrix to
+the model's dtype QUANT_TILE_BYTES at a time and multiply by oneDNN, which for a prefill costs the decoding once for
+all its rows (0.37B shape, Q4_0, bf16, 8 layers' MLP: the kernel 4.5 ms at 1 row, 16 at 8, 28 at 16, 55 at 32; decoding
 then oneDNN 27-30 ms from 1 to 32 rows, 38 at 64). Without the native kernels (CUDA, no AVX-512, fp16) each product
 decodes its matrix with torch (quant.dequantize) and multiplies by F.linear.
 
