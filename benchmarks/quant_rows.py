@@ -4,23 +4,25 @@
     python -m benchmarks.quant_rows --rows 1 4 8 16 32 64 --formats Q4_0 Q4_K Q6_K Q8_0 --json out.json
 
 For each format and row count, medians of --reps (alternating): the few-rows kernel (kernels.QuantRows, straight from
-the quantized bytes), and the path longer products take (the matrices decoded to bf16 by the native kernel, then
-oneDNN); and for reference, bf16 weights through linear_rows (1 row) as the float model reads them. The matrices are
-a layer's gate|up and down at the chosen shape, as many layers as --layers, so that they come from memory as a
-decode step's do, not from the caches. GB/s is the quantized bytes read per second. weights.QUANT_ROWS, the most rows
+the quantized bytes), and the path longer products take (weights.Quantized.product: the matrices decoded to bf16 by
+the native kernel a tile at a time, then oneDNN); and for reference, bf16 weights through linear_rows (1 row) as the
+float model reads them. The matrices are a layer's gate|up and down at the chosen shape, as many layers as --layers,
+so that they come from memory as a decode step's do, not from the caches. GB/s is the quantized bytes read per
+second. weights.QUANT_ROWS, the most rows
 the kernel takes, comes from where the two paths cross here.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
 
 import torch
 
-from pc_rag.model import kernels, quant
+from pc_rag.model import kernels, quant, weights
 
 SHAPES = {"large": (896, 4864), "1b": (2048, 8192)}  # hidden, MLP width (testing.SIZES)
 
@@ -50,18 +52,21 @@ def main(argv=None) -> None:
                 w = quant.quantize(torch.randn(n, cols, generator=g) * 0.02, fmt) if name in (
                     "Q8_0", "Q4_0", "Q4_K", "Q6_K") else _random(fmt, n, cols, g)
                 nbytes += w.numel()
-                products.append(kernels.QuantRows(k.quant_rows, k.dequant_rows, [w], [fmt], cols, None,
-                                                  torch.bfloat16))
+                # the runner's own product, with the kernel for a few rows, and a view of it without (tiles)
+                product = weights.Quantized([quant.QuantLinear(w, fmt, cols)], None, torch.bfloat16).routed(k, 0)
+                decoding = copy.copy(product)
+                decoding.few = None
+                products.append((product, decoding))
         for m in args.rows:
-            xs = {p.k: torch.randn(m, p.k, generator=g).to(torch.bfloat16) for p in products}
+            xs = {p.k: torch.randn(m, p.k, generator=g).to(torch.bfloat16) for p, _ in products}
 
             def kernel(products=products, xs=xs):
-                for p in products:
-                    p.run(xs[p.k])
+                for p, _ in products:
+                    p.few.run(xs[p.k])
 
             def decoded(products=products, xs=xs):
-                for p in products:
-                    torch.ops.mkldnn._linear_pointwise(xs[p.k], p.dequantize(), None, "none", [], "")
+                for _, p in products:
+                    p.product(xs[p.k])
 
             a, b = _alternate(kernel, decoded, args.reps)
             rows_out.append({"format": name, "rows": m, "kernel_ms": a * 1e3, "decoded_onednn_ms": b * 1e3,

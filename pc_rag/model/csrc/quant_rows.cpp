@@ -237,11 +237,20 @@ PC_QUANT inline __m512 bcast(const float* p) {
   return v;
 }
 
-// The bf16 of value j - bias for j = 0..31 (the table vpermw reads).
+// The bf16 of value j - bias for j = 0..31 (the tables vpermw reads), for the biases the formats use; built once, as
+// building one per row (32 conversions) cost as much as a short row's products.
+struct Tables {
+  alignas(64) uint16_t at[4][32];  // bias 0, 8, 16, 32
+  Tables() {
+    const int biases[4] = {0, 8, 16, 32};
+    for (int t = 0; t < 4; ++t)
+      for (int j = 0; j < 32; ++j) at[t][j] = f32_to_bf16(float(j - biases[t]));
+  }
+};
+const Tables TABLES;
+
 PC_QUANT inline __m512i table(int bias) {
-  alignas(64) uint16_t t[32];
-  for (int j = 0; j < 32; ++j) t[j] = f32_to_bf16(float(j - bias));
-  return _mm512_load_si512(t);
+  return _mm512_load_si512(TABLES.at[bias == 0 ? 0 : bias == 8 ? 1 : bias == 16 ? 2 : 3]);
 }
 
 // x as the kernels read it: bf16 rows in their order (`x`), the same rows with each pair of 32-blocks laid out
