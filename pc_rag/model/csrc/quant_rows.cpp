@@ -264,10 +264,10 @@ struct Xs {
 };
 
 // y[m] += sum over the row's weights for M rows of x; `row` is one weight row of K weights in `type`.
-template <int M>
-PC_QUANT void dot_legacy(const uint8_t* row, int64_t K, const Xs& xs, __m512* out, int type) {
+template <int M, int type>
+PC_QUANT void dot_legacy(const uint8_t* row, int64_t K, const Xs& xs, __m512* out) {
   // Q4_0, Q4_1, Q5_0, Q5_1: d [, m] [, 32 fifth bits], 16 bytes of nibbles (weights j and j + 16 in byte j)
-  const bool five = type == Q5_0 || type == Q5_1, offset = type == Q4_1 || type == Q5_1;
+  constexpr bool five = type == Q5_0 || type == Q5_1, offset = type == Q4_1 || type == Q5_1;
   const int64_t bytes = format_of(type).bytes, nb = K / 32;
   const int qh_at = offset ? 4 : 2, at = qh_at + (five ? 4 : 0);
   __m512 acc[M];
@@ -285,7 +285,7 @@ PC_QUANT void dot_legacy(const uint8_t* row, int64_t K, const Xs& xs, __m512* ou
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + bytes + at)), 1);
     const __m512i q = _mm512_cvtepu8_epi16(raw);  // [block b bytes, block b + 1 bytes]
     __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_srli_epi16(q, 4);
-    if (five) {  // fifth bits: weight j of a block is bit j of its qh
+    if constexpr (five) {  // fifth bits: weight j of a block is bit j of its qh
       uint32_t h0, h1;
       std::memcpy(&h0, p + qh_at, 4);
       std::memcpy(&h1, p + bytes + qh_at, 4);
@@ -306,7 +306,7 @@ PC_QUANT void dot_legacy(const uint8_t* row, int64_t K, const Xs& xs, __m512* ou
     const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at)));
     __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, _mm256_set1_epi16(0x0F))),
                                    _mm256_srli_epi16(q, 4), 1);
-    if (five) {
+    if constexpr (five) {
       uint32_t h;
       std::memcpy(&h, p + qh_at, 4);
       v = _mm512_mask_add_epi16(v, __mmask32(h), v, sixteen);
@@ -319,7 +319,7 @@ PC_QUANT void dot_legacy(const uint8_t* row, int64_t K, const Xs& xs, __m512* ou
       acc[m] = _mm512_fmadd_ps(s, d, acc[m]);
     }
   }
-  if (offset) {  // + m times the sum of x over the block
+  if constexpr (offset) {  // + m times the sum of x over the block
     alignas(64) float ms[MAX_BLOCKS];
     block_scales(row, nb, bytes, 2, ms);
     PC_UNROLL for (int m = 0; m < M; ++m) {
@@ -372,8 +372,8 @@ PC_QUANT inline void scales_k4(const uint8_t* p, float* a, float* c) {
   std::memcpy(c, ac + 8, 32);
 }
 
-template <int M>
-PC_QUANT void dot_q4_k(const uint8_t* row, int64_t K, const Xs& xs, __m512* out, __m256* out_off, int five) {
+template <int M, bool five>
+PC_QUANT void dot_q4_k(const uint8_t* row, int64_t K, const Xs& xs, __m512* out, __m256* out_off) {
   __m512 acc[M];
   PC_UNROLL for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   __m256 off[M];
@@ -394,7 +394,7 @@ PC_QUANT void dot_q4_k(const uint8_t* row, int64_t K, const Xs& xs, __m512* out,
     for (int i = 0; i < 4; ++i) {
       const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i)));
       __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_srli_epi16(q, 4);
-      if (five) {  // sub-block j's fifth bits: bit j of qh[0..32)
+      if constexpr (five) {  // sub-block j's fifth bits: bit j of qh[0..32)
         lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * i), one), 4));
         hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * i + 1), one), 4));
       }
@@ -472,13 +472,13 @@ PC_QUANT void direct_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t
       off[m] = _mm256_setzero_ps();
     }
     switch (type) {
-      case Q4_0:
-      case Q4_1:
-      case Q5_0:
-      case Q5_1: dot_legacy<M>(row, K, xs, acc, type); break;
+      case Q4_0: dot_legacy<M, Q4_0>(row, K, xs, acc); break;
+      case Q4_1: dot_legacy<M, Q4_1>(row, K, xs, acc); break;
+      case Q5_0: dot_legacy<M, Q5_0>(row, K, xs, acc); break;
+      case Q5_1: dot_legacy<M, Q5_1>(row, K, xs, acc); break;
       case Q8_0: dot_q8_0<M>(row, K, xs, acc); break;
-      case Q4_K: dot_q4_k<M>(row, K, xs, acc, off, 0); break;
-      case Q5_K: dot_q4_k<M>(row, K, xs, acc, off, 1); break;
+      case Q4_K: dot_q4_k<M, false>(row, K, xs, acc, off); break;
+      case Q5_K: dot_q4_k<M, true>(row, K, xs, acc, off); break;
       case Q6_K: dot_q6_k<M>(row, K, xs, acc); break;
     }
     PC_UNROLL for (int m = 0; m < M; ++m) {
