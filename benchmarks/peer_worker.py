@@ -66,18 +66,6 @@ def run_llamacpp(spec: dict) -> list[dict]:
     import llama_cpp
     from llama_cpp import Llama
 
-    if spec.get("no_extra_buffers"):
-        # llama.cpp's AMX matrix products crashed (SIGSEGV in ggml_backend_amx_mul_mat) on the Xeon with AMX we
-        # measure on: its extra buffer types (AMX, repacked weights) off, as a user would have to run it there.
-        default = llama_cpp.llama_model_default_params
-
-        def params():
-            p = default()
-            p.use_extra_bufts = False
-            return p
-
-        llama_cpp.llama_model_default_params = params
-        llama_cpp.llama.llama_cpp.llama_model_default_params = params
     before = rss_mib()
     # flash_attn: 6x faster decoding here (FIELD-NOTES); n_batch/n_ubatch stay at the library's defaults.
     llm = Llama(model_path=spec["model"], n_ctx=spec["max_len"], n_threads=spec["threads"],

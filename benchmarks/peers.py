@@ -240,7 +240,7 @@ def run_peer(python: Path, peer: str, model: str, dtype: str, plan: Plan, max_le
     """{"requests": per request, "load_rss_mib": what the model added (llama.cpp), "logits": of `logits_ids`}."""
     spec = {"model": model, "dtype": dtype, "max_len": max_len, "threads": torch.get_num_threads(),
             "requests": [{"ids": r.ids, "new_tokens": r.new_tokens, "reset": r.reset} for r in plan.requests],
-            "logits_ids": logits_ids, "no_extra_buffers": peer == "llamacpp" and kernels.has_amx()}
+            "logits_ids": logits_ids}
     with tempfile.TemporaryDirectory() as tmp:
         req, res = Path(tmp) / "requests.json", Path(tmp) / "results.json"
         req.write_text(json.dumps(spec))
@@ -368,8 +368,8 @@ def measure(model: Path, dtype: str, names, reps: int, peers: Path, work: Path, 
             notes.append(f"{peer}: skipped (no GGUF converter under {peers / 'convert'})")
             continue
         if peer == "llamacpp" and kernels.has_amx():
-            notes.append("llamacpp: its extra buffer types (AMX, repacked weights) off: its AMX products crashed "
-                         "here (SIGSEGV in ggml_backend_amx_mul_mat)")
+            notes.append("llamacpp: built without AMX (benchmarks/peers_env.sh): its AMX products crashed here "
+                         "(SIGSEGV in ggml_backend_amx_mul_mat)")
         try:
             done = run_peer(python, peer, str(target), dtype, plan, max_len, logits_ids if quantized else None)
             systems[peer], peer_extra[peer] = done["requests"], done
