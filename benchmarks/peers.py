@@ -323,10 +323,11 @@ def profile(engine, texts: Texts) -> dict:
         return {k: round(v, 2) for k, v in out.items()}
 
     engine.eos_ids = frozenset()
+    n = min(4096, engine.runner.shape.max_positions - 64)  # a shorter prompt where the model's context is shorter
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        g = engine.generate([Text(texts.take(4095))], mode="full", max_new_tokens=1)
+        g = engine.generate([Text(texts.take(n - 1))], mode="full", max_new_tokens=1)
     prefill = kinds(prof, g.ttft_s, 1)
-    runner, n = engine.runner, 4096
+    runner = engine.runner
     cache = runner.acquire_cache(n + 32)
     try:
         runner.forward(cache, [1] * n, list(range(n)), list(range(n)))
