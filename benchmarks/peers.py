@@ -304,7 +304,8 @@ def profile(engine, texts: Texts) -> dict:
     from torch.profiler import profile as torch_profile
 
     ours = (kernels.PROFILE_NAME, kernels.PREFILL_PROFILE_NAME)  # pc_rag's own attention kernels
-    products = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", kernels.LINEAR_PROFILE_NAME)
+    products = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", kernels.LINEAR_PROFILE_NAME,
+                kernels.QUANT_PROFILE_NAME, kernels.DEQUANT_PROFILE_NAME)  # quantized weights' products and decoding
 
     # A decode step's layers in one native call (fused.py): its products, attention and small ops together.
     layers = kernels.LAYERS_PROFILE_NAME
@@ -385,6 +386,8 @@ def measure(model: Path, dtype: str, names, reps: int, peers: Path, work: Path, 
     tdtype = pc_rag.model.parse_dtype(dtype)
     rates = machine_rates(tdtype)
     costs = model_costs(engine.model.config, tdtype)
+    if quantized:  # a decode step reads the quantized bytes
+        costs["bytes_per_param"] = engine.stats()["model"]["bytes"] / (costs["layer_params"] + costs["head_params"])
     rows = summarize(plan, systems, costs, rates)
     prof = profile(engine, Texts(engine, seed=99))
     params = float_params(float_model) if quantized else sum(p.numel() for p in engine.model.parameters())

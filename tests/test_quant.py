@@ -348,3 +348,23 @@ def test_without_native_kernels_each_product_decodes_with_torch(files):
     assert (runner.forward(cache, ids[:-1], at, at) - want[-2]).abs().max().item() < 1e-4
     n = len(ids) - 1
     assert (runner.forward(cache, ids[-1:], [n], [n]) - want[-1]).abs().max().item() < 1e-4
+
+
+def test_a_prefill_in_row_blocks_decodes_each_matrix_once_and_equals_the_float_model(files, monkeypatch):
+    """fused.after_attention runs the MLP in blocks of rows; quantized matrices are decoded once for all of them
+    (Quantized.decoded), with the same logits as transformers' dequantized model."""
+    from pc_rag.model import fused
+
+    monkeypatch.setattr(fused, "MLP_BYTES", 1 << 16)  # blocks of 256 rows: a 300-token prompt takes two
+    runner = LlamaRunner.from_pretrained(str(files["Q4_0"]))
+    if runner._fused is None:
+        pytest.skip("the fused layers do not run here")
+    calls = []
+    real = Quantized.decoded
+    monkeypatch.setattr(Quantized, "decoded", lambda self: calls.append(self) or real(self))
+    ids = _ids(300)
+    got = runner.forward(runner.new_cache(320), ids, list(range(300)), list(range(300)))
+    assert len(calls) == 2 * 2  # gate|up and down of each of the two layers, once each
+    with torch.inference_mode():
+        want = _transformers_float_model(files["Q4_0"])(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    assert (got - want).abs().max().item() < 1e-4

@@ -300,12 +300,15 @@ class FusedLayers:
         # against 3.19-3.51 s with 512-row blocks instead of 768 (docs/speed.md#prefill). Measured at that shape only.
         budget = MLP_BYTES // (2 * self.mlp_width * hidden.element_size())
         rows = max(256, 1 << max(0, budget.bit_length() - 1))
+        gate_up, down = lw.gate_up, lw.down
+        if hidden.shape[0] > rows:  # quantized weights decoded once for all the blocks, not once per block
+            gate_up, down = gate_up.decoded(), down.decoded()
         for a in range(0, hidden.shape[0], rows):
-            gate, up = lw.gate_up(x[a: a + rows])  # [r, I] each: column ranges of one product
+            gate, up = gate_up(x[a: a + rows])  # [r, I] each: column ranges of one product
             act = torch.empty(gate.shape, dtype=gate.dtype)
             self.k.silu_mul(gate.shape[0], gate.shape[1], gate.data_ptr(), up.data_ptr(), gate.stride(0), bf16,
                             threads, act.data_ptr())
-            self._norm(hidden[a: a + rows], lw.down(act), after, x[a: a + rows])  # x's rows a.. are used up
+            self._norm(hidden[a: a + rows], down(act), after, x[a: a + rows])  # x's rows a.. are used up
         return x.view(1, -1, width)
 
     def _norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None,

@@ -71,6 +71,7 @@ PREFILL_PROFILE_NAME = "pc_rag::prefill_attention"
 LINEAR_PROFILE_NAME = "pc_rag::linear_rows"
 LAYERS_PROFILE_NAME = "pc_rag::decode_layers"
 QUANT_PROFILE_NAME = "pc_rag::quant_rows"
+DEQUANT_PROFILE_NAME = "pc_rag::dequant_rows"
 # No FMA contraction: the elementwise ops round as torch's separate ops do.
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 
@@ -494,8 +495,10 @@ def dequant_rows(fn, weight: torch.Tensor, fmt, k: int, index: torch.Tensor | No
     if index is not None:
         index = index.to(torch.int64).contiguous()
     n = weight.shape[0] if index is None else index.numel()
-    status = fn(fmt.ggml_type, k, weight.data_ptr(), weight.stride(0), n, None if index is None else index.data_ptr(),
-                int(out.dtype == torch.bfloat16), torch.get_num_threads(), out.data_ptr(), out.stride(0))
+    with traced(DEQUANT_PROFILE_NAME):
+        status = fn(fmt.ggml_type, k, weight.data_ptr(), weight.stride(0), n,
+                    None if index is None else index.data_ptr(), int(out.dtype == torch.bfloat16),
+                    torch.get_num_threads(), out.data_ptr(), out.stride(0))
     if status != 0:
         raise RuntimeError(f"dequant_rows kernel refused {fmt.name} rows of {k} weights")
     return out

@@ -186,9 +186,9 @@ class LlamaRunner:
                 few = Choice(LINEAR_ROWS if rows else ONEDNN, timed)
         self.weights = shared.routed(route, rows)
         embed = self.model.model.embed_tokens
-        if isinstance(embed, quant.QuantEmbedding):  # its lookups decoded by the kernel where it runs
-            embed.kernel = (None if route is None or not shared.quantized
-                            else functools.partial(kernels.embedding_rows, route.dequant_rows))
+        if isinstance(embed, quant.QuantEmbedding):  # its lookups decoded by the kernel where it runs, else by torch
+            embed.kernel = (None if library is None or self.device.type != "cpu"
+                            else functools.partial(kernels.embedding_rows, library.dequant_rows))
         self.backends = replace(chosen, products=products, few_rows=few)
         self._fused = None
         self._fused, layers, batches = FusedLayers.of(self)
