@@ -393,7 +393,8 @@ def measure(model: Path, dtype: str, names, reps: int, peers: Path, work: Path, 
     params = float_params(float_model) if quantized else sum(p.numel() for p in engine.model.parameters())
     return {"model": str(model), "params": params, "dtype": dtype,
             "rates": {k: round(v, 1) for k, v in rates.items()}, "rows": rows, "notes": notes,
-            "profile": prof, "same_greedy_tokens": agreement(plan, systems), **extra}
+            "profile": prof, "same_greedy_tokens": agreement(plan, systems),
+            "first_difference": divergence_margins(engine, plan, systems), **extra}
 
 
 def float_params(model: Path) -> int:
@@ -424,6 +425,25 @@ def compare_logits(engine, ids: list[int], theirs: list[float] | None, float_mod
         out |= {"pc_rag_vs_llamacpp_max_abs": round(float((ours - theirs).abs().max()), 4),
                 "llamacpp_vs_float_max_abs": round(float((theirs - reference).abs().max()), 4),
                 "same_argmax": bool(ours.argmax() == theirs.argmax())}
+    return out
+
+
+def divergence_margins(engine, plan: Plan, systems: dict) -> dict:
+    """Where each peer's greedy tokens first part from pc_rag's, on the request with the longest answer: pc_rag's
+    margin there between its top two tokens (nats), against the median margin over that answer's steps. A parting
+    at a margin far below the median is a near tie, where either system's rounding may pick the other token."""
+    i = max(range(len(plan.requests)), key=lambda j: plan.requests[j].new_tokens)
+    r = plan.requests[i]
+    g = engine.generate(r.prompt, mode=r.mode, max_new_tokens=r.new_tokens, logprobs=2)
+    margins = [lp.top[0].logprob - lp.top[1].logprob for lp in g.logprobs if len(lp.top) > 1]
+    out = {}
+    for name, res in systems.items():
+        if name == "pc_rag" or not margins:
+            continue
+        ours, theirs = list(g.token_ids), res[i]["tokens"]
+        k = next((j for j in range(min(len(ours), len(theirs))) if ours[j] != theirs[j]), None)
+        out[name] = {"first_difference": k, "margin_there": None if k is None else round(margins[k], 4),
+                     "median_margin": round(statistics.median(margins), 4)}
     return out
 
 
@@ -516,6 +536,11 @@ def markdown(result: dict) -> str:
     agree = ", ".join(f"{title[k]} {v:.0%}" for k, v in result["same_greedy_tokens"].items() if v is not None)
     if agree:
         lines.append(f"- Greedy tokens equal to pc_rag's until the first difference: {agree}.")
+    for peer, d in result.get("first_difference", {}).items():
+        if d["first_difference"] is not None:
+            lines.append(f"- {title[peer]} first parts from pc_rag at token {d['first_difference']} of the longest "
+                         f"answer, where pc_rag's top two tokens were {d['margin_there']} nats apart (median over the "
+                         f"answer: {d['median_margin']}).")
     lines += ["", "Where pc_rag's time goes (ms, torch profiler; 'outside ops' is Python and the engine's own work):",
               "", "| | " + " | ".join(next(iter(result["profile"].values()))) + " |",
               "|---|" + "---|" * len(next(iter(result["profile"].values())))]
