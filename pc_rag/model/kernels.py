@@ -444,7 +444,8 @@ class QuantRows:
     """x [M, K] times quantized matrices (`weights`: uint8 [rows_s, row bytes] in GGML formats `formats`, one K)
     concatenated, plus `bias` (in x's dtype): [M, sum of rows_s] in `dtype` (fp32 or bf16), through
     `pc_rag_quant_rows` (fn); `dequantize` decodes them whole (or some of their rows) through `pc_rag_dequant_rows`
-    (fn_rows). Each output equals linear_rows' product by the decoded weights (quant_rows.cpp)."""
+    (fn_rows). Each output is the product by the weights exactly as decoded (scale times value), summed in fp32 and
+    rounded once, whatever M is (quant_rows.cpp)."""
 
     def __init__(self, fn, fn_rows, weights: list[torch.Tensor], formats: list, k: int, bias: torch.Tensor | None,
                  dtype: torch.dtype):
@@ -518,7 +519,8 @@ def embedding_rows(fn, weight: torch.Tensor, fmt, k: int, ids: torch.Tensor, dty
 def _agrees(k: Kernels) -> bool:
     """Each kernel against sdpa (or F.linear) on a probe per dtype it runs: the decode kernel over keys in several
     chunks, 2 query rows per KV head; the prefill kernel over 100 rows after 200 earlier keys (partial tiles and
-    blocks); linear_rows over two weight segments, one of them not a multiple of 4 rows."""
+    blocks); quant_rows over two Q8_0 matrices; linear_rows over two weight segments, one of them not a multiple of
+    4 rows."""
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         q = torch.randn(2, 2, 64, generator=g).to(dtype)
@@ -536,6 +538,19 @@ def _agrees(k: Kernels) -> bool:
                               atol=tol):
             return False
         if dtype == torch.float32 or k.linear_bf16:
+            # quant_rows over two Q8_0 matrices (pc_rag's Q8_0 layout written by hand: an fp16 scale, 32 int8s)
+            q = torch.randint(-127, 128, (13, 64), generator=g, dtype=torch.int8)
+            d = (torch.rand(13, 2, generator=g) * 0.01).to(torch.float16)
+            raw = torch.cat([d.view(torch.uint8).view(13, 2, 2), q.view(torch.uint8).view(13, 2, 32)], -1)
+            raw = raw.reshape(13, -1)
+            want = (q.view(13, 2, 32).float() * d.float()[..., None]).reshape(13, 64)
+            x = torch.randn(3, 64, generator=g).to(dtype)
+            from .quant import Q8_0
+
+            rows = QuantRows(k.quant_rows, k.dequant_rows, [raw[:8].contiguous(), raw[8:].contiguous()], [Q8_0] * 2,
+                             64, None, dtype)
+            if not torch.allclose(rows(x).float(), x.float() @ want.T, rtol=tol, atol=tol):
+                return False
             x = torch.randn(3, 40, generator=g).to(dtype)
             ws = [torch.randn(8, 40, generator=g).to(dtype), torch.randn(5, 40, generator=g).to(dtype)]
             bias = torch.randn(13, generator=g).to(dtype)

@@ -6,11 +6,11 @@
 //   dequantization computes it in fp32 (then rounded to nearest even for bf16, as torch's conversion): an
 //   embedding's rows, and a prefill's products, which multiply a layer's decoded weights by many rows at a time
 //   through oneDNN (there the decoding is paid once for all the rows).
-// - pc_rag_quant_rows: the product of a few rows (a decode step's) by such matrices: each thread decodes a block of
-//   its output rows into a scratch buffer that stays in L2, then runs linear_rows' microkernels (rows.h) over it
-//   for every x row. So the weights are read from memory once, in their quantized bytes, and each output equals
-//   linear_rows' product of the same x by the decoded weights (the same sums in the same order, whatever M is):
-//   a step's result does not depend on which path or batch size computed it.
+// - pc_rag_quant_rows: the product of a few rows (a decode step's) by such matrices, the weights read from memory
+//   once, in their quantized bytes. bf16 x: straight into AVX512-BF16 dot products (below). fp32 x: each thread
+//   decodes a block of its output rows into a scratch buffer that stays in L2, then runs linear_rows' microkernels
+//   (rows.h) over it for every x row. Either way each output is the product by the weights exactly as decoded,
+//   summed in fp32 in one fixed order whatever M is: a row's result does not depend on its batch.
 //
 // Every format's block is decoded 16 weights at a time: the quantized values widened to 32-bit lanes, converted,
 // times the block's scale (and minus its offset where it has one), the products exact in fp32 (a scale of 11 to 19
@@ -48,39 +48,37 @@ inline Format format_of(int type) {
   }
 }
 
-// An IEEE half (a block's scale) as fp32, exactly.
-inline float half(const uint8_t* p) {
+
+// The AVX-512 subsets every kernel here uses, with F16C for the blocks' fp16 scales (every AVX-512 CPU has it);
+// PC_QUANT adds AVX512-BF16 for the direct kernels, which callers check for first.
+#define PC_DECODE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define PC_QUANT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+
+// A block's fp16 scale as fp32 (exactly).
+PC_DECODE inline float f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-  if (exp == 0) {  // zero or subnormal: mant * 2^-24
-    const float v = float(mant) * 5.9604644775390625e-8f;
-    return sign ? -v : v;
-  }
-  const uint32_t u = sign | (exp == 31 ? 0x7F800000u | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  return _cvtsh_ss(h);
 }
 
 // 16 bytes widened to 16 int32 lanes.
-PC_AVX512 inline __m512i bytes16(const uint8_t* p) {
+PC_DECODE inline __m512i bytes16(const uint8_t* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-PC_AVX512 inline __m512 scaled(__m512i q, float a) { return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(a)); }
+PC_DECODE inline __m512 scaled(__m512i q, float a) { return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(a)); }
 
 // out[16] = a * q + c (a * q exact, one rounding for the add, as GGML's reference: (d * q) + m).
-PC_AVX512 inline void put(float* out, __m512i q, float a, float c) {
+PC_DECODE inline void put(float* out, __m512i q, float a, float c) {
   _mm512_storeu_ps(out, _mm512_add_ps(scaled(q, a), _mm512_set1_ps(c)));
 }
 
 // One block of `type` decoded into out[weights] (fp32).
-PC_AVX512 void block_f32(int type, const uint8_t* b, float* out) {
+PC_DECODE void block_f32(int type, const uint8_t* b, float* out) {
   const __m512i low4 = _mm512_set1_epi32(0x0F);
   switch (type) {
     case Q8_0: {
-      const float d = half(b);
+      const float d = f16(b);
       for (int h = 0; h < 2; ++h)
         _mm512_storeu_ps(out + 16 * h, scaled(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                                                    reinterpret_cast<const __m128i*>(b + 2 + 16 * h))), d));
@@ -88,7 +86,7 @@ PC_AVX512 void block_f32(int type, const uint8_t* b, float* out) {
     }
     case Q4_0:
     case Q4_1: {
-      const float d = half(b), m = type == Q4_1 ? half(b + 2) : 0.f;
+      const float d = f16(b), m = type == Q4_1 ? f16(b + 2) : 0.f;
       const __m512i q = bytes16(b + (type == Q4_1 ? 4 : 2));
       __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_srli_epi32(q, 4);
       if (type == Q4_0) {  // (q - 8) * d
@@ -105,7 +103,7 @@ PC_AVX512 void block_f32(int type, const uint8_t* b, float* out) {
     case Q5_0:
     case Q5_1: {
       const bool offset = type == Q5_1;
-      const float d = half(b), m = offset ? half(b + 2) : 0.f;
+      const float d = f16(b), m = offset ? f16(b + 2) : 0.f;
       uint32_t qh;
       std::memcpy(&qh, b + (offset ? 4 : 2), 4);
       const __m512i q = bytes16(b + (offset ? 8 : 6)), sixteen = _mm512_set1_epi32(16);
@@ -126,7 +124,7 @@ PC_AVX512 void block_f32(int type, const uint8_t* b, float* out) {
     case Q5_K: {
       // d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, [Q5_K: 32 bytes of fifth bits], 128 bytes
       // of nibbles: sub-block 2i in the low nibbles of bytes 32i.., 2i+1 in their high nibbles.
-      const float d = half(b), dmin = half(b + 2);
+      const float d = f16(b), dmin = f16(b + 2);
       const uint8_t* s = b + 4;
       const uint8_t* qh = b + 16;
       const uint8_t* qs = b + (type == Q5_K ? 48 : 16);
@@ -150,7 +148,7 @@ PC_AVX512 void block_f32(int type, const uint8_t* b, float* out) {
       // 128 bytes of low nibbles, 64 of high pairs of bits, 16 int8 scales (one per 16 weights), d; in two halves
       // of 128 weights: weights l, l+32, l+64, l+96 (l < 32) take the low nibble of ql[l], of ql[l+32], the high
       // nibble of ql[l], of ql[l+32], and bits 0-1, 2-3, 4-5, 6-7 of qh[l].
-      const float d = half(b + 208);
+      const float d = f16(b + 208);
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
       for (int half_ = 0; half_ < 2; ++half_) {
         const uint8_t* ql = b + 64 * half_;
@@ -172,7 +170,7 @@ PC_AVX512 void block_f32(int type, const uint8_t* b, float* out) {
 
 // Row `row` [K / weights blocks of `type`] decoded into out [K] (fp32, or bf16 rounded to nearest even).
 template <typename T>
-PC_AVX512 void decode_row(int type, Format f, const uint8_t* row, int64_t K, T* out) {
+PC_DECODE void decode_row(int type, Format f, const uint8_t* row, int64_t K, T* out) {
   alignas(64) float tmp[256];
   for (int64_t k = 0; k < K; k += f.weights, row += f.bytes) {
     float* dst = sizeof(T) == 4 ? reinterpret_cast<float*>(out + k) : tmp;
@@ -196,8 +194,6 @@ PC_AVX512 void decode_row(int type, Format f, const uint8_t* row, int64_t K, T* 
 // Q4_0 and Q5_0 store a block's weights j and j + 16 in one byte, so their x is read in pairs of blocks laid out as
 // their nibbles come (Xs.pairs below); Q4_1 and Q5_1 add their offset times the sum of x over the block.
 
-#define PC_QUANT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
-
 constexpr int64_t PREFETCH_AHEAD = 8192;
 constexpr int64_t MAX_BLOCKS = 4096;
 
@@ -210,11 +206,6 @@ PC_QUANT inline void ahead(const uint8_t* p, int64_t n) {
     _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
 }  // blocks of 32 in a row the direct kernels take (K <= 131072)
 
-PC_QUANT inline float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 // The fp16 scale of each of a row's `nb` blocks (`bytes` apart, the scale at byte `at`) as fp32, into d[nb]: once
 // per row, so the block loop broadcasts them from memory (a load) rather than converting each (two shuffle-port
