@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import UnsupportedModelError
-from . import kernels, quant
+from . import heap, kernels, quant
 from .architecture import Architecture
 
 log = logging.getLogger("pc_rag.weights")
@@ -345,6 +345,8 @@ def weights_of(model, arch: Architecture) -> Weights:
         found = Weights(tuple(layers), head, all(not isinstance(q, Plain) for q in products),
                         any(isinstance(q, Quantized) for q in products))
         _SHARED[model] = found
+        if p.device.type == "cpu":
+            heap.trim()  # the tensors the products' matrices were made from are free
         return found
 
 
