@@ -22,9 +22,10 @@ Quantized weights (`Quantized`: quant.QuantLinear modules, from a GGUF file or `
 the only copy. Up to QUANT_ROWS rows, kernels.QuantRows multiplies straight from them (quant_rows.cpp: the formats'
 integers into AVX512-BF16 dot products, in bf16, or through decoded rows in fp32); more rows decode the matrix to
 the model's dtype QUANT_TILE_BYTES at a time and multiply by oneDNN, which for a prefill costs the decoding once for
-all its rows (0.37B shape, Q4_0, bf16, 8 layers' MLP: the kernel 4.5 ms at 1 row, 16 at 8, 28 at 16, 55 at 32; decoding
-then oneDNN 27-30 ms from 1 to 32 rows, 38 at 64). Without the native kernels (CUDA, no AVX-512, fp16) each product
-decodes its matrix with torch (quant.dequantize) and multiplies by F.linear.
+all its rows (`python -m benchmarks.quant_rows`, Xeon with AMX, 2026-12-07; 8 layers' MLP of the 0.37B shape in bf16,
+Q4_0: the kernel 4.3 ms for 1 row, 7.7 for 4, 28 for 16, 53 for 32; decoding then oneDNN 18-23 ms from 1 to 16 rows,
+26 for 32; Q4_K and Q6_K at the 1B shape cross at 12-16 rows alike). Without the native kernels (CUDA, no AVX-512,
+fp16) each product decodes its matrix with torch (quant.dequantize) and multiplies by F.linear.
 
 Half precision fp16 (no fast oneDNN path on CPUs without AVX512-FP16), CUDA, and any torch whose oneDNN op fails the
 check below use the modules themselves (`Plain`) for float weights.
