@@ -204,10 +204,14 @@ class LlamaRunner:
         formats = sorted({f.name for p in self._quantized() for f in p.formats})
         torch_path = (f"{', '.join(formats)} decoded by torch (quant.dequantize) for each product, then F.linear "
                       "(no float copy kept)")
-        if library is None:
-            return Choice(TORCH, f"{torch_path}: no native kernels ({why})"), Choice(TORCH, why), None
-        if self.dtype == torch.bfloat16 and not library.linear_bf16:
-            because = "bf16 and this CPU has no AVX512-BF16 for the quantized kernels"
+        because = (f"no native kernels ({why})" if library is None else
+                   "bf16 and this CPU has no AVX512-BF16 for the quantized kernels"
+                   if self.dtype == torch.bfloat16 and not library.linear_bf16 else None)
+        if because is not None:
+            if self.device.type == "cpu":  # CUDA's products are fast this way; a CPU's decode steps are not
+                log.warning("pc_rag: %s: the quantized matrices are decoded by torch for every product, so decode "
+                            "steps read them as floats (several times slower than the native kernels)%s", because,
+                            "; float32 runs them" if self.dtype == torch.bfloat16 and library is not None else "")
             return Choice(TORCH, f"{torch_path}: {because}"), Choice(TORCH, because), None
         return (Choice(QUANT, f"{', '.join(formats)}: over {QUANT_ROWS} rows the matrices are decoded to "
                        f"{str(self.dtype).removeprefix('torch.')} a tile at a time by the native kernel, then "
