@@ -195,16 +195,14 @@ PC_DECODE void decode_row(int type, Format f, const uint8_t* row, int64_t K, T* 
 // their nibbles come (Xs.pairs below); Q4_1 and Q5_1 add their offset times the sum of x over the block.
 
 constexpr int64_t PREFETCH_AHEAD = 8192;
-constexpr int64_t MAX_BLOCKS = 4096;
+constexpr int64_t MAX_BLOCKS = 4096;  // blocks of 32 in a row the direct kernels take (K <= 131072)
 
-// The weights PREFETCH_AHEAD bytes past [p, p + n) asked for, a line at a time, as a block is read: the hardware
-// prefetcher stops at every 4 KB page, and without this the kernels waited on memory at each (Q4_0 at 5 against
-// 16 GB/s, 2026-12-07).
-PC_QUANT inline void ahead(const uint8_t* p, int64_t n) {
-  const uintptr_t first = (reinterpret_cast<uintptr_t>(p) + PREFETCH_AHEAD) & ~uintptr_t(63);
-  for (uintptr_t line = first; line < reinterpret_cast<uintptr_t>(p) + PREFETCH_AHEAD + n; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
-}  // blocks of 32 in a row the direct kernels take (K <= 131072)
+// The weights PREFETCH_AHEAD bytes past p asked for: the hardware prefetcher stops at every 4 KB page, and without
+// this the kernels waited on memory at each (Q4_0 at 5 against 16 GB/s, 2026-12-07). One line per call: callers
+// call it for every 64 bytes or less they read (a loop over lines here was a third of the Q4_0 loop's instructions).
+PC_QUANT inline void ahead(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_AHEAD, _MM_HINT_T0);
+}
 
 
 // The fp16 scale of each of a row's `nb` blocks (`bytes` apart, the scale at byte `at`) as fp32, into d[nb]: once
@@ -270,7 +268,7 @@ PC_QUANT void dot_legacy(const uint8_t* row, int64_t K, const Xs& xs, __m512* ou
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
     const uint8_t* p = row + b * bytes;
-    ahead(p, 2 * bytes);
+    ahead(p);  // a pair is 36-48 bytes
     const __m256i raw = _mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at))),
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + bytes + at)), 1);
@@ -333,7 +331,7 @@ PC_QUANT void dot_q8_0(const uint8_t* row, int64_t K, const Xs& xs, __m512* out)
   block_scales(row, K / 32, 34, 0, ds);
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* p = row + b * 34;
-    ahead(p, 34);
+    ahead(p);
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2))));
     const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18))));
     const __m512bh w = _mm512_cvtne2ps_pbh(q1, q0);  // the integers, exactly
@@ -374,7 +372,7 @@ PC_QUANT void dot_q4_k(const uint8_t* row, int64_t K, const Xs& xs, __m512* out,
   alignas(32) float a[8], c[8];
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const uint8_t* p = row + sb * bytes;
-    ahead(p, bytes);
+    ahead(p);
     scales_k4(p, a, c);
     const __m256 cv = _mm256_load_ps(c);
     PC_UNROLL for (int m = 0; m < M; ++m)
@@ -383,6 +381,7 @@ PC_QUANT void dot_q4_k(const uint8_t* row, int64_t K, const Xs& xs, __m512* out,
     const __m512i qh = five ? _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)))
                             : _mm512_setzero_si512();
     for (int i = 0; i < 4; ++i) {
+      ahead(qs + 32 * i + 16);  // with the one above, every 64 bytes of a 144- or 176-byte super-block
       const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i)));
       __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_srli_epi16(q, 4);
       if constexpr (five) {  // sub-block j's fifth bits: bit j of qh[0..32)
@@ -415,7 +414,7 @@ PC_QUANT void dot_q6_k(const uint8_t* row, int64_t K, const Xs& xs, __m512* out)
   const __m512i blend_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const uint8_t* p = row + sb * 210;
-    ahead(p, 210);
+    for (int line = 0; line < 210; line += 64) ahead(p + line);
     const float d = f16(p + 208);
     const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)))),
