@@ -19,6 +19,7 @@ Documents registered with `register(engine, texts, public=True)` are shared by e
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -44,30 +45,51 @@ from .tools import (
 
 __all__ = ["ChatReply", "ChatRequest", "CutCall", "GenerationOptions", "Piece", "Reasoning", "ReplyCutError",
            "ToolCall", "chat_prompt", "chat_request", "check_reasoning_effort", "choice_of", "completion_prompt",
-           "discover", "discovery_enabled", "openai_logprobs", "register", "render_chat",
+           "discover", "discovery_enabled", "model_context", "openai_logprobs", "register", "render_chat",
            "response_grammar", "shared_engine", "stream_chat", "stream_generation", "usage"]
 
 # OpenAI's values of `reasoning_effort`; a chat template that reads the variable gets it as sent.
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
-_ENGINES: dict[tuple[str, str, str], Any] = {}
+_ENGINES: dict[tuple[str, str, str, str | None], Any] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def shared_engine(path: str, dtype: str = "float32", device: str = "cpu"):
+def shared_engine(path: str, dtype: str = "float32", device: str = "cpu", quantize: str | None = None):
     """The Engine for a checkpoint, loaded on first use and shared by every adapter instance in the process.
 
     Adapters are cheap to construct (LangChain builds them per chain, its tests ten times in a row); the
-    weights and the KV store they would otherwise each hold are loaded once per (path, dtype, device).
+    weights and the KV store they would otherwise each hold are loaded once per (path, dtype, device, quantize).
+    `quantize`: "q8_0", "q4_0" or "q4_k" quantizes a float checkpoint's matrices as it loads (Engine.from_pretrained).
     """
-    key = (str(path), dtype, device)
+    key = (str(path), dtype, device, quantize)
     with _ENGINES_LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
             from . import Engine  # the model code loads only when a request needs it
 
-            engine = _ENGINES[key] = Engine.from_pretrained(str(path), dtype=dtype, device=device)
+            engine = _ENGINES[key] = Engine.from_pretrained(str(path), dtype=dtype, device=device, quantize=quantize)
         return engine
+
+
+def model_context(path: str) -> int | None:
+    """The context in tokens of the local checkpoint at `path` (a folder's config.json `max_position_embeddings`, or a
+    GGUF file's `context_length`, also a folder holding one GGUF), read without loading the model; None where it
+    cannot be read (a Hub id, a missing or broken file: loading the model reports those)."""
+    from pathlib import Path
+
+    folder = Path(path).expanduser()
+    try:
+        if folder.is_dir() and (folder / "config.json").is_file():
+            return int(json.loads((folder / "config.json").read_text())["max_position_embeddings"])
+        ggufs = [folder] if folder.is_file() else sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+        if len(ggufs) == 1 and importlib.util.find_spec("gguf") is not None:
+            from .model.gguf import context_length
+
+            return context_length(ggufs[0])
+    except Exception:  # a header that cannot be read: loading the model names what is wrong with it
+        pass
+    return None
 
 
 def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = (),

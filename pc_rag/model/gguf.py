@@ -76,6 +76,16 @@ def load(path: Path, config, dtype: torch.dtype, given: str):
     return model.eval().requires_grad_(False)
 
 
+def context_length(path: Path) -> int | None:
+    """The model's context in tokens as the GGUF file at `path` states it (`<arch>.context_length`), read from its
+    header without loading a tensor; None where the file does not say."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    found = _field(reader, f"{_field(reader, 'general.architecture')}.context_length")
+    return int(found) if found is not None else None
+
+
 def _field(reader, key: str):
     from transformers.modeling_gguf_pytorch_utils import read_field
 

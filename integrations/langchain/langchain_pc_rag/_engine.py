@@ -19,13 +19,17 @@ class EngineFields(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
     model: str | None = Field(
-        default=None, description="Path of a local HF Llama checkpoint; loaded on the first request."
+        default=None, description="Path of a local checkpoint: an HF folder or a GGUF file (kept quantized as in "
+        "the file); loaded on the first request."
     )
     engine: Any = Field(
         default=None, exclude=True, description="An existing pc_rag.Engine (instead of `model`)."
     )
     dtype: str = Field(default="float32", description="Weights dtype when loading `model`.")
     device: str = Field(default="cpu", description="Device when loading `model`.")
+    quantize: str | None = Field(
+        default=None, description="'q4_k', 'q4_0' or 'q8_0': quantize a float checkpoint's matrices as `model` "
+        "loads (a quarter to half of its memory; a GGUF file is already quantized). None: as the checkpoint is.")
     mode: str = Field(
         default="modular", description="pc_rag mode: 'modular' reuses chunk KV, 'full' computes every token."
     )
@@ -62,7 +66,7 @@ class EngineFields(BaseModel):
             return self.engine
         if not self.model:
             raise ValueError("pass model=<path of a local HF Llama checkpoint> or engine=<pc_rag.Engine>")
-        return shared_engine(self.model, self.dtype, self.device)
+        return shared_engine(self.model, self.dtype, self.device, self.quantize)
 
     @property
     def model_name(self) -> str:

@@ -40,6 +40,24 @@ def test_context_window_comes_from_the_checkpoint_without_loading_it():
     assert PromptCacheLLM(model=tiny_model_path(), context_window=1000).metadata.context_window == 1000
 
 
+def test_a_gguf_file_sizes_prompts_from_its_header_and_quantize_loads_a_quantized_engine(tmp_path):
+    pytest.importorskip("gguf")
+    from pc_rag import Engine, testing
+
+    path = testing.write_gguf(tiny_model_path(), tmp_path / "tiny-q8_0.gguf", "Q8_0")
+    llm = PromptCacheLLM(model=str(path), max_new_tokens=6)
+    assert llm.metadata.context_window == 2048 and llm._loaded is None  # from the file's header, nothing loaded
+    assert llm.get_engine().stats()["model"]["matrices"].get("Q8_0", 0) > 0  # kept quantized as in the file
+
+    quantized = PromptCacheLLM(model=tiny_model_path(), quantize="q8_0", max_new_tokens=6, is_chat_model=False)
+    reference = Engine.from_pretrained(tiny_model_path(), quantize="q8_0")
+    assert quantized.get_engine().runner.fingerprint == reference.runner.fingerprint
+    assert quantized.get_engine().runner.fingerprint != fresh_engine().runner.fingerprint
+    prompt = "The quick brown fox jumps over"
+    want = PromptCacheLLM(engine=reference, max_new_tokens=6, is_chat_model=False).complete(prompt).text
+    assert quantized.complete(prompt).text == want
+
+
 USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "cached_tokens",
               "cache_creation_tokens"}
 

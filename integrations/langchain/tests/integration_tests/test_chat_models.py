@@ -180,3 +180,14 @@ def _check_joke(result, schema) -> None:
     else:
         assert set(result) == {"setup", "punchline"}
         assert all(isinstance(v, str) and len(v) <= 24 for v in result.values())
+
+
+def test_quantize_loads_the_checkpoint_quantized_and_answers_as_that_engine():
+    from pc_rag import Engine
+
+    chat = ChatPromptCache(model=tiny_model_path(), quantize="q4_0", max_tokens=6)
+    reference = Engine.from_pretrained(tiny_model_path(), quantize="q4_0")
+    assert chat._engine().stats()["model"]["matrices"].get("Q4_0", 0) > 0
+    assert chat._engine().runner.fingerprint == reference.runner.fingerprint
+    messages = [HumanMessage("Which fox is quick?")]
+    assert chat.invoke(messages).content == ChatPromptCache(engine=reference, max_tokens=6).invoke(messages).content

@@ -36,7 +36,6 @@ import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import (
@@ -65,6 +64,7 @@ from pc_rag.adapters import (
     Reasoning,
     chat_request,
     completion_prompt,
+    model_context,
     shared_engine,
     stream_chat,
     stream_generation,
@@ -228,14 +228,6 @@ def _all(responses) -> list[list[LogProb]] | None:
     return [per_token for r in responses for per_token in r.logprobs or ()] or None
 
 
-def _context_from_config(model: str) -> int | None:
-    """`max_position_embeddings` from a local checkpoint's config.json, without loading anything else."""
-    try:
-        return int(json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 class PromptCacheLLM(FunctionCallingLLM):
     """Local Llama through pc_rag; documents in the prompt are reused wherever they appear.
 
@@ -245,10 +237,14 @@ class PromptCacheLLM(FunctionCallingLLM):
     A `FunctionCallingLLM`: `FunctionAgent`, `predict_and_call`, `structured_predict` (a forced call).
     """
 
-    model: str | None = Field(default=None, description="Path of a local HF Llama checkpoint; loaded lazily.")
+    model: str | None = Field(default=None, description="Path of a local checkpoint: an HF folder or a GGUF file "
+                              "(kept quantized as in the file); loaded lazily.")
     engine: Any = Field(default=None, exclude=True, description="An existing pc_rag.Engine.")
     dtype: str = Field(default="float32", description="Weights dtype when loading `model`.")
     device: str = Field(default="cpu", description="Device when loading `model`.")
+    quantize: str | None = Field(
+        default=None, description="'q4_k', 'q4_0' or 'q8_0': quantize a float checkpoint's matrices as `model` "
+        "loads (a quarter to half of its memory; a GGUF file is already quantized). None: as the checkpoint is.")
     mode: str = Field(default="modular", description="'modular' reuses chunk KV, 'exact' prefixes.")
     max_new_tokens: int = Field(default=256, gt=0, description="Most tokens to generate.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 means greedy decoding.")
@@ -273,7 +269,8 @@ class PromptCacheLLM(FunctionCallingLLM):
         default=None,
         gt=0,
         description="The model's context in tokens, for LlamaIndex's prompt sizing. None: the model's own "
-        "(max_position_embeddings from the checkpoint's config.json, read without loading the weights).",
+        "(max_position_embeddings from the checkpoint's config.json, or a GGUF file's context_length, read "
+        "without loading the weights).",
     )
     is_chat_model: bool | None = Field(
         default=None,
@@ -313,14 +310,14 @@ class PromptCacheLLM(FunctionCallingLLM):
     def _context_window(self) -> int:
         # LlamaIndex's default (3900) on a 2K model made compact mode answer "Empty Response": its refine step
         # swallows the engine's too-long-prompt error. Synthesizers read this when they are built, before any
-        # request, so it comes from config.json rather than from loading the model.
+        # request, so it comes from config.json (or the GGUF's header) rather than from loading the model.
         if self.context_window is not None:
             return self.context_window
         engine = self._loaded_engine()
         if engine is not None:
             return engine.runner.shape.max_positions
         if self.model and self._config_context is None:
-            self._config_context = _context_from_config(self.model)
+            self._config_context = model_context(self.model)
         return self._config_context or DEFAULT_CONTEXT_WINDOW
 
     def _chat_model(self) -> bool:
@@ -337,7 +334,7 @@ class PromptCacheLLM(FunctionCallingLLM):
         if self._loaded is None:
             if not self.model:
                 raise ValueError("pass model=<path of a local HF Llama checkpoint> or engine=<pc_rag.Engine>")
-            self._loaded = shared_engine(self.model, self.dtype, self.device)
+            self._loaded = shared_engine(self.model, self.dtype, self.device, self.quantize)
         return self._loaded
 
     # LLM.predict/stream/apredict/astream choose chat() or complete() from metadata.is_chat_model: with the
