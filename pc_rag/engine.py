@@ -34,7 +34,7 @@ from .prefetch import PREFETCHER, Prefetcher
 from .quality import Calibration, deviation_reference, gate
 from .request import Generation, Request, next_token_logits
 from .scaffolds import ScaffoldBuilder
-from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment, chunk_list
+from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment, check_text, chunk_list
 from .store import open_store
 from .text_index import DISCOVERY, ChunkIndex, Discovery, ReplyIndex, marked, resolve, with_passages
 
@@ -242,7 +242,7 @@ class Engine:
         keyed as a chunk that follows a newline in a prompt string (its stripped text, tokenized on its own), in
         the namespace `cache_salt` (public documents in none)."""
         namespace = checked_cache_salt(cache_salt)
-        texts = [t for t in texts if isinstance(t, str) and t.strip()]
+        texts = [t for i, t in enumerate(texts) if isinstance(t, str) and check_text(t, f"texts[{i}]").strip()]
         return self.prefetcher.submit(lambda: self._prefetch_now(texts, namespace))
 
     @releasing_team  # on the prefetch worker, which then idles
@@ -263,6 +263,10 @@ class Engine:
         string (see `SegmentTokenizer.split`)."""
         if not isinstance(text, str):
             raise PromptError(f"split takes the prompt as a str, got {type(text).__name__}")
+        check_text(text, "the prompt string")
+        if isinstance(chunk_texts, str):  # a lone string would be taken character by character
+            raise PromptError("chunk_texts takes a list of texts, not a single one: chunk_texts=[text]")
+        chunk_texts = [check_text(t, f"chunk_texts[{i}]") for i, t in enumerate(chunk_texts)]
         namespace = checked_cache_salt(cache_salt)
         found = self.chunks.candidates(text) + self.replies.candidates(text, namespace) + marked(text, chunk_texts)
         if discovered:

@@ -47,7 +47,7 @@ import ahocorasick
 
 from .errors import PCRagError
 from .passages import passage_spans
-from .segments import Chunk, Text, cut_at
+from .segments import Chunk, Text, check_text, cut_at
 
 _RECENT_MIN = 256  # the recent automaton is folded into the main one past max(_RECENT_MIN, keys // 8)
 
@@ -111,9 +111,7 @@ class ChunkIndex:
     @staticmethod
     def key(text: str) -> str:
         """The form a chunk text is registered and matched in (surrounding whitespace stripped)."""
-        if not isinstance(text, str):
-            raise PCRagError(f"a chunk text must be a str, got {type(text).__name__}")
-        return text.strip()
+        return check_text(text, "a chunk text").strip()
 
     def add(self, text: str) -> bool:
         """Register one chunk text; return False when it was already there or is only whitespace."""
