@@ -339,9 +339,11 @@ class Engine:
 
     def stats(self) -> dict:
         """tiers: the store's counters; scaffolds: groups, bytes of their joint KV, failed builds (each logged);
-        prefix: blocks indexed; registered: chunks and remembered replies; passages: those remembered and what they
-        did (`PassageCounts`); decode: the shared loop's steps, tokens (first_tokens, prompt_tokens), largest batch,
-        rows decoding and waiting; backends; relocation_check and quality_gate: None until they ran."""
+        prefix: blocks indexed; registered: chunks and remembered replies; tokenizer_memo: texts whose tokens are
+        kept; grammars: compiled and kept, compiles so far; passages: those remembered and what they did
+        (`PassageCounts`); decode: the shared loop's steps, tokens (first_tokens, prompt_tokens), largest batch,
+        rows decoding and waiting; backends; relocation_check and quality_gate: None until they ran. The indexes
+        are bounded (each class says how), so a long-running server's figures stop growing at their bounds."""
         groups, failed = self.scaffolds.snapshot()  # background builds may add groups meanwhile
         check = self.runner.relocation_check
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
@@ -349,6 +351,8 @@ class Engine:
                               "failed": failed},
                 "prefix": {"blocks_indexed": len(self.planner.prefixes), "block_tokens": self.planner.block_tokens},
                 "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
+                "tokenizer_memo": dict(zip(("entries", "chars"), self.segmenter.memo_size(), strict=True)),
+                "grammars": {"compiled": len(self.grammars), "compiles": self.grammars.compiles},
                 "passages": self.planner.passages.stats(),
                 "decode": self.traffic.stats(self.max_batch),
                 "backends": self.runner.backends.as_dict(),

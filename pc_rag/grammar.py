@@ -245,6 +245,9 @@ class Grammars:
         self.max_compiled = max_compiled
         self._ll_tokenizer = None
         self._compiled: OrderedDict[Grammar, Any] = OrderedDict()
+        # Grammars refused (their message), as many as kept compiled: a client resending a schema past llguidance's
+        # limits costs a lookup, not the compile and the probe that found it (0.4 s for `a{1000000}`).
+        self._refused: OrderedDict[Grammar, str] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # grammars compiled (a cache miss each)
 
@@ -275,7 +278,18 @@ class Grammars:
             if found is not None:
                 self._compiled.move_to_end(grammar)
                 return found
-        compiled = self._compile(self._tokenizer_now(), grammar)
+            refused = self._refused.get(grammar)
+        if refused is not None:  # refused before: the same error, without the compile (up to a second) again
+            raise OptionError(refused)
+        tokenizer = self._tokenizer_now()  # outside: a missing llguidance is not the grammar's fault
+        try:
+            compiled = self._compile(tokenizer, grammar)
+        except OptionError as e:
+            with self._lock:
+                self._refused[grammar] = str(e)
+                while len(self._refused) > self.max_compiled:
+                    self._refused.popitem(last=False)
+            raise
         with self._lock:
             self.compiles += 1
             self._compiled[grammar] = compiled

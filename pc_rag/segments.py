@@ -205,6 +205,11 @@ class SegmentTokenizer:
         self._chars = 0
         self._lock = threading.Lock()  # engines serve several threads; the memo's LRU order is shared state
 
+    def memo_size(self) -> tuple[int, int]:
+        """The memo's entries and the characters of their texts (`Engine.stats`)."""
+        with self._lock:
+            return len(self._memo), self._chars
+
     def ids(self, text: str, namespace: str | None = None) -> tuple[int, ...]:
         """`text`'s token ids. The memo is kept per cache namespace: a hit is faster than tokenizing, so a memo
         shared between namespaces would tell one whether another had sent the very same text."""

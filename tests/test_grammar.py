@@ -304,3 +304,20 @@ def test_a_schema_past_the_compilers_limits_is_an_option_error(engine):
     deep = json.loads('{"type": "object", "properties": {"a": ' * 200 + '{"type": "integer"}' + "}}" * 200)
     with pytest.raises(OptionError, match="json_schema grammar does not compile: recursion limit exceeded"):
         engine.generate("x", grammar=Grammar.json_schema(deep), max_new_tokens=4)
+
+
+def test_a_refused_grammar_is_refused_again_without_compiling(engine, monkeypatch):
+    """A client resending a schema past the limits costs a lookup: the same OptionError, no second compile.
+    Reference: the calls to the compiler, counted."""
+    grammar = Grammar.regex("a{1000000}")
+    calls = []
+    compile_once = Grammars._compile
+    monkeypatch.setattr(Grammars, "_compile", staticmethod(lambda *a: calls.append(1) or compile_once(*a)))
+    errors = []
+    for _ in range(3):
+        with pytest.raises(OptionError, match="cannot be completed") as e:
+            engine.grammars.compiled(grammar)
+        errors.append(str(e.value))
+    assert len(calls) == 1 and len(set(errors)) == 1
+    assert engine.grammars.compiled(Grammar.regex("ab")) is engine.grammars.compiled(Grammar.regex("ab"))
+    assert len(calls) == 2

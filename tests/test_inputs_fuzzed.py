@@ -6,7 +6,7 @@ Reference: the exception family (`pc_rag.PCRagError`), and for a reply its own a
 cached or computed). Texts hold any code point, lone surrogates included (what a broken client or a bad decode
 produces), chat templates' special tokens, and documents long enough to be passages (pc_rag.passages), so the
 passage path of `Engine.split` runs. `PC_RAG_FUZZ_EXAMPLES` raises the number of examples per test (the issue's
-10-minute run: docs/design.md, "Bad input").
+10-minute run: docs/design.md, "Reliability").
 """
 
 from __future__ import annotations

@@ -449,8 +449,8 @@ class QuantRows:
                  dtype: torch.dtype):
         if any(w.dtype != torch.uint8 or not w.is_contiguous() or w.shape[1] != f.row_bytes(k)
                for w, f in zip(weights, formats, strict=True)) or dtype not in DTYPES:
-            raise ValueError(f"quant_rows: weights {[(tuple(w.shape), f.name) for w, f in zip(weights, formats)]} "
-                             f"for {k} inputs in {dtype} do not fit")
+            shapes = [(tuple(w.shape), f.name) for w, f in zip(weights, formats, strict=True)]
+            raise ValueError(f"quant_rows: weights {shapes} for {k} inputs in {dtype} do not fit")
         self.fn, self.fn_rows, self.weights, self.formats, self.bias = fn, fn_rows, weights, formats, bias
         self.dtype, self.k, self.n = dtype, k, sum(w.shape[0] for w in weights)
         self._ptrs = (ctypes.c_void_p * len(weights))(*[w.data_ptr() for w in weights])

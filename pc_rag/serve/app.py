@@ -197,9 +197,14 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         if keys and tenant_of(request) is None:  # load balancers need liveness only; the rest is for operators
             return {"status": "ok"}
         stats = engine.stats()
+        caches = {"store_bytes": sum(t["bytes_held"] for t in stats["tiers"]),
+                  "prefix_blocks": stats["prefix"]["blocks_indexed"], "replies": stats["registered"]["replies"],
+                  "chunks": stats["registered"]["chunks"], "passages": stats["passages"]["indexed"],
+                  "tokenizer_memo": stats["tokenizer_memo"]["entries"], "grammars": stats["grammars"]["compiled"]}
         return {"status": "ok", "model": settings.model_id, "running": admission.running,
                 "waiting": admission.waiting, "served": admission.served, "rejected": admission.rejected,
-                "decode": stats["decode"], "relocation_check": stats["relocation_check"]}
+                "decode": stats["decode"], "relocation_check": stats["relocation_check"],
+                "caches": caches}  # what the bounded indexes hold: a long run's memory, told apart (soak.py)
 
     @app.get("/ready")
     async def ready():
