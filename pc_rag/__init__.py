@@ -5,6 +5,7 @@ from .blocks import KVBlock
 from .engine import Engine
 from .errors import (
     CheckpointError,
+    GrammarError,
     OptionError,
     OptionTypeError,
     PCRagError,
@@ -29,6 +30,7 @@ __all__ = [
     "Generation",
     "GenerationOptions",
     "Grammar",
+    "GrammarError",
     "KVBlock",
     "OptionError",
     "OptionTypeError",

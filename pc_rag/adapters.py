@@ -25,12 +25,14 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from jinja2 import TemplateError  # what chat templates raise; jinja2 comes with torch
+
 from .decode import Piece, choice_of
-from .errors import OptionError, OptionTypeError, PCRagError, ReplyCutError
+from .errors import GrammarError, OptionError, OptionTypeError, PCRagError, PromptError, ReplyCutError
 from .grammar import Grammar
 from .options import GenerationOptions
 from .reasoning import CONTENT, ThinkingFilter, ThinkingMarkers
-from .segments import Chunk, Text
+from .segments import Chunk, Text, check_texts
 from .text_index import discover, discovery_enabled
 from .tools import (
     CallFilter,
@@ -43,10 +45,10 @@ from .tools import (
     tool_specs,
 )
 
-__all__ = ["ChatReply", "ChatRequest", "CutCall", "GenerationOptions", "Piece", "Reasoning", "ReplyCutError",
-           "ToolCall", "chat_prompt", "chat_request", "check_reasoning_effort", "choice_of", "completion_prompt",
-           "discover", "discovery_enabled", "model_context", "openai_logprobs", "register", "render_chat",
-           "response_grammar", "shared_engine", "stream_chat", "stream_generation", "usage"]
+__all__ = ["ChatReply", "ChatRequest", "CutCall", "GenerationOptions", "GrammarError", "Piece", "Reasoning",
+           "ReplyCutError", "ToolCall", "chat_prompt", "chat_request", "check_reasoning_effort", "choice_of",
+           "completion_prompt", "discover", "discovery_enabled", "model_context", "openai_logprobs", "register",
+           "render_chat", "response_grammar", "shared_engine", "stream_chat", "stream_generation", "usage"]
 
 # OpenAI's values of `reasoning_effort`; a chat template that reads the variable gets it as sent.
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -102,10 +104,46 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequenc
             "the model's tokenizer has no chat template; use the completion-style class (PromptCacheLLM) "
             "or set tokenizer.chat_template"
         )
-    rendered, kwargs = render_messages(messages, tool_specs(tools), ToolFormat.detect(tokenizer))
+    rendered, kwargs = render_messages(checked_messages(messages), tool_specs(tools), ToolFormat.detect(tokenizer))
     if check_reasoning_effort(tokenizer, reasoning_effort) is not None:
         kwargs["reasoning_effort"] = reasoning_effort
-    return tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
+    try:
+        return tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
+    except TemplateError as e:  # a template's own refusal (`raise_exception("roles must alternate")`) or failure
+        raise PromptError(f"the model's chat template refused the messages: {e}") from None
+
+
+def checked_messages(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """`messages` as chat templates and `tools.render_messages` take them: a non-empty list of dicts, each with a
+    role (a non-empty str), text content (a str or None), OpenAI's or LangChain's tool calls (each naming its
+    function), and only valid Unicode text in any field; else a PromptError naming the message and the field (a
+    template would fail on it with an error naming neither, or write `5` or `None` into the prompt)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise PromptError(f"messages must be a list of role/content dicts, got {type(messages).__name__}")
+    if not messages:
+        raise PromptError("messages is empty: a chat request needs at least one message")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, Mapping):
+            raise PromptError(f"{where} must be a role/content dict, got {type(m).__name__}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise PromptError(f"{where}.role must be a non-empty str, got {m.get('role')!r:.40}")
+        if m.get("content") is not None and not isinstance(m["content"], str):
+            raise PromptError(f"{where}.content must be a str or None, got {type(m['content']).__name__}")
+        calls = m.get("tool_calls") or []
+        if not isinstance(calls, (list, tuple)):
+            raise PromptError(f"{where}.tool_calls must be a list, got {type(calls).__name__}")
+        for j, call in enumerate(calls):
+            function = call.get("function", call) if isinstance(call, Mapping) else None
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+                raise PromptError(f"{where}.tool_calls[{j}] must be a dict naming its function "
+                                  f'({{"function": {{"name": ..., "arguments": ...}}}}), got {call!r:.60}')
+            arguments = function.get("arguments", function.get("args", {}))
+            if not isinstance(arguments, (Mapping, str)):
+                raise PromptError(f"{where}.tool_calls[{j}]'s arguments must be a dict or JSON text, got "
+                                  f"{type(arguments).__name__}")
+        check_texts(m, where)
+    return list(messages)
 
 
 def check_reasoning_effort(tokenizer, effort: str | None) -> str | None:
@@ -270,7 +308,8 @@ class ChatReply:
     budget ended before it was complete), the engine's `Generation`, and its reasoning (the text between the
     thinking markers; "" when there was none). `choice`: which of the request's replies this is; the first holds
     the others in `others` (n > 1). `cut`: the token budget ended the reply inside the structure the request asked
-    for (a tool call, or a response_format's JSON)."""
+    for (a tool call, or a response_format's JSON). `error`: why its grammar could not be completed (finish reason
+    "error"; a call it ended inside is a `CutCall`, as a cut one)."""
 
     content: str
     tool_calls: list[ToolCall | CutCall]
@@ -281,9 +320,17 @@ class ChatReply:
     others: tuple[ChatReply, ...] = ()
 
     @property
+    def error(self) -> str | None:
+        """Why the reply's grammar could not be completed (`Generation.error`); None when it was, or there was none."""
+        return self.generation.choices[self.choice].error
+
+    @property
     def finish_reason(self) -> str:
-        """"length" when the budget cut a call (OpenAI's, with the partial call in tool_calls), "tool_calls" when the
-        reply made calls, else the engine's ("stop" or "length")."""
+        """"error" when the reply's grammar could not be completed, "length" when the budget cut a call (OpenAI's,
+        with the partial call in tool_calls), "tool_calls" when the reply made calls, else the engine's ("stop" or
+        "length")."""
+        if self.error is not None:
+            return "error"
         if any(isinstance(c, CutCall) for c in self.tool_calls):
             return "length"
         return "tool_calls" if self.tool_calls else self.generation.choices[self.choice].finish_reason
@@ -298,8 +345,10 @@ class ChatReply:
         return self.generation.choices[self.choice].logprobs
 
     def check_complete(self, budget: int | None = None) -> None:
-        """Raise `ReplyCutError` when the token budget cut the reply's call or JSON (the adapters whose frameworks
-        have no place for a partial call raise it)."""
+        """Raise `ReplyCutError` when the token budget cut the reply's call or JSON, `GrammarError` when its grammar
+        could not be completed (the adapters whose frameworks have no place for a partial call raise them)."""
+        if self.error is not None:
+            raise GrammarError(f"the reply is incomplete: {self.error}")
         if not self.cut:
             return
         what = "tool call" if any(isinstance(c, CutCall) for c in self.tool_calls) else "JSON reply"
@@ -363,16 +412,17 @@ def stream_chat(engine, request: ChatRequest, heartbeat: bool = False) -> Iterat
         replies = []
         for reader in readers:
             yield from reader.pieces(reader.thinking.finish())
-            budget_ended = item.choices[reader.choice].finish_reason == "length"
+            finish = item.choices[reader.choice].finish_reason
+            budget_ended = finish == "length"
             found: list[ToolCall | CutCall] = []
-            if reader.calls is not None:
-                rest, found = reader.calls.finish(cut=budget_ended)
+            if reader.calls is not None:  # a call a failed grammar ended inside is cut too: never markup as text
+                rest, found = reader.calls.finish(cut=finish in ("length", "error"))
                 if rest:
                     reader.text.append(rest)
                     yield reader._out(Piece, rest)
             content = "".join(reader.text)
-            cut = any(isinstance(c, CutCall) for c in found) or (
-                budget_ended and request.json_reply and not _is_json(content))
+            cut = budget_ended and (any(isinstance(c, CutCall) for c in found) or (
+                request.json_reply and not _is_json(content)))
             replies.append(ChatReply(content, found, item, "".join(reader.thought), reader.choice, cut))
         yield dataclasses.replace(replies[0], others=tuple(replies[1:]))
 

@@ -202,6 +202,25 @@ class Sampler:
         self.times.append(time.perf_counter())
         return token
 
+    def judged(self, reason: str, cut: str | None = None) -> tuple[str, str | None]:
+        """How the reply ended, as its grammar judges it: `reason` ("stop" for EOS or a stop string, "length"), or
+        ("error", why) where the grammar could not be completed: it failed (a dead end, a limit of the grammar
+        engine), or the reply stopped where the grammar does not accept it. `cut`: the text a stop string left, which
+        the grammar must accept as it is (the matcher took the stop string's tokens too). A reply the token budget
+        cut stays "length": more tokens could complete it."""
+        grammar = self.grammar
+        if grammar is None:
+            return reason, None
+        if cut is not None:
+            if grammar.accepts(cut):
+                return reason, None
+            return "error", "a stop string ended the reply before its grammar was complete"
+        if grammar.failure is not None:
+            return "error", f"the grammar could not be completed: {grammar.failure}"
+        if reason == "stop" and not grammar.complete:
+            return "error", "the reply ended before its grammar was complete"
+        return reason, None
+
     def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits with OpenAI's logit bias and penalties: logit[j] += bias[j] - count[j] * frequency_penalty -
         (count[j] > 0) * presence_penalty, count[j] being how often the reply generated j so far. A copy: `logits`

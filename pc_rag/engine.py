@@ -34,7 +34,7 @@ from .prefetch import PREFETCHER, Prefetcher
 from .quality import Calibration, deviation_reference, gate
 from .request import Generation, Request, next_token_logits
 from .scaffolds import ScaffoldBuilder
-from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment, chunk_list
+from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment, check_text, chunk_list
 from .store import open_store
 from .text_index import DISCOVERY, ChunkIndex, Discovery, ReplyIndex, marked, resolve, with_passages
 
@@ -246,7 +246,7 @@ class Engine:
         keyed as a chunk that follows a newline in a prompt string (its stripped text, tokenized on its own), in
         the namespace `cache_salt` (public documents in none)."""
         namespace = checked_cache_salt(cache_salt)
-        texts = [t for t in texts if isinstance(t, str) and t.strip()]
+        texts = [t for i, t in enumerate(texts) if isinstance(t, str) and check_text(t, f"texts[{i}]").strip()]
         return self.prefetcher.submit(lambda: self._prefetch_now(texts, namespace))
 
     @releasing_team  # on the prefetch worker, which then idles
@@ -267,6 +267,10 @@ class Engine:
         string (see `SegmentTokenizer.split`)."""
         if not isinstance(text, str):
             raise PromptError(f"split takes the prompt as a str, got {type(text).__name__}")
+        check_text(text, "the prompt string")
+        if isinstance(chunk_texts, str):  # a lone string would be taken character by character
+            raise PromptError("chunk_texts takes a list of texts, not a single one: chunk_texts=[text]")
+        chunk_texts = [check_text(t, f"chunk_texts[{i}]") for i, t in enumerate(chunk_texts)]
         namespace = checked_cache_salt(cache_salt)
         found = self.chunks.candidates(text) + self.replies.candidates(text, namespace) + marked(text, chunk_texts)
         if discovered:
@@ -339,10 +343,12 @@ class Engine:
 
     def stats(self) -> dict:
         """tiers: the store's counters; scaffolds: groups, bytes of their joint KV, failed builds (each logged);
-        prefix: blocks indexed; registered: chunks and remembered replies; passages: those remembered and what they
-        did (`PassageCounts`); decode: the shared loop's steps, tokens (first_tokens, prompt_tokens), largest batch,
+        prefix: blocks indexed; registered: chunks and remembered replies; tokenizer_memo: texts whose tokens are
+        kept; grammars: compiled and kept, compiles so far; passages: those remembered and what they did
+        (`PassageCounts`); decode: the shared loop's steps, tokens (first_tokens, prompt_tokens), largest batch,
         rows decoding and waiting; backends; model: the loaded model's bytes, dtype and matrices by format
-        (LlamaRunner.memory); relocation_check and quality_gate: None until they ran."""
+        (LlamaRunner.memory); relocation_check and quality_gate: None until they ran. The indexes are bounded (each
+        class says how), so a long-running server's figures stop growing at their bounds."""
         groups, failed = self.scaffolds.snapshot()  # background builds may add groups meanwhile
         check = self.runner.relocation_check
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
@@ -350,6 +356,8 @@ class Engine:
                               "failed": failed},
                 "prefix": {"blocks_indexed": len(self.planner.prefixes), "block_tokens": self.planner.block_tokens},
                 "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
+                "tokenizer_memo": dict(zip(("entries", "chars"), self.segmenter.memo_size(), strict=True)),
+                "grammars": {"compiled": len(self.grammars), "compiles": self.grammars.compiles},
                 "passages": self.planner.passages.stats(),
                 "decode": self.traffic.stats(self.max_batch),
                 "backends": self.runner.backends.as_dict(),

@@ -20,8 +20,9 @@ class CheckpointError(PCRagError, OSError):
     own loading errors are."""
 
 
-class PMLError(PCRagError, ValueError):
-    """A PML schema or prompt is malformed, hostile or does not fit its schema; names the element and line."""
+class PMLError(PromptError):
+    """A PML schema or prompt is malformed, hostile or does not fit its schema; names the element and line. A
+    PromptError: what a PML prompt holds is the prompt, and a caller that catches PromptError catches it too."""
 
 
 class StoreError(PCRagError):
@@ -46,3 +47,9 @@ class Cancelled(PCRagError):
 class ReplyCutError(PCRagError, ValueError):
     """The token budget (max_new_tokens; OpenAI's max_tokens) ended a reply inside the tool call or the JSON it was
     asked for: raised where a framework has no place for a partial call (LlamaIndex)."""
+
+
+class GrammarError(PCRagError):
+    """A reply under a grammar (a JSON schema, a forced tool call) could not be completed: its grammar reached a dead
+    end, or one of the grammar engine's limits, before it accepted the reply (`Generation.finish_reason` "error",
+    `Generation.error` says why). Raised where a framework has no place for an incomplete reply (LlamaIndex)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .errors import OptionError, OptionTypeError
+from .segments import unicode_problem
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
@@ -64,6 +65,9 @@ class Grammar:
             raise OptionError(f"unknown grammar kind {self.kind!r}; choose one of {', '.join(KINDS)}")
         if not isinstance(self.source, str):
             raise OptionTypeError(f"a grammar's source must be a str, got {type(self.source).__name__}")
+        problem = unicode_problem(self.source)
+        if problem is not None:  # llguidance's tokenizer works on UTF-8 bytes
+            raise OptionError(f"the {self.kind} grammar holds {problem}, which is not valid Unicode text")
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str | type) -> Grammar:
@@ -167,38 +171,66 @@ def _llguidance():
 
 class GrammarState:
     """One request's place in its grammar: a matcher and its token bitmask. Used by one thread at a time (the
-    request's, or the decode loop's while the request is a row)."""
+    request's, or the decode loop's while the request is a row).
+
+    The grammar judges how the reply ended (`decode.Sampler.judged`): "stop" only where the grammar accepts the
+    reply. Where it cannot go on (a dead end, or one of llguidance's limits reached while matching: the matcher's
+    error state, which it never leaves) the mask allows the stop token alone, so that the reply ends at once, and
+    `failure` says why; the request then finishes with "error", never "stop"."""
 
     _NEG_INF = torch.tensor(float("-inf"))
 
-    def __init__(self, matcher, vocab_size: int, eos_id: int | None):
+    def __init__(self, matcher, vocab_size: int, eos_id: int | None, start=None, ll_tokenizer=None,
+                 on_failure: Callable[[], None] = lambda: None):
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)  # bit i of word j: token 32j + i allowed
         self.eos_id = eos_id
+        self.start, self.ll_tokenizer = start, ll_tokenizer  # the compiled grammar and its tokenizer (`accepts`)
+        self.failure: str | None = None  # why the grammar can no longer be completed
+        self._on_failure = on_failure  # Grammars.forget: the compiled grammar may be spent (see there)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [vocab] as a CPU float32 copy with every token the grammar forbids at -inf."""
         row = logits.detach().to("cpu", torch.float32)
         # Once the output is complete (or its stop token taken) the mask allows the stop tokens only.
         self.matcher.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)
+        self._note_error()  # a limit reached while computing the mask
         # Unpacked by numpy (10 us at 128K tokens); torch's shifts of int32 took 50 ms there.
         bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little", count=self.vocab_size)
         out = torch.where(torch.from_numpy(bits).view(torch.bool), row[: self.vocab_size], self._NEG_INF)
         if row.numel() > self.vocab_size:  # logits past the grammar's vocabulary: never allowed
             out = torch.cat([out, row.new_full((row.numel() - self.vocab_size,), float("-inf"))])
         if not self.bitmask.any() and self.eos_id is not None:  # nothing allowed (a dead end): end the reply
+            if self.failure is None and not self.complete:
+                self.failure = DEAD_END
             out[self.eos_id] = 0.0
         return out
 
     def accept(self, token: int) -> None:
         if not self.matcher.is_stopped():
             self.matcher.consume_token(token)
+            self._note_error()
+
+    def _note_error(self) -> None:
+        if self.failure is None and self.matcher.is_error():
+            self.failure = _error_text(self.matcher)
+            self._on_failure()
 
     @property
     def complete(self) -> bool:
         """Whether the output so far is a whole match (the grammar may end here)."""
-        return self.matcher.is_stopped() or self.matcher.is_accepting()
+        return not self.matcher.is_error() and (self.matcher.is_stopped() or self.matcher.is_accepting())
+
+    def accepts(self, text: str) -> bool:
+        """Whether `text` is a whole match of the grammar: for a reply a stop string cut, whose text is not what
+        the matcher consumed (it took the stop string's tokens too). Read by a fresh matcher, from the text's
+        bytes as llguidance's own tokenizer cuts them (any tokens of the same bytes match alike)."""
+        if self.start is None or self.ll_tokenizer is None:
+            return False
+        matcher = self.start.deep_copy()
+        return (matcher.consume_tokens(self.ll_tokenizer.greedy_tokenize(text))
+                and not matcher.is_error() and matcher.is_accepting())
 
 
 class Grammars:
@@ -213,6 +245,9 @@ class Grammars:
         self.max_compiled = max_compiled
         self._ll_tokenizer = None
         self._compiled: OrderedDict[Grammar, Any] = OrderedDict()
+        # Grammars refused (their message), as many as kept compiled: a client resending a schema past llguidance's
+        # limits costs a lookup, not the compile and the probe that found it (0.4 s for `a{1000000}`).
+        self._refused: OrderedDict[Grammar, str] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # grammars compiled (a cache miss each)
 
@@ -243,7 +278,18 @@ class Grammars:
             if found is not None:
                 self._compiled.move_to_end(grammar)
                 return found
-        compiled = self._compile(self._tokenizer_now(), grammar)
+            refused = self._refused.get(grammar)
+        if refused is not None:  # refused before: the same error, without the compile (up to a second) again
+            raise OptionError(refused)
+        tokenizer = self._tokenizer_now()  # outside: a missing llguidance is not the grammar's fault
+        try:
+            compiled = self._compile(tokenizer, grammar)
+        except OptionError as e:
+            with self._lock:
+                self._refused[grammar] = str(e)
+                while len(self._refused) > self.max_compiled:
+                    self._refused.popitem(last=False)
+            raise
         with self._lock:
             self.compiles += 1
             self._compiled[grammar] = compiled
@@ -253,8 +299,19 @@ class Grammars:
 
     def state(self, grammar: Grammar) -> GrammarState:
         """A fresh matcher at the start of `grammar`, for one request."""
-        return GrammarState(self.compiled(grammar).deep_copy(), self.vocab_size,
-                            self.stop_ids[0] if self.stop_ids else None)
+        start = self.compiled(grammar)
+        return GrammarState(start.deep_copy(), self.vocab_size, self.stop_ids[0] if self.stop_ids else None,
+                            start, self._ll_tokenizer, lambda: self.forget(grammar, start))
+
+    def forget(self, grammar: Grammar, compiled) -> None:
+        """Drop `compiled` (if it is still `grammar`'s): a request's matcher failed on it. The copies of a compiled
+        grammar share its lexer, which builds its automaton as the requests reach new lexemes, so one request that
+        took it past llguidance's limits leaves every later copy failing at its first token (measured: a schema
+        whose string branch is `a{1000000}`, reached once, failed every later request, its integer branch too).
+        The next request compiles it afresh and fails only if it takes that branch itself."""
+        with self._lock:
+            if self._compiled.get(grammar) is compiled:
+                del self._compiled[grammar]
 
     def __len__(self) -> int:
         return len(self._compiled)
@@ -278,7 +335,36 @@ class Grammars:
                 text = matchers.grammar_from_lark(grammar.source)
         except ValueError as e:  # a schema that is not a JSON object
             raise OptionError(f"the {grammar.kind} grammar does not compile: {e}") from None
-        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
+        # verbose_errors=False: an error names what failed, not the parser's state (a client's schema, on a shared
+        # server); llguidance's limits are its defaults otherwise.
+        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0,
+                                       limits=llguidance.LLParserLimits(verbose_errors=False))
         if matcher.is_error():  # llguidance reports a bad grammar as the matcher's state, never by raising
             raise OptionError(f"the {grammar.kind} grammar does not compile: {matcher.get_error()}")
+        _probe(matcher, grammar)
         return matcher
+
+
+def _probe(matcher, grammar: Grammar) -> None:
+    """Refuse (OptionError) a grammar that fails along the text it forces from its start: llguidance builds a
+    lexeme's automaton when the parse first reaches it, so a string `pattern` beyond its limits (`a{1000000}`, a
+    nested repetition) or a rule no text completes is an error only there, after the reply's first tokens, where
+    it would otherwise end a reply that claims to be complete. Found here it is a 400 before any work. What the
+    probe cannot reach (a branch the model may or may not take) fails during decoding instead: the reply then
+    finishes with "error" (GrammarState)."""
+    probe = matcher.deep_copy()
+    probe.consume_tokens(probe.compute_ff_tokens())
+    if not probe.is_error() and not any(probe.compute_bitmask()):
+        raise OptionError(f"the {grammar.kind} grammar cannot be completed: {DEAD_END}")
+    if probe.is_error():
+        raise OptionError(f"the {grammar.kind} grammar cannot be completed: {_error_text(probe)}")
+
+
+DEAD_END = "no token can continue the reply (a dead end: no text satisfies the grammar from here)"
+
+
+def _error_text(matcher) -> str:
+    """A matcher's error as a client reads it: its first line, llguidance's name for a dead end spelled out."""
+    text = matcher.get_error().strip().splitlines()
+    first = text[0] if text else "the grammar engine failed"
+    return DEAD_END if first.startswith("NoExtensionBias") else first

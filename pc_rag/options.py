@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .errors import OptionError, OptionTypeError, PromptError
 from .grammar import Grammar
+from .segments import unicode_problem
 
 # What a request can ask for (see `Engine`): no reuse (the reference), exact prefix reuse, relocated chunks, and
 # relocated chunks with a share recomputed in context.
@@ -219,11 +220,9 @@ def checked_cache_salt(salt) -> str | None:
     if not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
         raise OptionError(f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters (None: no namespace), got "
                           f"{len(salt)}")
-    try:
-        salt.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise OptionError(f"cache_salt holds a lone surrogate at character {e.start}, which is not valid Unicode "
-                          f"text") from None
+    problem = unicode_problem(salt)
+    if problem is not None:
+        raise OptionError(f"cache_salt holds {problem}, which is not valid Unicode text")
     return salt
 
 

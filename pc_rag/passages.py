@@ -167,21 +167,25 @@ class PassageIndex:
     `chunk_wanted`: the key carries the model, the passage's tokens and the namespace).
 
     Bounded per namespace by count (`max_passages`) and by the KV bytes its passages' own encodings take
-    (`max_kv_bytes`, from the tokens and `kv_bytes_per_token`), least recently sent forgotten first; and at most
-    `max_namespaces` namespaces, the least recently active forgotten whole. Forgetting loses reuse, never
-    correctness: a passage whose block is still stored is found by its key anyway. Memory: an entry is the key's
-    16-byte digest and its token count (about 150 bytes with the dict's own).
+    (`max_kv_bytes`, from the tokens and `kv_bytes_per_token`), least recently sent forgotten first; at most
+    `max_namespaces` namespaces, the least recently active forgotten whole; and at most `max_total` entries in all,
+    the least recently active namespace's oldest forgotten first (without it, a server with many tenants could hold
+    max_passages for each: 4096 x 100,000 entries). Forgetting loses reuse, never correctness: a passage whose block
+    is still stored is found by its key anyway. Memory: an entry is the key's 16-byte digest and its token count
+    (about 150 bytes with the dict's own), so the default bound is about 60 MB.
 
     A namespace's entries never answer another's (a tenant learns nothing of what another sent)."""
 
     def __init__(self, max_passages: int = 100_000, max_kv_bytes: int = 64 << 30, max_namespaces: int = 4096,
-                 kv_bytes_per_token: int = 0):
-        if max_passages < 1 or max_kv_bytes < 1 or max_namespaces < 1:
+                 kv_bytes_per_token: int = 0, max_total: int = 400_000):
+        if min(max_passages, max_kv_bytes, max_namespaces, max_total) < 1:
             raise PCRagError(f"PassageIndex bounds must be >= 1, got max_passages={max_passages}, "
-                             f"max_kv_bytes={max_kv_bytes}, max_namespaces={max_namespaces}")
+                             f"max_kv_bytes={max_kv_bytes}, max_namespaces={max_namespaces}, max_total={max_total}")
         self.max_passages = max_passages
         self.max_kv_bytes = max_kv_bytes
         self.max_namespaces = max_namespaces
+        self.max_total = max_total
+        self._total = 0  # entries over every namespace
         self.kv_bytes_per_token = kv_bytes_per_token
         self.counts = PassageCounts()
         self._spaces: OrderedDict[str | None, _Space] = OrderedDict()
@@ -205,7 +209,7 @@ class PassageIndex:
             if space is None:
                 space = self._spaces[namespace] = _Space()
                 while len(self._spaces) > self.max_namespaces:
-                    self._spaces.popitem(last=False)
+                    self._total -= len(self._spaces.popitem(last=False)[1].entries)
             self._spaces.move_to_end(namespace)
             for key, tokens in passages:
                 digest = self._digest(key)
@@ -214,10 +218,17 @@ class PassageIndex:
                     continue
                 space.entries[digest] = tokens
                 space.tokens += tokens
+                self._total += 1
             while space.entries and (len(space.entries) > self.max_passages
                                      or space.tokens * self.kv_bytes_per_token > self.max_kv_bytes):
-                _, tokens = space.entries.popitem(last=False)
-                space.tokens -= tokens
+                space.forget_oldest()
+                self._total -= 1
+            while self._total > self.max_total:  # the least recently active namespace gives first
+                oldest = next(iter(self._spaces.values()))
+                oldest.forget_oldest()
+                self._total -= 1
+                if not oldest.entries:
+                    self._spaces.popitem(last=False)
 
     def count(self, **changes: int) -> None:
         """Add to the counters (`PassageCounts` fields)."""
@@ -237,6 +248,7 @@ class PassageIndex:
     def clear(self) -> None:
         with self._lock:
             self._spaces.clear()
+            self._total = 0
 
 
 @dataclass
@@ -245,3 +257,7 @@ class _Space:
 
     entries: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
     tokens: int = 0
+
+    def forget_oldest(self) -> None:
+        _, tokens = self.entries.popitem(last=False)
+        self.tokens -= tokens

@@ -48,9 +48,10 @@ class Choice:
     index: int
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    finish_reason: str  # as Generation.finish_reason
     logprobs: tuple[TokenLogprob, ...] | None = None  # as Generation.logprobs
     inter_token_s: tuple[float, ...] = ()  # as Generation.inter_token_s
+    error: str | None = None  # as Generation.error
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,9 @@ class Generation:
     text: str
     token_ids: tuple[int, ...]
     mode: str
-    finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    # "stop" (EOS or a stop string; under a grammar, only where the grammar accepts the reply) | "length" (the
+    # token budget or the context's end) | "error" (its grammar could not be completed: `error` says why)
+    finish_reason: str
     prompt_tokens: int
     cached_tokens: int  # KV reused from the store (cached_tokens + computed_tokens == prompt_tokens)
     computed_tokens: int
@@ -81,11 +84,14 @@ class Generation:
     # blend: the mean relative key deviation of the reused chunk tokens its probe measured (layer 1), None without
     # a probe; what it recomputed is `recomputed_tokens`.
     deviation: float | None = None
+    # finish_reason "error": why the reply could not be completed (its grammar reached a dead end or one of the
+    # grammar engine's limits; a stop string cut it before the grammar accepted it); None otherwise.
+    error: str | None = None
 
     def __post_init__(self):
         if not self.choices:
             object.__setattr__(self, "choices", (Choice(0, self.text, self.token_ids, self.finish_reason,
-                                                        self.logprobs, self.inter_token_s),))
+                                                        self.logprobs, self.inter_token_s, self.error),))
 
     @property
     def completion_tokens(self) -> int:
@@ -164,6 +170,7 @@ class Request:
         self.texts = [TextStream(engine.tokenizer, options.stop) for _ in range(options.n)]
         self.ids: list[list[int]] = [[] for _ in range(options.n)]
         self.finish = ["length"] * options.n
+        self.errors: list[str | None] = [None] * options.n  # why a reply could not be completed (finish "error")
         self.ended = [False] * options.n
         self.caches: list[SlotCache] = []
         self.rows: list[RowTokens | None] = [None] * options.n
@@ -246,19 +253,23 @@ class Request:
                 tokens[i] = self._next(i, asm, tokens[i], step, steps)
 
     def _take(self, i: int, token: int, last: bool) -> list[str]:
-        """Reply `i`'s `token` as text pieces; ends the reply at EOS, a stop string or its last token."""
+        """Reply `i`'s `token` as text pieces; ends the reply at EOS, a stop string or its last token, with the finish
+        reason its grammar judges (`Sampler.judged`: "error" where a grammar could not be completed)."""
         ids, text, sampler = self.ids[i], self.texts[i], self.samplers[i]
         ids.append(token)
         if token in self.engine.eos_ids:
-            self.finish[i], self.ended[i] = "stop", True
+            self.ended[i] = True
+            self.finish[i], self.errors[i] = sampler.judged("stop")
             return [sampler.piece(text.finish(), len(ids))]
         pieces = [sampler.piece(text.push(token), len(ids))]
         if text.stopped:
-            self.finish[i], self.ended[i] = "stop", True
+            self.ended[i] = True
+            self.finish[i], self.errors[i] = sampler.judged("stop", cut=text.text)
             if self.rows[i] is not None:
                 self.rows[i].close()  # leaves the batch at the next step; the other replies go on
         elif last:
             self.ended[i] = True
+            self.finish[i], self.errors[i] = sampler.judged("length")
             pieces.append(sampler.piece(text.finish(), len(ids)))
         return pieces
 
@@ -292,7 +303,8 @@ class Request:
 
     def _generation(self, asm: Assembled, total_s: float) -> Generation:
         choices = tuple(Choice(i, self.texts[i].text, tuple(self.ids[i]), self.finish[i],
-                               self.samplers[i].logprobs(len(self.ids[i])), self.samplers[i].gaps(len(self.ids[i])))
+                               self.samplers[i].logprobs(len(self.ids[i])), self.samplers[i].gaps(len(self.ids[i])),
+                               self.errors[i])
                         for i in range(self.options.n))
         first = choices[0]
         return Generation(
@@ -302,4 +314,4 @@ class Request:
             ttft_s=self.ttft_s, total_s=total_s,
             sources=tuple(SegmentSource(p.kind, p.n, p.source, p.origin) for p in asm.pieces),
             prompt_ids=asm.plan.ids, plan=asm.plan, logprobs=first.logprobs, inter_token_s=first.inter_token_s,
-            choices=choices, deviation=asm.deviation)
+            choices=choices, deviation=asm.deviation, error=first.error)

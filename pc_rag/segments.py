@@ -13,7 +13,7 @@ import bisect
 import numbers
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import PromptError
@@ -72,20 +72,65 @@ class Chunk:
 Prompt = Sequence[Text | Chunk]
 
 
+# ---- text where it enters -----------------------------------------------------------------------------------------
+# Every string bound for a tokenizer is checked once, where it enters pc_rag (a Text or Chunk, `Engine.split`'s prompt
+# string, registered and marked texts, PML, chat messages and tools, the server's fields), so that the error names
+# what the caller passed; nothing after that point checks again. What a tokenizer cannot take is a lone surrogate:
+# today's fast tokenizers raise "TextEncodeInput must be Union[...]" (a TypeError naming nothing) for it. It comes
+# from bytes decoded with errors="surrogateescape", or JSON holding half of an escaped pair.
+INVALID_TEXT_HINT = "which is not valid Unicode text; decode the source with errors='replace' or drop it"
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where `text` first holds a lone surrogate, None if nowhere."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def unicode_problem(text: str) -> str | None:
+    """What makes `text` unusable by a tokenizer ("a lone surrogate '\\ud800' at character 3"), None if nothing."""
+    at = lone_surrogate(text)
+    return None if at is None else f"a lone surrogate {text[at]!r} at character {at}"
+
+
+def check_text(text, where: str) -> str:
+    """`text`, once it is a str a tokenizer can take; otherwise a PromptError naming `where` (the caller's name for
+    it: "the prompt string", "messages[2].content")."""
+    if not isinstance(text, str):
+        raise PromptError(f"{where} must be a str, got {type(text).__name__}")
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise PromptError(f"{where} holds {problem}, {INVALID_TEXT_HINT}")
+    return text
+
+
+def check_texts(value, where: str) -> None:
+    """Every string inside `value` (dicts' keys and values, lists, nested), as `check_text` checks one: chat messages
+    and tools, whose every string the chat template may write into the prompt. Other leaves are left alone."""
+    if isinstance(value, str):
+        check_text(value, where)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str):
+                check_text(key, f"a key of {where}")
+            check_texts(item, f"{where}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_texts(item, f"{where}[{i}]")
+
+
 def _check_segment(seg, text, **positions) -> None:
     kind = type(seg).__name__
     if not isinstance(text, str):
         raise PromptError(f"{kind}(text=...) must be a str, got {type(text).__name__}")
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            # The tokenizer would fail with "TextEncodeInput must be Union[...]"; a lone surrogate usually
-            # comes from bytes decoded with errors="surrogateescape", or JSON holding half of an escaped pair.
-            raise PromptError(
-                f"{kind}({_preview(text)}) holds a lone surrogate {text[e.start]!r} at character {e.start}, "
-                f"which is not valid Unicode text; decode the source with errors='replace' or drop it"
-            ) from None
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise PromptError(f"{kind}({_preview(text)}) holds {problem}, {INVALID_TEXT_HINT}")
     for name, value in positions.items():
         if value is None:
             continue
@@ -148,9 +193,14 @@ def cut_at(text: str, spans: Sequence[tuple[int, int]], public: Collection[int] 
 
 
 class SegmentTokenizer:
-    """Tokenizes segments on their own, with a bounded memo (chunk texts recur across requests)."""
+    """Tokenizes segments on their own, with a bounded memo (chunk texts recur across requests).
 
-    def __init__(self, tokenizer, max_entries: int = 65536, max_chars: int = 64 << 20):
+    Bounded by entries and by characters, least recently used forgotten first: an entry takes about 10 bytes per
+    character (the text, and its ids as a tuple of ints: 9.6 bytes per character of pydoc text, tracemalloc), so the
+    default bound is about 80 MB, which a server with varied traffic reaches and stays at (at 64M characters it
+    would have been 0.6 GB)."""
+
+    def __init__(self, tokenizer, max_entries: int = 65536, max_chars: int = 8 << 20):
         self.tokenizer = tokenizer
         self.bos_id: int | None = tokenizer.bos_token_id
         self._memo: OrderedDict[tuple[str | None, str], tuple[int, ...]] = OrderedDict()  # (namespace, text)
@@ -159,6 +209,11 @@ class SegmentTokenizer:
         self._max_chars = max_chars
         self._chars = 0
         self._lock = threading.Lock()  # engines serve several threads; the memo's LRU order is shared state
+
+    def memo_size(self) -> tuple[int, int]:
+        """The memo's entries and the characters of their texts (`Engine.stats`)."""
+        with self._lock:
+            return len(self._memo), self._chars
 
     def ids(self, text: str, namespace: str | None = None) -> tuple[int, ...]:
         """`text`'s token ids. The memo is kept per cache namespace: a hit is faster than tokenizing, so a memo

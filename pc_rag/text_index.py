@@ -19,7 +19,9 @@ Matching rules, each chosen so that a hit never changes what the model is asked:
   "concatenate") is not a hit.
 - Everything else is text: a prompt with no known text is answered as usual (and still reuses the longest
   cached token prefix, prefix.py).
-- Bounded: an index keeps at most `max_texts` texts and `max_chars` characters, least recently used first.
+- Bounded: an index keeps at most `max_texts` texts and `max_chars` characters, least recently used first. Its
+  automaton takes about 48 bytes per character of distinct text (pyahocorasick, measured), which is what the
+  bounds in characters bound.
 - Public texts (`add_many(texts, public=True)`, `Engine.register(..., public=True)`): documents their owner declared
   shared across cache namespaces; their spans are `public` chunks (KV keyed in no namespace, `Chunk.public`). Where
   a public text and a text marked for one request cover the same characters, the span is public (it is the same
@@ -47,7 +49,7 @@ import ahocorasick
 
 from .errors import PCRagError
 from .passages import passage_spans
-from .segments import Chunk, Text, cut_at
+from .segments import Chunk, Text, check_text, cut_at, unicode_problem
 
 _RECENT_MIN = 256  # the recent automaton is folded into the main one past max(_RECENT_MIN, keys // 8)
 
@@ -111,9 +113,7 @@ class ChunkIndex:
     @staticmethod
     def key(text: str) -> str:
         """The form a chunk text is registered and matched in (surrounding whitespace stripped)."""
-        if not isinstance(text, str):
-            raise PCRagError(f"a chunk text must be a str, got {type(text).__name__}")
-        return text.strip()
+        return check_text(text, "a chunk text").strip()
 
     def add(self, text: str) -> bool:
         """Register one chunk text; return False when it was already there or is only whitespace."""
@@ -245,7 +245,11 @@ class ReplyIndex(ChunkIndex):
 
     MAX_PROMPTS = 8  # prompts remembered per reply text (the same short reply may follow several prompts)
 
-    def __init__(self, max_texts: int = 4096, max_chars: int = 16 << 20):
+    # Bounded by characters for memory: pyahocorasick's automaton takes about 48 bytes per character of distinct
+    # text (measured), so 2M characters is about 100 MB with the texts, reached by a server within its first
+    # thousands of replies and flat from there (benchmarks/soak.py); at 16M it had been 0.8 GB. The next turn
+    # writes back a recent reply: 2M characters are a thousand 2K-character replies.
+    def __init__(self, max_texts: int = 4096, max_chars: int = 2 << 20):
         super().__init__(max_texts=max_texts, max_chars=max_chars)
         # reply text -> {hash of (namespace, the prompt it followed): the ids generated there}, oldest first. Per
         # prompt, not per text: the same text generated twice in one conversation (an agent repeating a tool call)
@@ -363,7 +367,9 @@ class Discovery:
         that wants it (never blocks); returns how many texts were new. A no-op when PC_RAG_DISCOVERY=0."""
         if not discovery_enabled():
             return 0
-        texts = [t for t in texts if isinstance(t, str)]
+        # A hook never raises into the framework: a text no tokenizer takes (a lone surrogate) is not a chunk, and
+        # the prompt holding it is refused where it enters the engine, naming it.
+        texts = [t for t in texts if isinstance(t, str) and unicode_problem(t) is None]
         added = self.index.add_many(texts)
         if texts and prefetch_enabled():
             for engine in self.engines():

@@ -33,6 +33,7 @@ from typing import Any
 
 from .errors import OptionError, OptionTypeError
 from .grammar import Grammar, json_in_lark
+from .segments import check_texts
 
 FORMATS = ("hermes", "llama3_json", "mistral")
 TOOL_CHOICES = ("auto", "none", "required", "any")
@@ -82,6 +83,7 @@ def tool_spec(tool: Mapping[str, Any]) -> dict[str, Any]:
 
 def tool_specs(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
     specs = [tool_spec(t) for t in tools or ()]
+    check_texts(specs, "tools")  # names, descriptions and schemas go into the prompt through the chat template
     names = [s["function"]["name"] for s in specs]
     if len(set(names)) != len(names):
         raise OptionError(f"tool names must be unique, got {names}")

@@ -255,3 +255,35 @@ def test_follow_ups_continue_an_earlier_request_with_its_chunks():
         if r.parent is not None:
             p = trace[r.parent]
             assert p.index < r.index and p.chunks == r.chunks and p.turn == r.turn - 1
+
+
+def test_soak_sends_every_kind_and_reports_the_curve(tiny_path, tmp_path):
+    """benchmarks.soak end to end, small: a real `pc-rag serve` with three tenants' keys answers every request
+    (reference: the statuses, all 200), each sample has the server's RSS and what its bounded caches hold, and the
+    growth is measured from the first sample at or after the warm-up."""
+    import json
+
+    from benchmarks import soak
+
+    report = soak.main(["--model", str(tiny_path), "--requests", "60", "--clients", "2", "--sample-every", "20",
+                        "--warmup", "20", "--out", str(tmp_path)])
+    assert report["requests_done"] == 60 and sum(report["kinds"].values()) == 60
+    assert [row["requests"] for row in report["curve"]] == [20, 40, 60]
+    assert report["curve"][-1]["statuses"] == {200: 60}
+    assert all(row["rss_mib"] > 10 and {"prefix_blocks", "replies", "passages"} <= set(row["caches"])
+               for row in report["curve"])
+    assert report["growth"]["from_requests"] == 20 and report["growth"]["to_requests"] == 60
+    assert json.loads((tmp_path / "soak.json").read_text())["requests_done"] == 60
+    assert "| 60 |" in (tmp_path / "soak.md").read_text()
+
+
+def test_soak_mix_is_seeded_and_draws_every_kind():
+    """The same seed gives the same bodies (reference: a second generator); 2,000 draws cover every kind."""
+    from benchmarks import soak
+
+    docs = [f"document {i} " * 20 for i in range(8)]
+    first, second = soak.Mix(3, docs, 10, 4), soak.Mix(3, docs, 10, 4)
+    drawn = [first.body() for _ in range(2000)]
+    assert drawn[:50] == [second.body() for _ in range(50)]
+    assert {kind for kind, *_ in drawn} == set(soak.KINDS)
+    assert soak.growth([{"requests": 5, "rss_mib": 1.0}], 0) == {}

@@ -49,3 +49,16 @@ def test_readme_test_line_installs_what_it_needs_and_ci_runs_it_verbatim():
                            '-e "integrations/llama_index[test]" && python -m pytest -q tests')
     ci = [t for t in (root / ".ci" / "run").read_text().splitlines() if t.strip() and not t.startswith("#")]
     assert ci[-1] == line
+
+
+def test_readme_is_a_newcomers_page_with_its_two_commands_first():
+    """Issue 56: the README is the two commands, what the project does and links, at most 16 KB (the rest lives in
+    docs/). Reference: the byte count, and the order of its indented code lines."""
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    assert len(readme.encode()) <= 16 * 1024, f"README.md is {len(readme.encode()):,} bytes"
+    commands = [t.strip() for t in readme.splitlines() if t.startswith("    ") and t.strip()]
+    assert commands[0].endswith("&& pc-rag demo") and commands[0].startswith("python3 -m venv .venv")
+    assert commands[1].startswith('pip install -e ".[test,demo,serve]"')
+    headings = [t for t in readme.splitlines() if t.startswith("## ")]
+    assert headings[0] == "## On a fresh machine" and readme.index(commands[1]) < readme.index(headings[1])

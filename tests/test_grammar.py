@@ -190,3 +190,134 @@ def test_without_llguidance_the_error_says_how_to_install_it(engine, monkeypatch
     with pytest.raises(OptionError, match=r"pip install \"llguidance"):
         fresh.compiled(Grammar.json_object())
     assert engine.generate("no grammar needs no llguidance", max_new_tokens=2).token_ids
+
+
+# ---- grammars that cannot finish (issue 56): a reply under a grammar is accepted by it, cut by the budget
+# ("length"), refused at compile, or finished with "error" saying why; never "stop" and invalid ---------------------
+def _string_schema(pattern: str, **extra) -> dict:
+    return {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern, **extra}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("grammar, words", [
+    (Grammar.json_schema(_string_schema("^a$", minLength=3)), "does not compile: Unsatisfiable schema"),
+    (Grammar.json_schema(_string_schema(r"^[^\s\S]$")), "does not compile: Unsatisfiable schema"),
+    (Grammar.json_schema({"type": "string", "minLength": 10, "maxLength": 5}), "does not compile: Unsatisfiable"),
+    (Grammar.json_schema({"type": "integer", "minimum": 10, "maximum": 5}), "does not compile: Unsatisfiable"),
+    (Grammar.regex(r"[^\s\S]"), "cannot be completed: no token can continue the reply"),
+    (Grammar.lark('start: "a" b\nb: b "x"'), "cannot be completed: no token can continue the reply"),
+])
+def test_unsatisfiable_grammars_are_refused_at_compile(engine, grammar, words):
+    """Reference: the grammar's kind and llguidance's reason in an OptionError (a 400 at the server) before any
+    work; those past the forced text's first dead end (the regex, the Lark rule) used to end the reply at once
+    with finish_reason "stop" and an empty or one-token text."""
+    with pytest.raises(OptionError, match=f"the {grammar.kind} grammar {words}"):
+        engine.generate("x", grammar=grammar, max_new_tokens=4)
+    assert engine.stats()["tiers"][0]["entries"] == 0  # refused before the prefill
+
+
+@pytest.mark.parametrize("grammar", [
+    Grammar.json_schema(_string_schema("^a{1000000}$")),
+    Grammar.json_schema(_string_schema("^((a{100}){100}){100}$")),
+    Grammar.regex("a{1000000}"),
+])
+def test_huge_repetitions_are_refused_at_compile(engine, grammar):
+    """The issue's case: `^a{1000000}$` came back as `"` (or `{`) with finish_reason "stop". llguidance builds the
+    string's automaton when the parse reaches it, past its lexer's limits; the compile probe walks the forced text
+    ('{"a": "') to it."""
+    with pytest.raises(OptionError, match=f"the {grammar.kind} grammar cannot be completed: lexer error: too many "
+                                          f"expressions constructed"):
+        engine.generate("x", grammar=grammar, max_new_tokens=4)
+
+
+def test_a_repetition_within_the_limits_is_cut_by_the_budget(engine):
+    """`a{100000}` compiles (within llguidance's limits): the reply is its forced prefix, reported as "length"."""
+    got = engine.generate("x", grammar=Grammar.json_schema(_string_schema("^a{100000}$")), max_new_tokens=8)
+    assert got.finish_reason == "length" and got.error is None
+    assert re.fullmatch(r'\{"a": "a*', got.text), got.text
+
+
+@pytest.mark.parametrize("grammar, words", [
+    (Grammar.lark('start: "a" | "b" c\nc: c "x"'), "no token can continue the reply"),
+    (Grammar.lark('start: "a" | "b" /x{1000000}/'), "lexer error: too many expressions constructed"),
+    (Grammar.json_schema({"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "^a{1000000}$"}]}),
+     "lexer error: too many expressions constructed"),
+])
+def test_a_grammar_that_fails_while_decoding_finishes_with_error_not_stop(engine, grammar, words):
+    """A branch the compile probe cannot reach (the model chooses it: pushed there by logit_bias) fails while
+    decoding: finish_reason "error" and `error` saying why, for every choice and streamed alike (the same text and
+    error as the first time). Reference: the branch that can finish, which does."""
+    def pushed(text: str, **kwargs):
+        token = engine.tokenizer(text, add_special_tokens=False)["input_ids"][0]
+        return engine.generate("x", grammar=grammar, max_new_tokens=8, logit_bias={token: 100.0}, **kwargs)
+
+    failing, finishing = ("b", "a") if grammar.kind == "lark" else ('"', "7")
+    got = pushed(failing)
+    assert got.text.startswith(failing) and got.finish_reason == "error", got
+    assert got.error.startswith("the grammar could not be completed: ") and words in got.error
+    # The branch that can finish still does after the failure (Grammars.forget: the failed copy's lexer is not
+    # shared with the next request's).
+    ok = pushed(finishing)
+    assert ok.text.startswith(finishing) and ok.error is None and ok.finish_reason in ("stop", "length"), ok
+    if grammar.kind == "lark":
+        assert (ok.text, ok.finish_reason) == ("a", "stop")
+    several = pushed(failing, n=2)
+    assert [c.finish_reason for c in several.choices] == ["error", "error"]
+    assert all(words in c.error for c in several.choices)
+    token = engine.tokenizer(failing, add_special_tokens=False)["input_ids"][0]
+    *_, streamed = engine.stream_generation("x", grammar=grammar, max_new_tokens=8, logit_bias={token: 100.0})
+    assert (streamed.finish_reason, streamed.text, streamed.error) == ("error", got.text, got.error)
+
+
+def test_a_stop_string_is_stop_only_where_the_grammar_accepts_the_text_it_left(engine):
+    """The matcher took the stop string's tokens too, so the text a stop string leaves is judged on its own:
+    "alpha" is one of ["alpha", "alpha beta"] but not of ["alpha beta"]. EOS is pushed away so the model writes
+    " beta" where it may stop."""
+    eos = {t: -100.0 for t in engine.eos_ids}
+    accepted = engine.generate("x", grammar=Grammar.choice(["alpha", "alpha beta"]), stop=[" beta"],
+                               logit_bias=eos, max_new_tokens=8)
+    assert (accepted.text, accepted.finish_reason, accepted.error) == ("alpha", "stop", None)
+    cut = engine.generate("x", grammar=Grammar.choice(["alpha beta"]), stop=[" beta"], max_new_tokens=8)
+    assert (cut.text, cut.finish_reason) == ("alpha", "error")
+    assert cut.error == "a stop string ended the reply before its grammar was complete"
+
+
+@pytest.mark.parametrize("schema", [
+    {"enum": [f"value-{i}" for i in range(5000)]},  # a large enum: a large lexer, within the limits
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 3, "maxItems": 3},
+    {"type": "object", "properties": {f"k{i}": {"type": "boolean"} for i in range(200)}},  # 200 optional keys
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(x|yy|zzz){2,40}$"}}, "required": ["a"]},
+    {"type": "string", "maxLength": 0},
+    json.loads('{"type": "object", "properties": {"a": ' * 30 + '{"type": "integer"}' + "}}" * 30),
+])
+def test_schemas_at_the_engines_limits_finish_valid_or_cut_never_stop_and_invalid(engine, schema):
+    """Reference: jsonschema (independent of llguidance) on every reply that says "stop"; the others are "length".
+    Sampled, 8 seeds each."""
+    grammar = Grammar.json_schema(schema)
+    for seed in range(8):
+        got = engine.generate("JSON:", grammar=grammar, max_new_tokens=40, temperature=1.0, seed=seed)
+        assert got.finish_reason in ("stop", "length") and got.error is None, got
+        if got.finish_reason == "stop":
+            jsonschema.validate(json.loads(got.text), schema)
+
+
+def test_a_schema_past_the_compilers_limits_is_an_option_error(engine):
+    deep = json.loads('{"type": "object", "properties": {"a": ' * 200 + '{"type": "integer"}' + "}}" * 200)
+    with pytest.raises(OptionError, match="json_schema grammar does not compile: recursion limit exceeded"):
+        engine.generate("x", grammar=Grammar.json_schema(deep), max_new_tokens=4)
+
+
+def test_a_refused_grammar_is_refused_again_without_compiling(engine, monkeypatch):
+    """A client resending a schema past the limits costs a lookup: the same OptionError, no second compile.
+    Reference: the calls to the compiler, counted."""
+    grammar = Grammar.regex("a{1000000}")
+    calls = []
+    compile_once = Grammars._compile
+    monkeypatch.setattr(Grammars, "_compile", staticmethod(lambda *a: calls.append(1) or compile_once(*a)))
+    errors = []
+    for _ in range(3):
+        with pytest.raises(OptionError, match="cannot be completed") as e:
+            engine.grammars.compiled(grammar)
+        errors.append(str(e.value))
+    assert len(calls) == 1 and len(set(errors)) == 1
+    assert engine.grammars.compiled(Grammar.regex("ab")) is engine.grammars.compiled(Grammar.regex("ab"))
+    assert len(calls) == 2

@@ -136,6 +136,22 @@ def test_index_forgets_the_least_recently_active_namespace():
     assert not index.seen("a", key(1)) and index.seen("b", key(1)) and index.seen("c", key(1))
 
 
+def test_index_is_bounded_over_every_namespace_the_least_recently_active_giving_first():
+    """Reference: the entries each namespace added, counted by hand. Without a bound over all namespaces, each of
+    4096 tenants could hold 100,000 entries (a server's memory growing with its tenants)."""
+    index = PassageIndex(max_total=5)
+    index.add("a", [(key(i), 1) for i in range(3)])
+    index.add("b", [(key(i), 1) for i in range(3)])  # 6 entries: a's oldest goes
+    assert len(index) == 5 and not index.seen("a", key(0)) and index.seen("a", key(1))
+    index.add("c", [(key(i), 1) for i in range(4)])  # a gives its last two, then b its oldest
+    assert len(index) == 5 and index.stats()["namespaces"] == 2
+    assert [index.seen("b", key(i)) for i in range(3)] == [False, False, True]
+    assert all(index.seen("c", key(i)) for i in range(4))
+    index.clear()
+    index.add("d", [(key(i), 1) for i in range(5)])  # the count starts again from nothing
+    assert len(index) == 5 and all(index.seen("d", key(i)) for i in range(5))
+
+
 # ---- the engine ---------------------------------------------------------------------------------------------
 def test_nothing_changes_before_a_passage_repeats(loaded):
     engine, plain = new_engine(loaded), new_engine(loaded)

@@ -528,3 +528,21 @@ def test_random_well_formed_trees_only_raise_pml_error(reg, body, root):
     except PMLError:
         return
     assert result is not None
+
+
+def test_the_tokenizer_memo_is_bounded_by_characters_and_entries(tokenizer):
+    """Reference: the memo's size, counted by hand; a forgotten text still tokenizes to the same ids."""
+    st = SegmentTokenizer(tokenizer, max_entries=3, max_chars=160)  # texts over 160 // 16 characters: not kept
+    first = st.ids("alpha")
+    for word in ("one", "two", "three"):
+        st.ids(word)
+    assert st.memo_size() == (3, len("one") + len("two") + len("three"))  # "alpha" went first
+    st.ids("x" * 11)
+    assert st.memo_size() == (3, 11) and st.ids("alpha") == first
+    st = SegmentTokenizer(tokenizer, max_entries=100, max_chars=160)
+    for i in range(20):
+        st.ids(f"text {i:05d}")  # 10 characters each: 200 in all
+    assert st.memo_size() == (16, 160)
+    st.ids("same", namespace="a")
+    st.ids("same", namespace="b")  # one entry per namespace: 168 characters, so the oldest text goes
+    assert st.memo_size() == (17, 15 * 10 + 2 * 4)

@@ -127,6 +127,36 @@ def test_bad_tools_are_400(client):
                                                         "json_schema": {"name": "x", "schema": {"type": 5}}})
 
 
+def test_a_grammar_that_cannot_finish_is_a_400_or_an_error_reply_never_stop(client, server, tiny_path):
+    """Issue 56: a schema whose string `pattern` is past llguidance's limits came back "stop" with the content `"`.
+    Where the compile probe reaches it, a 400 naming the grammar; where only the model's choice reaches it (the
+    string branch of an anyOf, pushed there by logit_bias on the quote), finish_reason "error" and the choice's
+    `error`, streamed or not. Reference: the token id of `"` in the model's own tokenizer."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    def schema_format(schema):
+        return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+    huge = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^a{1000000}$"}}, "required": ["a"]}
+    with pytest.raises(openai.BadRequestError, match="json_schema grammar cannot be completed: lexer error"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                       response_format=schema_format(huge))
+    quote = AutoTokenizer.from_pretrained(tiny_path)('"', add_special_tokens=False)["input_ids"][0]
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "temperature": 0,
+            "logit_bias": {str(quote): 100}, "response_format": schema_format(
+                {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "^a{1000000}$"}]})}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "error" and choice["message"]["content"].startswith('"')
+    assert choice["error"]["type"] == "grammar_error" and "too many expressions" in choice["error"]["message"]
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    last = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert [c["finish_reason"] for c in last] == ["error"] and last[0]["error"] == choice["error"]
+
+
 def test_chat_openai_bind_tools(server, tiny_path):
     lc = pytest.importorskip("langchain_openai")
     llm = lc.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=tiny_path.name, temperature=1.0,

@@ -10,6 +10,7 @@ from defusedxml import DefusedXmlException
 from defusedxml.ElementTree import DefusedXMLParser
 
 from ..errors import PMLError
+from ..segments import INVALID_TEXT_HINT, lone_surrogate
 
 ROLE_TAGS = ("system", "user", "assistant")
 _STRUCTURE_TAGS = ("schema", "prompt", "module", "parameter", "union", "scaffold")
@@ -97,6 +98,11 @@ def parse_pml(text: str, *, max_chars: int, what: str) -> _Node:
             f"PML {what} is {len(text):,} characters, over the {max_chars:,} limit ({where}); "
             f"raise the registry's max_{what}_chars if this input is legitimate"
         )
+    at = lone_surrogate(text)
+    if at is not None:  # expat would refuse the whole text, naming no place
+        line, column = text.count("\n", 0, at) + 1, at - (text.rfind("\n", 0, at) + 1)
+        raise PMLError(f"PML {what} at line {line}, column {column} holds a lone surrogate {text[at]!r}, "
+                       f"{INVALID_TEXT_HINT}")
     builder = _TreeBuilder()
     parser = DefusedXMLParser(target=builder, forbid_dtd=True, forbid_entities=True, forbid_external=True)
     builder.expat = parser.parser
@@ -116,7 +122,7 @@ def parse_pml(text: str, *, max_chars: int, what: str) -> _Node:
             "declarations and external references are not allowed "
             "(no entity expansion, no file or network access)"
         ) from None
-    except (ValueError, UnicodeError, OverflowError) as e:  # e.g. lone surrogates cannot be encoded for expat
+    except (ValueError, UnicodeError, OverflowError) as e:  # what expat refuses beyond the checks above
         raise PMLError(f"PML {what} at line {builder._line()} cannot be parsed: {e}") from None
     if root is None:
         raise PMLError(f"PML {what} has no root element")

@@ -197,9 +197,14 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         if keys and tenant_of(request) is None:  # load balancers need liveness only; the rest is for operators
             return {"status": "ok"}
         stats = engine.stats()
+        caches = {"store_bytes": sum(t["bytes_held"] for t in stats["tiers"]),
+                  "prefix_blocks": stats["prefix"]["blocks_indexed"], "replies": stats["registered"]["replies"],
+                  "chunks": stats["registered"]["chunks"], "passages": stats["passages"]["indexed"],
+                  "tokenizer_memo": stats["tokenizer_memo"]["entries"], "grammars": stats["grammars"]["compiled"]}
         return {"status": "ok", "model": settings.model_id, "running": admission.running,
                 "waiting": admission.waiting, "served": admission.served, "rejected": admission.rejected,
-                "decode": stats["decode"], "relocation_check": stats["relocation_check"]}
+                "decode": stats["decode"], "relocation_check": stats["relocation_check"],
+                "caches": caches}  # what the bounded indexes hold: a long run's memory, told apart (soak.py)
 
     @app.get("/ready")
     async def ready():
@@ -532,9 +537,10 @@ class _ChatFormat:
         self.n = body.n or 1
         self._sent = [0] * self.n  # per choice, tokens whose logprobs a chunk carried
 
-    def _chunk(self, delta: dict, finish: str | None, choice: int = 0, logprobs=None) -> dict:
+    def _chunk(self, delta: dict, finish: str | None, choice: int = 0, logprobs=None, error: str | None = None) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
-                "choices": [{"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+                "choices": [{"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                             **_choice_error(error)}]}
 
     def _logprobs(self, entries) -> dict | None:
         return {"content": openai_logprobs(entries), "refusal": None} if self.logprobs else None
@@ -559,7 +565,7 @@ class _ChatFormat:
                 calls = [{"index": i, **c.openai()} for i, c in enumerate(r.tool_calls)]
                 out.append(self._chunk({"tool_calls": calls}, None, r.choice, self._logprobs(rest) if rest else None))
                 rest = ()
-            out.append(self._chunk({}, r.finish_reason, r.choice, self._logprobs(rest) if rest else None))
+            out.append(self._chunk({}, r.finish_reason, r.choice, self._logprobs(rest) if rest else None, r.error))
         return out
 
     def usage_chunk(self, counts: dict) -> dict:
@@ -576,7 +582,7 @@ class _ChatFormat:
                 message["content"] = r.content or None  # as OpenAI: no text beside the calls is null
                 message["tool_calls"] = [c.openai() for c in r.tool_calls]
             choices.append({"index": r.choice, "message": message, "logprobs": self._logprobs(r.logprobs),
-                            "finish_reason": r.finish_reason})
+                            "finish_reason": r.finish_reason, **_choice_error(r.error)})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_id,
                 "choices": choices, "usage": counts}
 
@@ -594,9 +600,10 @@ class _CompletionFormat:
         self._sent = [0] * self.n
         self._offset = [len(self.echo)] * self.n  # per choice, the characters of text before its next token
 
-    def _chunk(self, text: str, finish: str | None, choice: int = 0, logprobs=None) -> dict:
+    def _chunk(self, text: str, finish: str | None, choice: int = 0, logprobs=None, error: str | None = None) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
-                "choices": [{"index": choice, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+                "choices": [{"index": choice, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                             **_choice_error(error)}]}
 
     def _logprobs(self, choice: int, entries) -> dict | None:
         if not self.logprobs:
@@ -620,7 +627,7 @@ class _CompletionFormat:
 
     def closing(self, generation) -> list[dict]:
         return [self._chunk("", c.finish_reason, c.index,
-                            self._logprobs(c.index, tuple(c.logprobs or ())[self._sent[c.index]:]))
+                            self._logprobs(c.index, tuple(c.logprobs or ())[self._sent[c.index]:]), c.error)
                 for c in generation.choices]
 
     def usage_chunk(self, counts: dict) -> dict:
@@ -636,9 +643,17 @@ class _CompletionFormat:
         for i, c in enumerate(choices):
             self._offset[i] = len(self.echo)
             out.append({"index": i, "text": self.echo + c.text, "logprobs": self._logprobs(i, c.logprobs or ()),
-                        "finish_reason": c.finish_reason})
+                        "finish_reason": c.finish_reason, **_choice_error(c.error)})
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
                 "choices": out, "usage": counts}
+
+
+def _choice_error(error: str | None) -> dict:
+    """A choice's `error` field, beside finish_reason "error": why its grammar (a response_format, a forced tool call)
+    could not be completed. OpenAI's choices have no such field, nor that reason: a reply under a grammar is complete
+    and valid, or cut by max_tokens, or refused with a 400; what llguidance finds only while decoding (a branch of
+    the grammar no text completes, one of its limits) is said here rather than passed off as "stop"."""
+    return {} if error is None else {"error": {"message": error, "type": "grammar_error", "code": "grammar_incomplete"}}
 
 
 def _event(data: dict | str) -> bytes:

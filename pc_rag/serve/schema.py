@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from ..options import DEFAULT_RECOMPUTE_RATIO, MODES
+from ..segments import unicode_problem
 
 MAX_CACHE_SALT_CHARS = 256
 EXTENSIONS = ("mode", "recompute_ratio", "chunks", "cache_salt")
@@ -46,13 +47,11 @@ NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
 
 
 def _unicode_text(text: str) -> str:
-    """`text` if it encodes as UTF-8; JSON's escapes can carry a lone surrogate, which the tokenizer refuses with
-    a TypeError (a 500) deep inside a request."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"holds a lone surrogate {text[e.start]!r} at character {e.start}, which is not valid "
-                         f"Unicode text") from None
+    """`text` if a tokenizer can take it (segments.check_text); JSON's escapes can carry a lone surrogate, which the
+    tokenizer refuses with a TypeError (a 500) deep inside a request. A ValueError: pydantic names the field."""
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise ValueError(f"holds {problem}, which is not valid Unicode text")
     return text
 
 

@@ -17,7 +17,10 @@ A forced call or a JSON reply that the token budget (`max_tokens`) cut is report
 the content: `response_metadata["finish_reason"]` is "length" and the cut call is in `invalid_tool_calls` with the
 reason (streamed, its `args` are a JSON string of the partial arguments: LangChain's chunk merging would otherwise
 complete the partial JSON into a call); `with_structured_output` raises an OutputParserException naming
-max_tokens.
+max_tokens. A reply whose grammar could not be completed (llguidance found, while decoding, a dead end or one of
+its limits: `Generation.error`) has finish_reason "error" and `response_metadata["error"]` saying why; its partial
+call is in `invalid_tool_calls` with that reason, and `with_structured_output` raises an OutputParserException
+quoting it.
 
 Reasoning models: the text between the thinking markers (`<think>...</think>`, pc_rag.reasoning) is
 `AIMessage.additional_kwargs["reasoning_content"]` (streamed chunks carry their part of it there), not content;
@@ -232,7 +235,7 @@ class ChatPromptCache(EngineFields, BaseChatModel):
                 calls.append(tool_call_chunk(name=c.name, args=json.dumps(c.arguments, ensure_ascii=False), id=c.id,
                                              index=i))
                 if isinstance(c, CutCall):
-                    invalid.append(invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=(
+                    invalid.append(invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=reply.error or (
                         f"cut by the token budget (max_tokens={options.max_new_tokens}) before the call was "
                         f"complete: raise max_tokens")))
             metadata = {
@@ -242,6 +245,8 @@ class ChatPromptCache(EngineFields, BaseChatModel):
                 "ttft_s": generation.ttft_s,
                 "model_provider": "pc_rag",
             }
+            if reply.error is not None:
+                metadata["error"] = reply.error
             rest = tuple(reply.logprobs or ())[sent:]
             if logprobs:
                 metadata["logprobs"] = {"content": openai_logprobs(rest)}
@@ -293,8 +298,12 @@ class ChatPromptCache(EngineFields, BaseChatModel):
 def _not_cut(message: BaseMessage) -> BaseMessage:
     """with_structured_output's reply, unless the token budget cut it (a forced call in invalid_tool_calls, or
     JSON that does not parse, with finish_reason "length"): then an OutputParserException naming max_tokens, as
-    ChatOpenAI's structured output raises LengthFinishReasonError."""
+    ChatOpenAI's structured output raises LengthFinishReasonError; or its grammar could not be completed
+    (finish_reason "error"): then one quoting why."""
     metadata = getattr(message, "response_metadata", {}) or {}
+    if metadata.get("finish_reason") == "error":
+        raise OutputParserException(f"the structured output is incomplete: {metadata.get('error')}",
+                                    llm_output=message.text)
     if metadata.get("finish_reason") != "length":
         return message
     cut = bool(getattr(message, "invalid_tool_calls", None))

@@ -43,6 +43,7 @@ class FakeGeneration:
     mode: str
     finish_reason: str
     logprobs: tuple | None = None
+    error: str | None = None  # as Generation.error: why a grammar could not finish (finish_reason "error")
 
     @property
     def choices(self) -> tuple:

@@ -17,7 +17,8 @@ Reasoning models: the text between the thinking markers (`<think>...</think>`, p
 
 A forced call or a `response_format` reply that the token budget (`max_new_tokens`) cut raises
 `pc_rag.errors.ReplyCutError` naming it: LlamaIndex has no place for a partial call, and the call's markup never
-comes back as text. Logprobs (`logprobs=True`, `top_logprobs=k`): `CompletionResponse.logprobs` and
+comes back as text; one whose grammar could not be completed (finish reason "error") raises
+`pc_rag.errors.GrammarError` saying why. Logprobs (`logprobs=True`, `top_logprobs=k`): `CompletionResponse.logprobs` and
 `ChatResponse.logprobs`, one list per generated token, the token itself first, then the k most likely (streamed:
 each response those of the tokens it completes, the last one those no delta carried).
 `reasoning_effort` goes to a chat template that reads it.
@@ -459,7 +460,7 @@ class PromptCacheLLM(FunctionCallingLLM):
                 yield ChatResponse(message=message, delta=str(item), logprobs=logprobs)
                 continue
             reply: ChatReply = item
-            reply.check_complete(request.options.max_new_tokens)  # a cut call or JSON: ReplyCutError, not markup
+            reply.check_complete(request.options.max_new_tokens)  # a cut call or JSON, a failed grammar: raised
             extra = {"tool_calls": [c.openai() for c in reply.tool_calls]} if reply.tool_calls else {}
             if reply.reasoning:
                 extra["reasoning_content"] = reply.reasoning
