@@ -213,15 +213,9 @@ class Engine:
         return options
 
     def _stream_generation(self, prompt: Prompt, options: GenerationOptions) -> Iterator[str | Generation]:
-        steps = Request(self, options).run(prompt)
-        while True:
-            try:
-                piece = next(steps)
-            except StopIteration as done:
-                yield done.value
-                return
-            if piece:
-                yield piece
+        for item in Request(self, options).run(prompt):  # pieces, the Generation, then the leftovers (request.py)
+            if not isinstance(item, str) or item:
+                yield item
 
     def explain(self, prompt: Prompt | str | PML, mode: str = "modular", cache_salt: str | None = None) -> Explanation:
         """Where a request for `prompt` would get its KV, piece by piece (tokens, slots, positions, and a memory,
@@ -340,9 +334,11 @@ class Engine:
     def stats(self) -> dict:
         """tiers: the store's counters; scaffolds: groups, bytes of their joint KV, failed builds (each logged);
         prefix: blocks indexed; registered: chunks and remembered replies; passages: those remembered and what they
-        did (`PassageCounts`); decode: the shared loop's steps, tokens (first_tokens, prompt_tokens), largest batch,
-        rows decoding and waiting; backends; model: the loaded model's bytes, dtype and matrices by format
-        (LlamaRunner.memory); relocation_check and quality_gate: None until they ran."""
+        did (`PassageCounts`); encodes: chunks and passages encoded on their own, on requests' paths, after replies
+        and elsewhere (warm, scaffolds): batched forwards, chunks and tokens (`EncodeCounts`); decode: the shared
+        loop's steps, tokens (first_tokens, prompt_tokens), largest batch, rows decoding and waiting; backends;
+        model: the loaded model's bytes, dtype and matrices by format (LlamaRunner.memory); relocation_check and
+        quality_gate: None until they ran."""
         groups, failed = self.scaffolds.snapshot()  # background builds may add groups meanwhile
         check = self.runner.relocation_check
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
@@ -351,6 +347,7 @@ class Engine:
                 "prefix": {"blocks_indexed": len(self.planner.prefixes), "block_tokens": self.planner.block_tokens},
                 "registered": {"chunks": len(self.chunks), "replies": len(self.replies)},
                 "passages": self.planner.passages.stats(),
+                "encodes": {where: c.as_dict() for where, c in self.assembler.encodes.items()},
                 "decode": self.traffic.stats(self.max_batch),
                 "backends": self.runner.backends.as_dict(),
                 "model": self.runner.memory(),
