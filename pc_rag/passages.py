@@ -185,6 +185,7 @@ class PassageCounts:
     reused_tokens: int = 0
     encoded: int = 0  # passages encoded on the request path (seen before, their KV not stored)
     encoded_after_reply: int = 0  # new passages encoded once the reply was out, while no other request ran
+    stopped_after_reply: int = 0  # those encodes stopped by a request that arrived (left to the passages' next sight)
 
 
 class PassageIndex:
