@@ -289,7 +289,8 @@ def test_the_text_a_reply_answers_is_never_a_passage():
         a, b = pc_rag.passages.answered_span(text, 0, len(text), markers)
         assert text[a:b] == answered
         spans = pc_rag.text_index.with_passages(text, [], markers)
-        assert [text[s.start:s.end].removeprefix("system\n").removeprefix("user\n") for s in spans] == ([A, B] if B in text else [A])
+        found = [text[s.start:s.end].removeprefix("system\n").removeprefix("user\n") for s in spans]
+        assert found == ([A, B] if B in text else [A])
     assert passages_of(f"{A}\n\n{QUESTION}") == [A, QUESTION]  # the cut rule alone knows no question
 
 
