@@ -20,6 +20,17 @@ Four measurements, each printed as a table and written to DIR/passages.json:
    on against `Engine.reuse_passages = False`, alternating, fresh documents every run.
 4. index: the passage index's memory per passage (tracemalloc), and the time to cut a prompt into passages and
    plan it (nothing seen) from 1K to 32K tokens (linear), and for 10^5 tiny paragraphs.
+5. encode (`--only encode`): the passages of prompts of five documents of Python's documentation as it is
+   (paragraphs, so several passages per document), each encoded on its own after BOS: one forward per passage
+   (the loop), all in one batched pass (`Assembler.encode_chunks`), and one causal prefill of the same tokens (the
+   bound), alternating, medians over --reps; per prompt, the passages, their tokens and each time over the prefill's.
+6. turns (`--only turns`): cold chat turns one at a time through `pc-rag serve` (--size large --dtype bfloat16 for
+   the issue's 0.37B shape): each a new conversation, its user message ~`--turn-tokens` of documentation with
+   paragraphs and a question, alternating `modular` and `exact`, each sent as soon as the one before it ended. Two
+   clients: one reads the first token and closes the stream (a TTFT probe: the next request arrives while the
+   server finishes the one before), one reads to the end. Medians per mode and modular over exact: what a
+   reply's leftovers (its new passages' encodes, request.py) cost the next request. `--server-src DIR` runs the
+   server from another source tree (an A/B against another checkout, same client and prompts).
 """
 
 from __future__ import annotations
@@ -281,6 +292,123 @@ def run_index(model_path) -> dict:
             "tiny_paragraphs_100k_cut_ms": (time.perf_counter() - t0) * 1e3}
 
 
+# ---- 6. cold chat turns one at a time ---------------------------------------------------------------------------
+def run_turns(model_path, dtype: str, reps: int, turn_tokens: int, server_src: str | None, seed: int = 6) -> dict:
+    import os
+
+    import openai
+
+    from pc_rag.serve.process import ServerProcess
+
+    model, tok = pc_rag.testing.loaded(str(model_path))
+    engine = pc_rag.Engine(model, tok, store=MemoryStore())
+    docs = documentation(engine, 6 * (reps + 1) * 2, seed, max_tokens=turn_tokens // 3)
+    env = dict(os.environ, PYTHONPATH=server_src) if server_src else None
+    result: dict = {"dtype": dtype, "turn_tokens": turn_tokens, "reps": reps, "server_src": server_src}
+    with ServerProcess(model_path, extra=["--store", "memory", "--dtype", dtype], env=env) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        turn = iter(range(len(docs) // 3))
+
+        def ask(mode: str, first_only: bool) -> tuple[float, float, int]:
+            i = next(turn)
+            content = "Notes:\n\n" + "\n\n".join(docs[3 * i: 3 * i + 3]) + f"\n\nQuestion {i}: what do they say?"
+            messages = [{"role": "system", "content": "You answer from the notes."},
+                        {"role": "user", "content": content}]
+            t0 = time.perf_counter()
+            ttft, usage = None, None
+            stream = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True},
+                                                    extra_body={"mode": mode})
+            for event in stream:
+                if ttft is None and event.choices and event.choices[0].delta.content:
+                    ttft = time.perf_counter() - t0
+                    if first_only:
+                        break
+                usage = event.usage or usage
+            stream.close()
+            end = time.perf_counter() - t0
+            return ttft if ttft is not None else end, end, usage.prompt_tokens if usage else 0
+
+        for client_kind, first_only in (("first token", True), ("whole reply", False)):
+            times: dict[str, list] = {"modular": [], "exact": []}
+            for r in range(reps + 1):
+                for mode in ("modular", "exact"):
+                    got = ask(mode, first_only)
+                    if r:  # the first round warms the server up
+                        times[mode].append(got)
+            med = {m: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v),
+                       statistics.median(t[2] for t in v)) for m, v in times.items()}
+            result[client_kind] = {
+                "prompt_tokens": med["modular"][2],
+                "ttft_ms": {m: v[0] * 1e3 for m, v in med.items()},
+                "end_ms": {m: v[1] * 1e3 for m, v in med.items()},
+                "ttft_modular_over_exact": med["modular"][0] / med["exact"][0],
+                "end_modular_over_exact": med["modular"][1] / med["exact"][1],
+                "runs_s": {m: [[round(x, 4) for x in t[:2]] for t in v] for m, v in times.items()}}
+        result["health"] = server.health()
+    return result
+
+
+# ---- 5. encoding a prompt's passages -------------------------------------------------------------------------
+def documentation(engine, n: int, seed: int, max_tokens: int = 600) -> list[str]:
+    """`n` documents of Python's documentation as it is (its paragraphs kept, blank lines inside), each its topic's
+    first paragraphs up to about `max_tokens` tokens."""
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    out = []
+    for k in random.Random(seed).sample(keys, n):
+        paragraphs, tokens = [], 0
+        for p in topics[k].strip().split("\n\n"):
+            tokens += len(engine.segmenter.ids(p))
+            if paragraphs and tokens > max_tokens:
+                break
+            paragraphs.append(p)
+        out.append("\n\n".join(paragraphs))
+    return out
+
+
+def run_encode(model_path, reps: int, prompts: int = 4, seed: int = 4) -> list[dict]:
+    model, tok = pc_rag.testing.loaded(str(model_path))
+    engine = pc_rag.Engine(model, tok, store=MemoryStore())
+    sink = list(engine.planner.sink_ids)
+    rows = []
+    for i in range(prompts):
+        prompt = HEADER + "\n\n".join(documentation(engine, 5, seed + i)) + "\n\nQuestion: what does it say?"
+        chunks = [(s.token_ids, len(sink), "chunk") for s in engine.split(prompt) if s.passage]
+        times = encode_times(engine, chunks, reps)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append({"prompt": i, "passages": len(chunks), "tokens": sum(len(c) for c, _, _ in chunks),
+                     "loop_ms": med["loop"] * 1e3, "batched_ms": med["batched"] * 1e3,
+                     "prefill_ms": med["prefill"] * 1e3, "loop_over_prefill": med["loop"] / med["prefill"],
+                     "batched_over_prefill": med["batched"] / med["prefill"]})
+    return rows
+
+
+def encode_times(engine, chunks: list, reps: int) -> dict[str, list[float]]:
+    """Seconds to encode `chunks` one forward each ("loop"), in one batched pass ("batched"), and to prefill their
+    tokens after BOS in one causal forward ("prefill"), alternating, `reps` times after one warm-up round."""
+    assembler, runner = engine.assembler, engine.runner
+    ids = list(engine.planner.sink_ids) + [t for c, _, _ in chunks for t in c]
+
+    def loop():
+        for c in chunks:
+            assembler.encode_chunks([c], "other")
+
+    def prefill():
+        runner.forward(runner.new_cache(len(ids)), ids, list(range(len(ids))), list(range(len(ids))))
+
+    ways = {"loop": loop, "batched": lambda: assembler.encode_chunks(chunks, "other"), "prefill": prefill}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for r in range(reps + 1):
+        for name, run in ways.items():
+            t0 = time.perf_counter()
+            run()
+            if r:  # the first round warms the allocator and the kernels
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in cols]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
@@ -295,9 +423,13 @@ def _fmt(v) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
-    ap.add_argument("--size", default="tiny", choices=("tiny", "bench"))
+    ap.add_argument("--size", default="tiny", choices=("tiny", "bench", "large"))
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--skip", nargs="*", default=[], choices=("flows", "server", "langchain", "overhead", "index"))
+    ap.add_argument("--only", choices=("encode", "turns"), help="run that measurement alone")
+    ap.add_argument("--dtype", default="float32", help="the server's dtype (turns)")
+    ap.add_argument("--turn-tokens", type=int, default=1024, help="a cold chat turn's documents, in tokens (turns)")
+    ap.add_argument("--server-src", help="run the server from this source tree (turns: an A/B against a checkout)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--overhead-tokens", type=int, default=8192)
     args = ap.parse_args(argv)
@@ -307,11 +439,31 @@ def main(argv=None) -> int:
         path = args.model
     elif args.size == "bench":
         path = model_or_bench(None, out)
+    elif args.size == "large":
+        path = out / "large-model"
+        if not (path / "config.json").exists():
+            pc_rag.testing.build_tiny_llama(path, size="large")
     else:
         path = out / "tiny-model"
         if not (path / "config.json").exists():
             pc_rag.testing.build_tiny_llama(path, size="tiny")
     result: dict = {"model": str(path)}
+    if args.only == "encode":
+        result["encode"] = run_encode(path, args.reps)
+        print(table(result["encode"], ["prompt", "passages", "tokens", "loop_ms", "batched_ms", "prefill_ms",
+                                       "loop_over_prefill", "batched_over_prefill"]))
+        (out / "passages-encode.json").write_text(json.dumps(result, indent=1))
+        return 0
+    if args.only == "turns":
+        t = result["turns"] = run_turns(path, args.dtype, args.reps, args.turn_tokens, args.server_src)
+        for kind in ("first token", "whole reply"):
+            r = t[kind]
+            print(f"{kind:12} {r['prompt_tokens']} tokens: TTFT modular {r['ttft_ms']['modular']:.0f} ms, exact "
+                  f"{r['ttft_ms']['exact']:.0f} ms ({r['ttft_modular_over_exact']:.2f}x); end modular "
+                  f"{r['end_ms']['modular']:.0f} ms, exact {r['end_ms']['exact']:.0f} ms "
+                  f"({r['end_modular_over_exact']:.2f}x)")
+        (out / "passages-turns.json").write_text(json.dumps(result, indent=1))
+        return 0
     server = None
     if "server" not in args.skip:
         from pc_rag.serve.process import ServerProcess

@@ -34,6 +34,12 @@ and serving.png (TTFT p99 against rate). `--ttft-limit S` starts the pc-rag serv
 (pc_rag/serve/admission.py): past saturation they refuse with a 429 what would come late, and a rate with any
 refusal does not count as held.
 
+`--trace documents`: the corpus as Python's documentation is (`corpus_documents`: whole paragraphs, blank lines
+inside a document, so an app's plain text holds several passages per document) and questions of 15-40 tokens.
+Per rate, beside the TTFTs: the tokens the server computed per request on its path (prompt tokens less cached ones,
+from `usage`), and, for pc-rag, the encode forwards per request on requests' paths and after replies and the tokens
+encoded after replies (its /health's encode counters, before and after the rate).
+
 Concurrency (`--concurrency 1 8 32`): the KV bytes that many requests hold at once over one `--prefix-tokens`
 system text, in process (`concurrency`): serving.json `concurrency.<n>.kv_bytes`.
 """
@@ -72,6 +78,26 @@ class Request:
     parent: int | None = None  # the trace index of the request a follow-up continues
 
 
+def corpus_documents(n: int, words_per_chunk: int = 190) -> list[str]:
+    """`n` documents of Python's documentation as it is: whole paragraphs (blank lines between them, hard-wrapped
+    lines kept) of its topics, gathered until one has ~`words_per_chunk` words (~250 tokens; one long paragraph
+    may make it longer), in the order of the topics (repeated if short). A retriever's chunks of a real corpus: an
+    app joining them with blank lines sends several passages per document (docs/design.md, "Passages")."""
+    from pydoc_data.topics import topics
+
+    docs, current, words = [], [], 0
+    for k in sorted(topics):
+        for paragraph in topics[k].strip().split("\n\n"):
+            if not paragraph.strip():
+                continue
+            current.append(paragraph.rstrip())
+            words += len(paragraph.split())
+            if words >= words_per_chunk:
+                docs.append("\n\n".join(current))
+                current, words = [], 0
+    return [docs[i % len(docs)] + ("" if i < len(docs) else f" ({i // len(docs)})") for i in range(n)]
+
+
 def corpus_chunks(n: int, words_per_chunk: int = 190) -> list[str]:
     """`n` chunks of Python's documentation, ~250 tokens each, in the order of its topics (repeated if short)."""
     from pydoc_data.topics import topics
@@ -81,9 +107,12 @@ def corpus_chunks(n: int, words_per_chunk: int = 190) -> list[str]:
     return [chunks[i % len(chunks)] + ("" if i < len(chunks) else f" ({i // len(chunks)})") for i in range(n)]
 
 
-def rag_trace(n_chunks: int, n_requests: int, alpha: float, seed: int = 0, follow_ups: float = 0.1) -> list[Request]:
+def rag_trace(n_chunks: int, n_requests: int, alpha: float, seed: int = 0, follow_ups: float = 0.1,
+              question_words: tuple[int, int] | None = None) -> list[Request]:
     """Questions over a corpus of `n_chunks` with Zipf(`alpha`) document popularity: each retrieves 4-8 chunks,
-    drawn by popularity without repeats, in a random order; a `follow_ups` share continues an earlier question."""
+    drawn by popularity without repeats, in a random order; a `follow_ups` share continues an earlier question.
+    `question_words` (lo, hi): each question that many words drawn from a list of the corpus' terms after a fixed
+    opening (15-40 tokens on the bench tokenizer for (1, 20)); None: one fixed sentence numbered per question."""
     rng = random.Random(seed)
     weights = [1.0 / (rank + 1) ** alpha for rank in range(n_chunks)]
     ranks = list(range(n_chunks))
@@ -100,8 +129,22 @@ def rag_trace(n_chunks: int, n_requests: int, alpha: float, seed: int = 0, follo
             c = ranks[rng.choices(range(n_chunks), weights)[0]]
             if c not in picked:
                 picked.append(c)
-        out.append(Request(0.0, tuple(picked), f"Question {i}: what does the documentation say about it?", 0, i))
+        out.append(Request(0.0, tuple(picked), _question(rng, i, question_words), 0, i))
     return out
+
+
+_WORDS = ("loop", "iterator", "exception", "handler", "class", "method", "attribute", "module", "import", "scope",
+          "closure", "generator", "yield", "context", "manager", "descriptor", "slot", "operator", "expression",
+          "statement", "assignment", "argument", "keyword", "default", "value", "object", "sequence", "mapping",
+          "string", "format", "encoding", "buffer", "file", "thread", "lock", "signal", "frame", "traceback",
+          "name", "binding", "global", "nonlocal", "lambda", "comprehension", "decorator", "annotation", "type")
+
+
+def _question(rng: random.Random, i: int, words: tuple[int, int] | None) -> str:
+    if words is None:
+        return f"Question {i}: what does the documentation say about it?"
+    picked = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(*words)))
+    return f"Question {i}: what does it say about the {picked}?"
 
 
 def arrivals(trace: list[Request], rate_rps: float, seed: int = 0) -> list[Request]:
@@ -275,6 +318,9 @@ def summarize(rate: float, records: list[dict], wall_s: float) -> dict:
             "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in ok) if ok else 0,
             "hit_ratio": (sum(r["cached_tokens"] for r in cached) / max(1, sum(r["prompt_tokens"] for r in cached))
                           if cached else None),
+            # what the server computed on the request's path (chunks and passages it encoded count as computed)
+            "computed_tokens_mean": (statistics.fmean(r["prompt_tokens"] - r["cached_tokens"] for r in cached)
+                                     if cached else None),
             "wall_s": wall_s}
 
 
@@ -354,6 +400,22 @@ def replay_equal(url: str, trace: list[Request], chunks: list[str], marked: bool
     return same / len(picked)
 
 
+def encodes_of(server) -> dict | None:
+    """The server's encode counters (pc-rag serve's /health: `Engine.stats()["encodes"]`), None for a peer."""
+    return server.health().get("encodes") if isinstance(server, ServerProcess) else None
+
+
+def encodes_per_request(before: dict | None, after: dict | None, requests: int) -> dict:
+    """What a rate's requests encoded on their own, per request: forwards on requests' paths and after replies, and
+    the tokens encoded after replies (not in `computed_tokens_mean`, which counts the request's path)."""
+    if before is None or after is None:
+        return {}
+    diff = {w: {k: after[w][k] - before[w][k] for k in after[w]} for w in ("request", "after_reply")}
+    return {"encode_forwards_per_request": diff["request"]["forwards"] / requests,
+            "after_reply_forwards_per_request": diff["after_reply"]["forwards"] / requests,
+            "after_reply_tokens_per_request": diff["after_reply"]["tokens"] / requests}
+
+
 def run_system(name: str, server, trace: list[Request], chunks: list[str], args) -> dict:
     marked = name.endswith("marked")
     extra = {"mode": name.split()[1]} if name.startswith("pc-rag") else {}
@@ -374,9 +436,11 @@ def run_system(name: str, server, trace: list[Request], chunks: list[str], args)
             if offset + count > len(trace):
                 break
             part = arrivals(trace[offset:offset + count], rate, args.seed + offset)
+            before = encodes_of(server)
             records, wall = asyncio.run(send_rate(server.url, part, chunks, marked, extra,
                                                   max_tokens[offset:offset + len(part)], args.timeout, history))
             row = summarize(rate, records, wall)
+            row.update(encodes_per_request(before, encodes_of(server), len(part)))
             if name.startswith("pc-rag") and args.replay:
                 row["equal_to_one_at_a_time"] = replay_equal(server.url, part, chunks, marked, extra,
                                                              max_tokens[offset:offset + len(part)], records)
@@ -405,9 +469,10 @@ def load(args, out: Path) -> dict:
     from .common import model_or_bench
 
     model = Path(model_or_bench(args.model, out))
-    chunks = corpus_chunks(args.chunks, args.chunk_words)
+    chunks = (corpus_documents if args.trace == "documents" else corpus_chunks)(args.chunks, args.chunk_words)
     n = args.requests_per_rate * 8
-    trace = rag_trace(args.chunks, n, args.alpha, args.seed)
+    trace = rag_trace(args.chunks, n, args.alpha, args.seed,
+                      question_words=(1, 20) if args.trace == "documents" else None)
     peers = Path(args.peers) if args.peers else None
     systems = {}
     for name in args.systems or [*PC_RAG_SYSTEMS, *PEER_SYSTEMS]:
@@ -428,7 +493,8 @@ def load(args, out: Path) -> dict:
             continue
         systems[name] = run_system(name, server, trace, chunks, args)
         (out / "serving.partial.json").write_text(json.dumps(systems, indent=1))  # a long run keeps what it has
-    return {"model": model.name, "alpha": args.alpha, "slo_s": args.slo, "requests_per_rate": args.requests_per_rate,
+    return {"model": model.name, "trace": args.trace, "alpha": args.alpha, "slo_s": args.slo,
+            "requests_per_rate": args.requests_per_rate,
             "chunks": args.chunks, "ttft_limit_s": args.ttft_limit, "answer_tokens": list(args.answer_tokens),
             "systems": systems}
 
@@ -504,22 +570,28 @@ def concurrency(model: Path, counts: list[int], prefix_tokens: int, max_new_toke
 
 def markdown(result: dict) -> str:
     answers = "-".join(map(str, sorted(set(result.get("answer_tokens", [32, 64])))))
-    lines = [f"Trace: {result['chunks']} chunks, Zipf alpha {result['alpha']}, 4-8 chunks per question, "
+    kind = ("documents with paragraphs, questions of 15-40 tokens" if result.get("trace") == "documents"
+            else "one-paragraph chunks")
+    lines = [f"Trace: {result['chunks']} chunks ({kind}), Zipf alpha {result['alpha']}, 4-8 chunks per question, "
              f"answers of {answers} tokens, "
              f"{result['requests_per_rate']} requests per rate, SLO: TTFT p99 <= {result['slo_s']:g} s; model "
              f"{result['model']}, CPU.", "",
              "| system | highest rate under the SLO (req/s) | rate | TTFT p50 / p90 / p99 (s) | inter-token (ms) "
-             "| output tok/s | cached share | refused / lost | equal to one at a time |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| output tok/s | cached share | computed tok/req | encode fwd/req (path + after reply) "
+             "| refused / lost | equal to one at a time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, sys_ in result["systems"].items():
         for i, r in enumerate(sys_["rates"]):
             hit = "" if r["hit_ratio"] is None else f"{r['hit_ratio']:.2f}"
             itl = "" if r["itl_mean_s"] is None else f"{r['itl_mean_s'] * 1000:.0f}"
             eq = r.get("equal_to_one_at_a_time")
+            computed = "" if r.get("computed_tokens_mean") is None else f"{r['computed_tokens_mean']:.0f}"
+            forwards = ("" if "encode_forwards_per_request" not in r else
+                        f"{r['encode_forwards_per_request']:.2f} + {r['after_reply_forwards_per_request']:.2f}")
             lines.append(f"| {name if i == 0 else ''} | {sys_['max_rate_rps'] if i == 0 else ''} | {r['rate']:g} | "
                          f"{r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} / {r['ttft_p99_s']:.2f} | {itl} | "
-                         f"{r['output_tokens_per_s']:.0f} | {hit} | {r['refused']} / {r['lost']} | "
-                         f"{'' if eq is None else f'{eq:.2f}'} |")
+                         f"{r['output_tokens_per_s']:.0f} | {hit} | {computed} | {forwards} | "
+                         f"{r['refused']} / {r['lost']} | {'' if eq is None else f'{eq:.2f}'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -552,6 +624,9 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--budget", type=float, default=0.2)
     ap.add_argument("--chunk-words", type=int, default=190, help="words per chunk (~1.3 bench tokens each)")
+    ap.add_argument("--trace", choices=("flat", "documents"), default="flat",
+                    help="flat: each chunk one paragraph, one fixed question; documents: Python's documentation as it "
+                         "is (paragraphs, blank lines inside), questions of 15-40 tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--systems", nargs="*", choices=[*PC_RAG_SYSTEMS, *PEER_SYSTEMS],
                     help="servers to load (default: every pc-rag one, and the peers found under --peers); "

@@ -6,11 +6,15 @@ between its tokens: a store write would stall the stream):
     the reply       its generated tokens, remembered for its text (`ReplyIndex`), so the next turn's prompt carries
                     these very tokens; when a chat template writes it back trimmed, or as its answer alone, that
                     form is run over the prompt's cache and stored too (`remember_continuation`);
-    passages        the prompt's passages remembered as sent, and those not yet stored encoded on their own
-                    (`remember_passages`, docs/design.md "Passages").
+    passages        the prompt's passages remembered as sent (`remember_passages`), and those not yet stored encoded
+                    on their own in one batched pass (`encode_passages`): the request's leftovers, run once its
+                    Generation is out (request.py), so they delay neither its reply nor its end.
 
-The speculative forwards (a continuation, the passages' encodes) run only while no other request is running: they
-would take the runner's turns from requests that are decoding.
+The speculative forwards (a continuation, the passages' encodes) run only while no other request is running, and
+stop, within a layer of the forward they are in, as soon as one arrives (`Traffic.arrival`,
+`LlamaRunner.cancellable`): a request's first token never waits for another's leftovers. What was stopped is left
+to later: a passage not stored is encoded by the first request that sends it again; a continuation not stored is
+computed by the next turn as fresh tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import logging
 from collections.abc import Sequence
 
 from .assemble import Assembled
-from .plan import COMPUTED, Plan
+from .errors import Cancelled
+from .model import release_team
+from .plan import COMPUTED, Plan, Wanted
 from .reasoning import ThinkingMarkers
 from .segments import Chunk, Text
 
@@ -27,10 +33,10 @@ log = logging.getLogger("pc_rag")
 
 
 def save(engine, prompt, asm: Assembled, replies: Sequence[tuple[Assembled, str, list[int]]], done: bool,
-         namespace: str | None) -> None:
+         namespace: str | None) -> list[Wanted]:
     """After a request: `replies` are (its assembled cache, text, token ids) per choice; `done`: the replies ran to
     their end (not an abandoned stream). The prompt's blocks are stored once (with the first choice), each reply's
-    own blocks from its buffer."""
+    own blocks from its buffer. Returns the passages left to encode (`encode_passages`)."""
     saved: frozenset[str] = frozenset()
     for i, (choice, text, ids) in enumerate(replies):
         if ids or not asm.deferred:  # deferred tokens with no first token out may never have been computed
@@ -38,7 +44,8 @@ def save(engine, prompt, asm: Assembled, replies: Sequence[tuple[Assembled, str,
             if ids:
                 remember_reply(engine, prompt, text, ids, choice if done and i == 0 else None, saved, namespace)
     if any(ids for _, _, ids in replies) or not asm.deferred:
-        remember_passages(engine, asm.plan)
+        return remember_passages(engine, asm.plan)
+    return []
 
 
 def remember_reply(engine, prompt, text: str, ids: list[int], asm: Assembled | None = None,
@@ -98,9 +105,10 @@ def remember_continuation(engine, text: str, after: str, asm: Assembled | None, 
     the answer after a thinking block), as that prompt's reply, with the ids the next turn's prompt tokenizes it
     into; with `asm`, run them over the prompt's cache and store them as its other continuation.
 
-    Only while no other request is running: the forward is speculative (a next turn may never come) and would take
-    the runner's turns from requests that are decoding (two such forwards took 150 ms of an 8-stream burst's 1.2 s,
-    bench model). Skipped, the next turn computes the same tokens as fresh ones."""
+    Only while no other request is running, and stopped within a layer when one arrives: the forward is speculative
+    (a next turn may never come) and would take the runner's turns from requests that are decoding (two such
+    forwards took 150 ms of an 8-stream burst's 1.2 s, bench model). Skipped, the next turn computes the same tokens
+    as fresh ones."""
     alt = engine.segmenter.ids(text, namespace)  # how the next turn's prompt tokenizes it (a hard cut)
     engine.replies.remember(text, alt, after, namespace)
     if asm is None or engine.traffic.busy():
@@ -110,28 +118,43 @@ def remember_continuation(engine, text: str, after: str, asm: Assembled | None, 
     if continues and len(alt) <= asm.cache.capacity - asm.prompt_tokens:
         first = asm.last_position + 1
         slots = list(range(asm.prompt_tokens, asm.prompt_tokens + len(alt)))
-        engine.runner.forward(asm.cache, list(alt), list(range(first, first + len(alt))), slots)
+        try:
+            with engine.runner.cancellable(engine.traffic.arrival(mine=1)):  # this request is still counted
+                engine.runner.forward(asm.cache, list(alt), list(range(first, first + len(alt))), slots)
+        except Cancelled:
+            return
         engine.assembler.save_prefix(asm, alt, skip=saved)
 
 
-def remember_passages(engine, plan: Plan) -> None:
-    """Count what the prompt's passages did, remember them as sent in the request's namespace and, while no other
-    request runs, encode and store the ones whose own encoding is not stored, so that the next request finds them
-    wherever they land. The encodes cost about one prefill of the new passages; a busy engine skips them (the
-    passages are then encoded by the first request that reuses them). Best effort: a failure is logged."""
+def remember_passages(engine, plan: Plan) -> list[Wanted]:
+    """Count what the prompt's passages did and remember them as sent in the request's namespace; returns those
+    whose own encoding is not stored, for `encode_passages`."""
     if not plan.passages:
-        return
+        return []
     index = engine.planner.passages
     reused = [p for p in plan.as_built().pieces if p.kind == "passage"]
     encoded = {p.key for p in reused if p.origin == COMPUTED}
     index.count(requests=1, reused=sum(p.key not in encoded for p in reused),
                 reused_tokens=sum(p.n for p in reused if p.key not in encoded), encoded=len(encoded))
     index.add(plan.namespace, ((w.key, len(w.token_ids)) for w in plan.passages))
-    todo = {w.key: w for w in plan.passages if w.key not in plan.passages_held and w.key not in encoded}
+    return list({w.key: w for w in plan.passages if w.key not in plan.passages_held and w.key not in encoded}.values())
+
+
+def encode_passages(engine, passages: Sequence[Wanted]) -> None:
+    """A request's leftovers (request.py): `passages` (`remember_passages`) encoded on their own and stored, so that
+    the next request finds them wherever they land. One batched pass (`Assembler.store_missing`), about one prefill
+    of their tokens, run outside any request and only while none runs; a request that arrives stops it within a
+    layer (its first token waits for no more), and the passages not stored are encoded by the first request that
+    sends them again. Best effort: a failure is logged."""
+    if not passages or not engine.traffic.idle():
+        return
+    index = engine.planner.passages
     try:
-        for want in todo.values():
-            if engine.traffic.busy():
-                break
-            index.count(encoded_after_reply=engine.assembler.ensure_stored(want) == COMPUTED)
+        with engine.runner.cancellable(engine.traffic.arrival()):
+            index.count(encoded_after_reply=engine.assembler.store_missing(passages, "after_reply"))
+    except Cancelled:
+        index.count(stopped_after_reply=1)
     except Exception:  # speculative work: the reply is out and must stay a success
         log.warning("encoding a prompt's passages after the reply failed", exc_info=True)
+    finally:
+        release_team()  # this thread computed again; a server's request thread now waits (model/threads.py)

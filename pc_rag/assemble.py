@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -97,6 +97,26 @@ class Assembled:
         return self.plan.as_built().pieces
 
 
+@dataclass
+class EncodeCounts:
+    """Chunks encoded on their own (`Assembler.encode_chunks`), in one place, since the engine started."""
+
+    forwards: int = 0  # passes through the model (a batched pass of many chunks is one, unless split: encode_apart)
+    chunks: int = 0
+    tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, forwards: int, chunks: int, tokens: int) -> None:
+        with self._lock:
+            self.forwards += forwards
+            self.chunks += chunks
+            self.tokens += tokens
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {"forwards": self.forwards, "chunks": self.chunks, "tokens": self.tokens}
+
+
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -127,6 +147,8 @@ class Assembler:
         self.extents_stored: OrderedDict[str, None] = OrderedDict()
         self._extents_lock = threading.Lock()  # requests of a server's batch plan and store concurrently
         self.scaffold_bytes = 0  # what joint encodings cost on top of the chunks' own blocks
+        # What encoding chunks cost, by where it ran: on a request's path, after a reply, elsewhere (warm, scaffolds).
+        self.encodes = {where: EncodeCounts() for where in ("request", "after_reply", "other")}
 
     def lookups(self) -> StoreLookups:
         """The store as a request's planning asks it; its `blocks` are what `assemble` then builds from (blocks on
@@ -146,56 +168,86 @@ class Assembler:
         return self.place(block), origin
 
     # ---- encode ------------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def encode_chunk(self, token_ids: tuple[int, ...], start: int, kind: str = "chunk") -> KVBlock:
         """Encode a chunk (or a scaffold group) on its own: sink tokens at 0.., its first token at `start`."""
-        sink_ids = self.planner.sink_ids
-        n_sink = len(sink_ids)
-        ids = list(sink_ids) + list(token_ids)
-        positions = list(range(n_sink)) + list(range(start, start + len(token_ids)))
-        cache = self.runner.new_cache(len(ids))
-        self.runner.forward(cache, ids, positions, list(range(len(ids))))
-        k, v = cache.block_views(n_sink, len(ids))
-        return KVBlock(k.clone(), v.clone(), tuple(token_ids), start, {"kind": kind})
+        return self.encode_chunks([(token_ids, start, kind)], "other")[0]
 
-    def _encode_and_store(self, key: str, token_ids: tuple[int, ...], start: int, source: str) -> KVBlock:
-        block = self.encode_chunk(token_ids, start, source)
+    @torch.inference_mode()
+    def encode_chunks(self, chunks: Sequence[tuple[tuple[int, ...], int, str]], where: str) -> list[KVBlock]:
+        """Encode chunks (token ids, encode position, kind) each on its own, after the sink tokens at 0.., its first
+        token at its position, in one batched pass (`LlamaRunner.encode_apart`: a block-diagonal prefill, each
+        chunk seeing the sink and itself): what every piece a request encodes costs together is about one prefill
+        of their tokens, not a forward each. Counted in `encodes[where]` ("request", "after_reply", "other")."""
+        if not chunks:
+            return []
+        sink_ids = list(self.planner.sink_ids)
+        n_sink = len(sink_ids)
+        caches, forwards = self.runner.encode_apart(
+            [sink_ids + list(ids) for ids, _, _ in chunks],
+            [list(range(n_sink)) + list(range(start, start + len(ids))) for ids, start, _ in chunks])
+        blocks = []
+        for cache, (ids, start, kind) in zip(caches, chunks, strict=True):
+            k, v = cache.block_views(n_sink, n_sink + len(ids))
+            blocks.append(KVBlock(k.clone(), v.clone(), tuple(ids), start, {"kind": kind}))
+        self.encodes[where].add(forwards, len(chunks), sum(len(ids) for ids, _, _ in chunks))
+        return blocks
+
+    def _store_encoded(self, key: str, block: KVBlock) -> KVBlock:
         self.store.put(key, block)
-        if source == "scaffold":
+        if block.meta.get("kind") == "scaffold":
             self.scaffold_bytes += block.nbytes
         return block
+
+    def _encode_and_store(self, key: str, token_ids: tuple[int, ...], start: int, source: str,
+                          where: str = "request") -> KVBlock:
+        return self._store_encoded(key, self.encode_chunks([(token_ids, start, source)], where)[0])
 
     def ensure_stored(self, want: Wanted) -> str:
         """The block of `want` in the store, encoded and stored now if no tier holds it (`Engine.warm`, the
         background scaffold builder); returns its origin ("computed" when encoded now)."""
         block, origin = self._get(want.key)
         if block is None or block.token_ids != want.token_ids:
-            self._encode_and_store(want.key, want.token_ids, want.start, want.source)
+            self._encode_and_store(want.key, want.token_ids, want.start, want.source, "other")
             return COMPUTED
         return origin
 
+    def store_missing(self, wants: Sequence[Wanted], where: str) -> int:
+        """The blocks of `wants` no tier holds (`Store.contains`: nothing is read), encoded in one batched pass
+        (`encode_chunks`) and stored; returns how many were encoded."""
+        missing = [w for w in {w.key: w for w in wants}.values() if not self.store.contains(w.key)]
+        blocks = self.encode_chunks([(w.token_ids, w.start, w.source) for w in missing], where)
+        for w, block in zip(missing, blocks, strict=True):
+            self._store_encoded(w.key, block)
+        return len(missing)
+
     def _encode(self, plan: Plan,
                 blocks: Mapping[str, KVBlock | PendingBlock]) -> tuple[list[Event], dict[int, KVBlock]]:
-        """Step 1: the blocks to copy in, by slot: those in hand, and the misses ("encode") encoded and stored now.
+        """Step 1: the blocks to copy in, by slot: those in hand, and the misses ("encode") encoded now, all in one
+        batched pass (`encode_chunks`), and stored.
         Each encoded block is read back from the store right away, and a later piece of the same block ("stored":
         the separator between chunks) uses what the store gave, as a later request would (a memory hit, reused);
         should the store not give it back, that piece encodes it again (an event: "not kept")."""
         in_hand: dict[int, KVBlock] = {}
         got: dict[str, KVBlock | None] = {}
         events: list[Event] = []
+        misses = [p for p in plan.pieces if p.load == Load.ENCODE]  # one key each (planning encodes a key once)
+        encoded = self.encode_chunks([(plan.ids[p.slot: p.slot + p.n], p.encode_start, p.source) for p in misses],
+                                     "request")
+        for p, block in zip(misses, encoded, strict=True):
+            in_hand[p.slot] = self._store_encoded(p.key, block)
+            got[p.key] = self._get(p.key)[0]
         for p in plan.pieces:
             if p.load == Load.COPY:
                 in_hand[p.slot] = blocks[p.key]
                 continue
-            if p.load not in (Load.ENCODE, Load.STORED):
+            if p.load != Load.STORED:
                 continue
             ids = plan.ids[p.slot: p.slot + p.n]
-            if p.load == Load.STORED:
-                block = got[p.key]
-                if block is not None and block.token_ids == ids:
-                    in_hand[p.slot] = block
-                    continue
-                events.append(Event(p.slot, "not kept", replace(p, origin=COMPUTED, load=Load.ENCODE)))
+            block = got[p.key]
+            if block is not None and block.token_ids == ids:
+                in_hand[p.slot] = block
+                continue
+            events.append(Event(p.slot, "not kept", replace(p, origin=COMPUTED, load=Load.ENCODE)))
             in_hand[p.slot] = self._encode_and_store(p.key, ids, p.encode_start, p.source)
             got[p.key] = self._get(p.key)[0]
         return events, in_hand

@@ -310,6 +310,15 @@ class Traffic:
         """Whether a request other than the caller's (which is counted) is running."""
         return self.running > 1
 
+    def idle(self) -> bool:
+        """Whether no request is running (asked by work outside any request: a reply's leftovers)."""
+        return self.running == 0
+
+    def arrival(self, mine: int = 0) -> Arrival:
+        """A flag set while more requests run than the caller's `mine` (0 outside a request, 1 inside one): what
+        speculative work stops for (`LlamaRunner.cancellable`), within a layer of the forward it is in."""
+        return Arrival(self, mine)
+
     def shares_steps(self) -> bool:
         """Whether a request decodes as a row of the shared step: when others run. One alone decodes on its own
         thread: with the loop's thread computing too, two threads hold OpenMP teams, and on 2 cores every
@@ -337,6 +346,16 @@ class Traffic:
             return decoder.stats()
         return {"active": 0, "waiting": 0, "steps": 0, "tokens": 0, "max_batch": max_batch, "max_batch_seen": 0,
                 "first_tokens": 0, "prompt_tokens": 0}
+
+
+class Arrival:
+    """`Traffic.arrival`: an Event-like flag (`is_set`) read at every layer of a cancellable forward."""
+
+    def __init__(self, traffic: Traffic, mine: int):
+        self._traffic, self._mine = traffic, mine
+
+    def is_set(self) -> bool:
+        return self._traffic.running > self._mine
 
 
 def decode_steps_needed(max_new_tokens: int, room: int) -> int:

@@ -213,15 +213,9 @@ class Engine:
         return options
 
     def _stream_generation(self, prompt: Prompt, options: GenerationOptions) -> Iterator[str | Generation]:
-        steps = Request(self, options).run(prompt)
-        while True:
-            try:
-                piece = next(steps)
-            except StopIteration as done:
-                yield done.value
-                return
-            if piece:
-                yield piece
+        for item in Request(self, options).run(prompt):  # pieces, the Generation, then the leftovers (request.py)
+            if not isinstance(item, str) or item:
+                yield item
 
     def explain(self, prompt: Prompt | str | PML, mode: str = "modular", cache_salt: str | None = None) -> Explanation:
         """Where a request for `prompt` would get its KV, piece by piece (tokens, slots, positions, and a memory,
@@ -345,10 +339,12 @@ class Engine:
         """tiers: the store's counters; scaffolds: groups, bytes of their joint KV, failed builds (each logged);
         prefix: blocks indexed; registered: chunks and remembered replies; tokenizer_memo: texts whose tokens are
         kept; grammars: compiled and kept, compiles so far; passages: those remembered and what they did
-        (`PassageCounts`); decode: the shared loop's steps, tokens (first_tokens, prompt_tokens), largest batch,
-        rows decoding and waiting; backends; model: the loaded model's bytes, dtype and matrices by format
-        (LlamaRunner.memory); relocation_check and quality_gate: None until they ran. The indexes are bounded (each
-        class says how), so a long-running server's figures stop growing at their bounds."""
+        (`PassageCounts`); encodes: chunks and passages encoded on their own, on requests' paths, after replies and
+        elsewhere (warm, scaffolds): batched forwards, chunks and tokens (`EncodeCounts`); decode: the shared loop's
+        steps, tokens (first_tokens, prompt_tokens), largest batch, rows decoding and waiting; backends; model: the
+        loaded model's bytes, dtype and matrices by format (LlamaRunner.memory); relocation_check and quality_gate:
+        None until they ran. The indexes are bounded (each class says how), so a long-running server's figures stop
+        growing at their bounds."""
         groups, failed = self.scaffolds.snapshot()  # background builds may add groups meanwhile
         check = self.runner.relocation_check
         return {"tiers": [vars(s).copy() for s in self.store.tier_stats()],
@@ -359,6 +355,7 @@ class Engine:
                 "tokenizer_memo": dict(zip(("entries", "chars"), self.segmenter.memo_size(), strict=True)),
                 "grammars": {"compiled": len(self.grammars), "compiles": self.grammars.compiles},
                 "passages": self.planner.passages.stats(),
+                "encodes": {where: c.as_dict() for where, c in self.assembler.encodes.items()},
                 "decode": self.traffic.stats(self.max_batch),
                 "backends": self.runner.backends.as_dict(),
                 "model": self.runner.memory(),

@@ -16,6 +16,11 @@ The rule (docs/design.md, "Passages"), line by line over the text between known 
 - A passage is a run of the remaining lines (single newlines stay inside: a hard-wrapped paragraph, a list),
   surrounding whitespace stripped. Shorter than MIN_PASSAGE_CHARS (here) or MIN_PASSAGE_TOKENS (once tokenized,
   segments.py) it stays plain text: a title or a metadata line costs less to compute than to look up.
+- The text a reply answers is never a passage (`answered_span`): the last run of content of the prompt (after its
+  last seam; a chat's last message, or its question when documents precede it there), skipping lone words after it
+  (a chat template's `assistant`, `model`, an `Answer:` line). It depends on everything before it (the documents
+  it asks about), it is new in nearly every request (stored, it never comes back), and it is what the answer
+  depends on most: computed in context, it sees the documents as a full prefill's would.
 So a passage's bounds depend on its own characters and its seams, never on its place in the prompt: documents
 joined by blank lines (LangChain's stuff chain, LlamaIndex's metadata lines before a blank line), by `---`,
 numbered `[1]`, or wrapped in tags all give the document's text as a passage. What the rule cannot see: documents
@@ -108,14 +113,34 @@ def _between(text: str, start: int, end: int, markers: re.Pattern | None) -> lis
     return [*out, (cursor, end)]
 
 
-def _passages(text: str, start: int, end: int) -> list[tuple[int, int]]:
-    """`passage_spans` within one stretch with no marker: the line rule of the module docstring."""
+def answered_span(text: str, start: int = 0, end: int | None = None,
+                  markers: re.Pattern | None = None) -> tuple[int, int] | None:
+    """The text a reply to the prompt text[start:end] answers, as a (start, end) span of `text`, or None when the
+    stretch holds none: its last run of content under the line rule (seams, labels, `markers`, as `passage_spans`;
+    any length), lone words after it skipped (`_LONE_WORD`: a chat template's role name before the generation, an
+    `Answer:` line). A caller passes the stretch after the prompt's last chunk or reply (text_index.with_passages):
+    where nothing but lone words follows those, the reply answers no text of this stretch."""
+    end = len(text) if end is None else end
+    runs = [r for a, b in _between(text, start, end, markers) for c, d in _between(text, a, b, _SPECIAL)
+            for r in _passages(text, c, d, min_chars=1)]
+    return next((r for r in reversed(runs) if not _LONE_WORD.fullmatch(text, *r)), None)
+
+
+# A run of content that is one word of letters, digits, `_` or `-`, a colon after it at most: a chat template's role
+# name ("assistant", "model"), or a completion prompt's "Answer:". What a reply answers comes before it ("Why?" is a
+# question: its "?" is not a word's).
+_LONE_WORD = re.compile(r"[\w-]{1,40}:?")
+
+
+def _passages(text: str, start: int, end: int, min_chars: int = MIN_PASSAGE_CHARS) -> list[tuple[int, int]]:
+    """`passage_spans` within one stretch with no marker: the line rule of the module docstring (runs of content of
+    at least `min_chars` characters)."""
     spans: list[tuple[int, int]] = []
     first = last = -1  # the open passage's first and last content characters (last exclusive)
 
     def close() -> None:
         nonlocal first, last
-        if first >= 0 and last - first >= MIN_PASSAGE_CHARS:
+        if first >= 0 and last - first >= min_chars:
             spans.append((first, last))
         first = last = -1
 
@@ -160,6 +185,7 @@ class PassageCounts:
     reused_tokens: int = 0
     encoded: int = 0  # passages encoded on the request path (seen before, their KV not stored)
     encoded_after_reply: int = 0  # new passages encoded once the reply was out, while no other request ran
+    stopped_after_reply: int = 0  # those encodes stopped by a request that arrived (left to the passages' next sight)
 
 
 class PassageIndex:

@@ -7,6 +7,9 @@
     decode    each reply's tokens, alone on this thread or as rows of the engine's shared step (batch.py); `n`
               replies decode from one prefill, each from a copy of the prompt's KV
     finish    once the reply is out: what it leaves for the next requests (after_reply.py), buffers back to the pool
+    leftovers once its Generation is out (the caller asks for more: a collected `generate`, a server's stream after
+              its last event): the prompt's new passages encoded in one batched pass, outside the request and only
+              while no request runs, stopped within a layer by one that arrives (after_reply.encode_passages)
 
 The engine holds what requests share (the model runner, the store, the indexes, the decode loop); a Request holds
 what is its own: its options (the cache namespace among them), samplers, buffers and text streams.
@@ -26,7 +29,7 @@ from .errors import PromptError
 from .model import release_team, releasing_team
 from .model.cache import SlotCache
 from .options import MODES, GenerationOptions
-from .plan import REUSING_CHUNKS, Plan
+from .plan import REUSING_CHUNKS, Plan, Wanted
 from .pml import PML
 from .segments import Prompt, TokenSegment
 
@@ -155,7 +158,8 @@ def next_token_logits(engine, prompt, options: GenerationOptions):
             engine.assembler.save_prefix(asm)
         finally:
             engine.runner.release_cache(asm.cache)
-        after_reply.remember_passages(engine, asm.plan)
+        left = after_reply.remember_passages(engine, asm.plan)
+    after_reply.encode_passages(engine, left)
     return asm.logits
 
 
@@ -175,10 +179,13 @@ class Request:
         self.caches: list[SlotCache] = []
         self.rows: list[RowTokens | None] = [None] * options.n
         self.ttft_s = 0.0
+        self.left: list[Wanted] = []  # the passages `finish` leaves to the leftovers stage
 
-    def run(self, prompt) -> Generator[str, None, Generation]:
-        """The text pieces as they are decoded (`decode.Piece`s naming their choice where it matters); returns the
-        `Generation`. Closing it early (an abandoned stream) still runs `finish`."""
+    def run(self, prompt) -> Generator[str | Generation, None, None]:
+        """The text pieces as they are decoded (`decode.Piece`s naming their choice where it matters), then the
+        `Generation`; asked for more, the leftovers run (the map above). Closing it early (an abandoned stream) still
+        runs `finish`; closed at the Generation, it leaves no leftovers (its passages are encoded at their next
+        sight)."""
         t0 = time.perf_counter()
         with self.engine.traffic.counted():
             asm = self._prefill(prompt)
@@ -189,7 +196,8 @@ class Request:
             finally:
                 total = time.perf_counter() - t0
                 self._finish(prompt, asm, done)
-        return self._generation(asm, total)
+        yield self._generation(asm, total)
+        after_reply.encode_passages(self.engine, self.left)
 
     def _sampler(self, choice: int) -> Sampler:
         """Reply `choice`'s sampler: its grammar state, its seed, the token names of logprobs."""
@@ -295,7 +303,7 @@ class Request:
                     row.close()
             replies = [(asm if i == 0 else replace(asm, cache=cache), self.texts[i].text, self.ids[i])
                        for i, cache in enumerate(self.caches or [asm.cache])]
-            after_reply.save(engine, prompt, asm, replies, done, self.options.cache_salt)
+            self.left = after_reply.save(engine, prompt, asm, replies, done, self.options.cache_salt)
         finally:
             for cache in self.caches or [asm.cache]:
                 engine.runner.release_cache(cache)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import ahocorasick
 
 from .errors import PCRagError
-from .passages import passage_spans
+from .passages import answered_span, passage_spans
 from .segments import Chunk, Text, check_text, cut_at, unicode_problem
 
 _RECENT_MIN = 256  # the recent automaton is folded into the main one past max(_RECENT_MIN, keys // 8)
@@ -325,12 +325,17 @@ def resolve(candidates: Iterable[Span]) -> list[Span]:
 def with_passages(prompt_text: str, spans: Sequence[Span], markers: re.Pattern | None = None) -> list[Span]:
     """`spans` (resolved: sorted, not overlapping) with the passages of the text between them (pc_rag.passages;
     `markers`: the tokenizer's special tokens) added, in order. A reply is a hard cut and a chunk is known already:
-    passages are only looked for around them."""
+    passages are only looked for around them. The text the prompt's reply answers (`answered_span` of the text
+    after the last of them) is never a passage, in any mode: it is computed in context."""
     out: list[Span] = []
     cursor = 0
     for span in [*spans, None]:
         end = len(prompt_text) if span is None else span.start
-        out += [Span(a, b, "passage") for a, b in passage_spans(prompt_text, cursor, end, markers)]
+        found = passage_spans(prompt_text, cursor, end, markers)
+        if span is None:
+            answered = answered_span(prompt_text, cursor, end, markers)
+            found = [(a, b) for a, b in found if answered is None or b <= answered[0] or a >= answered[1]]
+        out += [Span(a, b, "passage") for a, b in found]
         if span is not None:
             out.append(span)
             cursor = span.end

@@ -220,7 +220,7 @@ def test_serving_load_sends_the_trace_and_checks_answers_against_one_at_a_time(t
 
     out = tmp_path / "out"
     assert serving.main(["--out", str(out), "--model", str(tiny_path), "--chunks", "40", "--chunk-words", "40",
-                         "--requests", "50",
+                         "--requests", "50", "--trace", "documents",
                          "--systems", "pc-rag modular", "pc-rag exact", "--rates", "4", "--max-rate", "8",
                          "--requests-per-rate", "6", "--slo", "60", "--concurrency", "1", "5",
                          "--prefix-tokens", "1500"]) == 0
@@ -240,6 +240,14 @@ def test_serving_load_sends_the_trace_and_checks_answers_against_one_at_a_time(t
         assert [r["rate"] for r in rates] == [4.0, 8.0] and result["systems"][name]["max_rate_rps"] == 8.0
         assert all(r["answered"] == r["requests"] == 6 and r["lost"] == 0 for r in rates)
         assert all(r["ttft_p50_s"] > 0 and r["prompt_tokens_mean"] > 100 for r in rates)
+        assert all(0 < r["computed_tokens_mean"] <= r["prompt_tokens_mean"] for r in rates)
+        assert all(r["encode_forwards_per_request"] >= 0 and r["after_reply_forwards_per_request"] >= 0
+                   for r in rates)
+    # exact never encodes a passage, modular's plain text does (on the path or after the reply) from the first rate
+    assert sum(r["encode_forwards_per_request"] + r["after_reply_forwards_per_request"]
+               for r in result["systems"]["pc-rag exact"]["rates"]) == 0
+    assert sum(r["encode_forwards_per_request"] + r["after_reply_forwards_per_request"]
+               for r in result["systems"]["pc-rag modular"]["rates"]) > 0
     # exact equals full whatever the load: greedy answers equal the same request sent alone
     assert all(r["equal_to_one_at_a_time"] == 1.0 for r in result["systems"]["pc-rag exact"]["rates"])
     assert (out / "serving.md").read_text().count("| pc-rag") == 2 and (out / "serving.png").exists()
@@ -287,3 +295,18 @@ def test_soak_mix_is_seeded_and_draws_every_kind():
     assert drawn[:50] == [second.body() for _ in range(50)]
     assert {kind for kind, *_ in drawn} == set(soak.KINDS)
     assert soak.growth([{"requests": 5, "rss_mib": 1.0}], 0) == {}
+
+
+def test_the_documents_trace_has_paragraphs_and_questions_of_15_to_40_tokens():
+    """Reference: the bench model's tokenizer on the trace's own questions; the documents' blank lines as the passage
+    rule sees them (several passages per document)."""
+    from benchmarks import serving
+    from pc_rag.passages import passage_spans
+    from pc_rag.testing import SIZES, train_tokenizer
+
+    docs = serving.corpus_documents(60)
+    assert sum(len(passage_spans(d)) for d in docs) >= 3 * len(docs)  # paragraphs: several passages a document
+    tokenizer = train_tokenizer(SIZES["bench"].vocab_size)
+    trace = serving.rag_trace(60, 1600, 1.1, seed=2, question_words=(1, 20))
+    lengths = [len(tokenizer.encode(r.question).ids) for r in trace if r.turn == 0]
+    assert 15 <= min(lengths) and max(lengths) <= 40 and max(lengths) - min(lengths) >= 15

@@ -290,6 +290,62 @@ def test_passages_from_first_sight_are_encoded_on_their_own_at_once(loaded):
     assert kinds(off) == [("passage", "memory")] * 3
 
 
+QUESTION = "Question 123456: what does this documentation say about item 7 of the list above?"
+
+
+def test_the_text_a_reply_answers_is_never_a_passage():
+    # Reference: the question's characters, written out; the documents before it stay passages.
+    markers = pc_rag.passages.marker_pattern(["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"])
+    chat = (f"<|start_header_id|>system<|end_header_id|>\n\n{A}\n\n{B}<|eot_id|><|start_header_id|>user"
+            f"<|end_header_id|>\n\n{QUESTION}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    for text, answered in [(chat, QUESTION), (f"Documents:\n\n{A}\n\n{B}\n\n{QUESTION}", QUESTION),
+                           (f"{A}\n\n{B}\n\n{QUESTION}\nAnswer:", f"{QUESTION}\nAnswer:"),
+                           (f"{A}\n\n{B}\n\nWhy?\n\nAnswer:", "Why?"),  # short: no passage to drop, A and B stay
+                           (f"<|im_start|>user\n{A}\n\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n", QUESTION)]:
+        a, b = pc_rag.passages.answered_span(text, 0, len(text), markers)
+        assert text[a:b] == answered
+        spans = pc_rag.text_index.with_passages(text, [], markers)
+        found = [text[s.start:s.end].removeprefix("system\n").removeprefix("user\n") for s in spans]
+        assert found == ([A, B] if B in text else [A])
+    assert passages_of(f"{A}\n\n{QUESTION}") == [A, QUESTION]  # the cut rule alone knows no question
+
+
+@pytest.mark.parametrize("first_sight", [False, True])
+@pytest.mark.parametrize("mode", ["modular", "blend"])
+def test_the_question_is_computed_in_context(loaded, mode, first_sight):
+    """The question (sent before, or new with first sight) is never reused as a passage: its KV equals a forward
+    over its tokens after the very cache the request built before it (<= 1e-4, fp32), and so do the logits. Before
+    the rule it was a passage encoded alone (it never saw the documents it asks about)."""
+    from pc_rag.options import GenerationOptions
+    from pc_rag.request import prefill
+
+    engine = new_engine(loaded)
+    engine.passages_from_first_sight = first_sight
+    question = f"Question: {QUESTION}\nAnswer:"
+    engine.generate(HEADER + DOCS[0] + "\n\n" + DOCS[1] + "\n\n" + question, max_new_tokens=2)
+    prompt = HEADER + DOCS[1] + "\n\n" + DOCS[0] + "\n\n" + question
+    asm = prefill(engine, prompt, GenerationOptions(mode=mode))
+    try:
+        assert kinds_of(asm.pieces).count("passage") >= 2  # the documents
+        ids, positions = asm.plan.ids, asm.plan.positions
+        q0 = max(s for s in range(len(ids)) if engine.tokenizer.decode(ids[s:]).strip() == question)
+        cache = engine.runner.new_cache(len(ids))
+        for dst, src in zip(cache.block_views(0, q0), asm.cache.read(0, q0), strict=True):
+            dst.copy_(src)
+        cache.length = q0
+        logits = engine.runner.forward(cache, list(ids[q0:]), list(positions[q0:]), list(range(q0, len(ids))))
+        for got, ref in zip(asm.cache.read(q0, len(ids)), cache.read(q0, len(ids)), strict=True):
+            assert (got - ref).abs().max().item() <= 1e-4
+        assert (asm.logits - logits).abs().max().item() <= 1e-4
+        assert asm.pieces[-1].source == "fresh"
+    finally:
+        engine.runner.release_cache(asm.cache)
+
+
+def kinds_of(pieces):
+    return [p.kind for p in pieces if p.kind in ("passage", "chunk")]
+
+
 def test_a_passage_twice_in_one_prompt_and_explain(loaded):
     engine = new_engine(loaded)
     engine.generate(rag([0, 1], "q1?"), max_new_tokens=2)

@@ -498,9 +498,10 @@ class LlamaRunner:
 
     @contextlib.contextmanager
     def cancellable(self, stop: threading.Event) -> Iterator[None]:
-        """While inside, every forward this thread starts raises `Cancelled` once `stop` is set: a server request
-        whose client left stops at its next chunk encode or prefill chunk instead of running its whole prefill.
-        A forward already running finishes (a prefill alone is one forward: it is not split for this)."""
+        """While inside, every forward this thread runs raises `Cancelled` once `stop` is set (anything with an
+        `is_set()`), at its next layer: a server request whose client left stops within a layer instead of running
+        its whole prefill, and work a reply left behind stops for a request that arrives (request.py, "leftovers").
+        A decode step is never stopped midway."""
         previous = getattr(self._cancel, "stop", None)
         self._cancel.stop = stop
         try:
@@ -529,6 +530,36 @@ class LlamaRunner:
         if n and len(ids) > n and all(a < b for a, b in zip(slots, slots[1:], strict=False)):
             return self._forward_chunked(cache, ids, positions, slots, n)
         return self.forward_layers(cache, ids, positions, slots)
+
+    def encode_apart(self, ids: Sequence[Sequence[int]],
+                     positions: Sequence[Sequence[int]]) -> tuple[list[SlotCache], int]:
+        """Each sequence `ids[b]` (at `positions[b]`) on its own, in a new cache of its own from slot 0, seeing only
+        itself: the standalone encodings of a prompt's chunks as one block-diagonal prefill. The products run once
+        over every sequence's tokens (`forward_rows`) and attention runs per sequence in the causal layout (the
+        prefill kernel, else sdpa), so k chunks cost about one prefill of their tokens instead of k passes through
+        the weights (benchmarks/passages.py --encode). Equal to encoding each alone within float rounding: products
+        over more rows may round differently in the last bits (tests/test_encode.py).
+
+        Forwards hold at most what `forward` would run in one: the prefill chunk's tokens while other requests
+        decode (their steps wait for one group at a time), the solo chunk's alone; a sequence longer than that runs
+        alone, through `forward`'s chunks. Returns the caches, in order, and how many passes ran (a sequence in chunks
+        counted once)."""
+        caches = [self.new_cache(len(t)) for t in ids]
+        b = forwards = 0
+        while b < len(ids):
+            limit = self.prefill_chunk_tokens if self.others_decoding() else self.solo_chunk_tokens
+            group, tokens = [b], len(ids[b])
+            while b + len(group) < len(ids) and (not limit or tokens + len(ids[b + len(group)]) <= limit):
+                tokens += len(ids[b + len(group)])
+                group.append(b + len(group))
+            if limit and tokens > limit:  # one sequence longer than a forward's share
+                self.forward(caches[b], list(ids[b]), list(positions[b]), list(range(len(ids[b]))))
+            else:
+                self.forward_rows([caches[i] for i in group], [list(ids[i]) for i in group],
+                                  [list(positions[i]) for i in group], [list(range(len(ids[i]))) for i in group])
+            b += len(group)
+            forwards += 1
+        return caches, forwards
 
     def _forward_chunked(self, cache: SlotCache, ids, positions, slots, n: int) -> torch.Tensor:
         """The same forward, `n` tokens at a time. A chunk's tokens attend to slots [0, its last slot]: every
@@ -663,6 +694,8 @@ class LlamaRunner:
             # RoPE and the KV writes in one call where the slots are contiguous and every row stays
             written = fused is not None and narrow is None and all(w.layout != "slots" for w in writes)
             for i in range(self.shape.num_layers):
+                if i:
+                    self._check_cancelled()  # a request that must stop (cancellable) waits for one layer at most
                 if written:
                     where = [(c, w.start, a, n) for c, w, (a, n) in zip(caches, writes, spans, strict=True)]
                     parts = fused.qkv_written(i, x, *rope[DEFAULT_ROPE], where)

@@ -136,7 +136,9 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     keys = KeyRing(settings.api_keys)
     max_chars = settings.max_prompt_chars or CHARS_PER_CONTEXT_TOKEN * engine.runner.shape.max_positions
     # One thread per running request (admission bounds them): the engine call blocks until its next token.
-    executor = ThreadPoolExecutor(max_workers=settings.max_running, thread_name_prefix="pc_rag-request")
+    # A request whose reply is whole gives its place back while its thread runs its leftovers (request.py): twice
+    # as many threads, so that a request admitted then never waits for one.
+    executor = ThreadPoolExecutor(max_workers=2 * settings.max_running, thread_name_prefix="pc_rag-request")
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -203,7 +205,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
                   "tokenizer_memo": stats["tokenizer_memo"]["entries"], "grammars": stats["grammars"]["compiled"]}
         return {"status": "ok", "model": settings.model_id, "running": admission.running,
                 "waiting": admission.waiting, "served": admission.served, "rejected": admission.rejected,
-                "decode": stats["decode"], "relocation_check": stats["relocation_check"],
+                "decode": stats["decode"], "encodes": stats["encodes"], "relocation_check": stats["relocation_check"],
                 "caches": caches}  # what the bounded indexes hold: a long run's memory, told apart (soak.py)
 
     @app.get("/ready")
@@ -462,9 +464,19 @@ class _Worker:
 
     def start(self, executor: ThreadPoolExecutor, admission: Admission) -> None:
         t0 = time.perf_counter()
+        released = False
+
+        def release(*_) -> None:  # on the event loop, once
+            nonlocal released
+            if not released:
+                released = True
+                admission.release(time.perf_counter() - t0)
+
+        self._release = release
         future = self._loop.run_in_executor(executor, self._produce)
-        # The place in line is given back once the thread is done, i.e. the engine's stream is closed.
-        future.add_done_callback(lambda _f: admission.release(time.perf_counter() - t0))
+        # The place in line is given back once the reply is whole (its buffers are back in the pool), or else once
+        # the thread is done, i.e. the engine's stream is closed.
+        future.add_done_callback(release)
 
     def _post(self, entry) -> None:
         try:
@@ -483,7 +495,13 @@ class _Worker:
                 with self._cancellable(self.stop):
                     first = next(items, None)
                 for item in itertools.chain([first] if first is not None else [], items):
-                    self._post(("piece", item) if isinstance(item, str) else ("done", item))
+                    if not isinstance(item, str):
+                        # The reply is whole: its place is given back now, and the engine's stream runs its
+                        # leftovers (request.py), which stop for any request that starts.
+                        self._post(("done", item))
+                        self._loop.call_soon_threadsafe(self._release)
+                        continue
+                    self._post(("piece", item))
                     if self.stop.is_set():
                         break
             finally:
