@@ -146,7 +146,7 @@ def test_cache_control_parts_and_the_chunks_field_mark_chunks(client, reference)
     assert again.usage.prompt_tokens_details.cached_tokens >= doc_tokens - 2
 
 
-def test_documents_joined_by_the_client_are_reused_in_another_order(client, reference):
+def test_documents_joined_by_the_client_are_reused_in_another_order(server, client, reference):
     # A client that writes its own system message (no cache_control, no chunks field): the documents it sent
     # before are reused wherever they land. Reference: the in-process engine given the same requests in the same
     # order (same passages remembered), exactly; and the documents' own token counts for what must be read.
@@ -160,8 +160,15 @@ def test_documents_joined_by_the_client_are_reused_in_another_order(client, refe
 
     for order, question in (([0, 1, 2], "What is assert?"), ([3, 2, 0], "What is pass?")):
         ref = reference.chat(messages(order, question), max_new_tokens=6, cache_salt="plain-docs")
+        encoded = server.health()["encodes"]["after_reply"]["forwards"]
         got = client.chat.completions.create(model="m", messages=messages(order, question), max_tokens=6,
                                              temperature=0, extra_body={"cache_salt": "plain-docs"})
+        # The collected reference returns after its leftovers (its new passages stored); the server's run after the
+        # reply and give way to a request that arrives (request.py): this client waits for them, as one that sends
+        # its next request a moment later finds them done.
+        deadline = time.monotonic() + 30
+        while server.health()["encodes"]["after_reply"]["forwards"] == encoded and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert got.choices[0].message.content == ref.text
         assert got.usage.prompt_tokens_details.cached_tokens == ref.cached_tokens
     reused = sum(len(reference.segmenter.ids(docs[i])) for i in (2, 0))
