@@ -19,7 +19,6 @@ Documents registered with `register(engine, texts, public=True)` are shared by e
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -76,19 +75,21 @@ def shared_engine(path: str, dtype: str = "float32", device: str = "cpu", quanti
 
 def model_context(path: str) -> int | None:
     """The context in tokens of the local checkpoint at `path` (a folder's config.json `max_position_embeddings`, or a
-    GGUF file's `context_length`, also a folder holding one GGUF), read without loading the model; None where it
-    cannot be read (a Hub id, a missing or broken file: loading the model reports those)."""
+    GGUF file's `context_length`, also a folder holding one GGUF: `checkpoint.locate`), read without loading the
+    model; None where it cannot be read (a Hub id, a missing or broken file: loading the model reports those)."""
     from pathlib import Path
 
-    folder = Path(path).expanduser()
+    from .model.checkpoint import locate
+
     try:
-        if folder.is_dir() and (folder / "config.json").is_file():
-            return int(json.loads((folder / "config.json").read_text())["max_position_embeddings"])
-        ggufs = [folder] if folder.is_file() else sorted(folder.glob("*.gguf")) if folder.is_dir() else []
-        if len(ggufs) == 1 and importlib.util.find_spec("gguf") is not None:
+        config = Path(path).expanduser() / "config.json"
+        if config.is_file():
+            return int(json.loads(config.read_text())["max_position_embeddings"])
+        found = locate(path)
+        if found.gguf_file:
             from .model.gguf import context_length
 
-            return context_length(ggufs[0])
+            return context_length(Path(found.source) / found.gguf_file)
     except Exception:  # a header that cannot be read: loading the model names what is wrong with it
         pass
     return None

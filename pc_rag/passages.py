@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .errors import PCRagError
@@ -89,16 +89,16 @@ def tokenizer_markers(tokenizer) -> re.Pattern | None:
                            *(t.content for t in added.values() if getattr(t, "special", False))])
 
 
-def passage_spans(text: str, start: int = 0, end: int | None = None,
-                  markers: re.Pattern | None = None) -> list[tuple[int, int]]:
+def passage_spans(text: str, start: int = 0, end: int | None = None, markers: re.Pattern | None = None,
+                  min_chars: int = MIN_PASSAGE_CHARS) -> list[tuple[int, int]]:
     """The passages of text[start:end] as (start, end) character spans of `text`, in order, not overlapping, each
-    at least MIN_PASSAGE_CHARS long and stripped of surrounding whitespace. `markers` (`marker_pattern`): texts
-    that are seams wherever they occur, as `<|...|>` always is. Linear in the length of the text."""
+    at least `min_chars` long and stripped of surrounding whitespace. `markers` (`marker_pattern`): texts that are
+    seams wherever they occur, as `<|...|>` always is. Linear in the length of the text."""
     end = len(text) if end is None else end
     spans: list[tuple[int, int]] = []
     for a, b in _between(text, start, end, markers):
         for c, d in _between(text, a, b, _SPECIAL):
-            spans += _passages(text, c, d)
+            spans += _passages(text, c, d, min_chars)
     return spans
 
 
@@ -116,13 +116,15 @@ def _between(text: str, start: int, end: int, markers: re.Pattern | None) -> lis
 def answered_span(text: str, start: int = 0, end: int | None = None,
                   markers: re.Pattern | None = None) -> tuple[int, int] | None:
     """The text a reply to the prompt text[start:end] answers, as a (start, end) span of `text`, or None when the
-    stretch holds none: its last run of content under the line rule (seams, labels, `markers`, as `passage_spans`;
-    any length), lone words after it skipped (`_LONE_WORD`: a chat template's role name before the generation, an
-    `Answer:` line). A caller passes the stretch after the prompt's last chunk or reply (text_index.with_passages):
-    where nothing but lone words follows those, the reply answers no text of this stretch."""
-    end = len(text) if end is None else end
-    runs = [r for a, b in _between(text, start, end, markers) for c, d in _between(text, a, b, _SPECIAL)
-            for r in _passages(text, c, d, min_chars=1)]
+    stretch holds none: `answered_run` of its runs of content under the line rule (`passage_spans` of any length).
+    A caller passes the stretch after the prompt's last chunk or reply (text_index.with_passages): where nothing but
+    lone words follows those, the reply answers no text of this stretch."""
+    return answered_run(text, passage_spans(text, start, end, markers, min_chars=1))
+
+
+def answered_run(text: str, runs: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    """The last of `runs` (spans of `text`, in order) that is not a lone word (`_LONE_WORD`: a chat template's role
+    name before the generation, an `Answer:` line), None if there is none."""
     return next((r for r in reversed(runs) if not _LONE_WORD.fullmatch(text, *r)), None)
 
 

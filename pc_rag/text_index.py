@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import ahocorasick
 
 from .errors import PCRagError
-from .passages import answered_span, passage_spans
+from .passages import MIN_PASSAGE_CHARS, answered_run, passage_spans
 from .segments import Chunk, Text, check_text, cut_at, unicode_problem
 
 _RECENT_MIN = 256  # the recent automaton is folded into the main one past max(_RECENT_MIN, keys // 8)
@@ -331,10 +331,12 @@ def with_passages(prompt_text: str, spans: Sequence[Span], markers: re.Pattern |
     cursor = 0
     for span in [*spans, None]:
         end = len(prompt_text) if span is None else span.start
-        found = passage_spans(prompt_text, cursor, end, markers)
-        if span is None:
-            answered = answered_span(prompt_text, cursor, end, markers)
-            found = [(a, b) for a, b in found if answered is None or b <= answered[0] or a >= answered[1]]
+        if span is None:  # the last stretch: its runs of any length give both its passages and what is answered
+            runs = passage_spans(prompt_text, cursor, end, markers, min_chars=1)
+            answered = answered_run(prompt_text, runs)
+            found = [r for r in runs if r[1] - r[0] >= MIN_PASSAGE_CHARS and r != answered]
+        else:
+            found = passage_spans(prompt_text, cursor, end, markers)
         out += [Span(a, b, "passage") for a, b in found]
         if span is not None:
             out.append(span)
