@@ -238,11 +238,11 @@ class Engine:
         ape = ape_for(self) if check_align(align, mode) == "ape" else None
         return explain(self, prompt, mode, checked_cache_salt(cache_salt), ape)
 
-    def calibrate_ape(self, prompts=None) -> tuple[APE, dict]:
+    def calibrate_ape(self, prompts=None, **grid) -> tuple[APE, dict]:
         """Choose APE's temperature and scale for this model (align.calibrate: a grid searched for the pair closest
-        to full's next token, on `prompts` or the built-in ones), and use it from now on (`ape`). Returns the pair
-        and what each pair tried measured."""
-        return calibrate_ape(self, prompts)
+        to full's next token, on `prompts` or the built-in ones; `temperatures=`, `scales=` another grid), and use
+        it from now on (`ape`). Returns the pair and what each pair tried measured."""
+        return calibrate_ape(self, prompts, **grid)
 
     def register(self, texts: Iterable[str], public: bool = False) -> int:
         """Register document texts: wherever one appears in a plain-string prompt it becomes a `Chunk` (its KV
