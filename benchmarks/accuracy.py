@@ -24,7 +24,8 @@ greedy first token is the right answer, in each mode:
 - modular ape, blend R S ape (with --ape): the same with `align="ape"` (pc_rag/align.py: the question attends to
   the reused chunks with APE's temperature T and scale S), T and S calibrated first on --ape-calibration prompts
   of a stream the rows do not use (--ape-seed; `Engine.calibrate_ape`), or given (--ape-pair T S). No recompute:
-  work 0 for modular ape, blend's own for blend ape.
+  work 0 for modular ape, blend's own for blend ape;
+- ape T S (with --ape-sweep T:S ...): modular with APE at that pair, to see the accuracy over the grid.
 Also per mode: how often its answer equals full's, the share of modular's loss it recovers ((mode - modular) /
 (full - modular)), and for blends the compute: token-layers of the chunk tokens computed in context as a share
 of a full recompute (`recompute_work`). Writes accuracy-seed<SEED>.json and .md to --out; `pool` merges
@@ -85,7 +86,8 @@ def auto_name(spec: str | float) -> str:
 
 
 def answer_logprobs(engine, example, blends: list[str], coded: dict | None = None, targets: list[float | str] = (),
-                    recomputed: dict | None = None, ape: bool = False) -> dict[str, torch.Tensor]:
+                    recomputed: dict | None = None, ape: bool = False,
+                    sweep: list[str] = ()) -> dict[str, torch.Tensor]:
     """Per mode, the log-probabilities of the answer token (the next token after the prompt). `coded`: codec
     name -> an engine on the same model over a disk tier that stores blocks with that codec. `targets`: blend
     with these quality targets; `recomputed` (when given) receives, per such mode, the chunk tokens it recomputed."""
@@ -106,6 +108,16 @@ def answer_logprobs(engine, example, blends: list[str], coded: dict | None = Non
     out["modular"] = logp("modular")
     if ape:
         out["modular ape"] = logp("modular", align="ape")
+    if sweep:
+        from pc_rag.align import APE
+
+        chosen = engine.ape
+        try:
+            for spec in sweep:
+                engine.ape = APE(*parse_pair(spec))
+                out[sweep_name(spec)] = logp("modular", align="ape")
+        finally:
+            engine.ape = chosen
     selection = engine.blend_selection
     try:
         for spec in blends:
@@ -148,6 +160,19 @@ def answers(engine, example, blends: list[str]) -> dict[str, str]:
     return greedy(engine.tokenizer, answer_logprobs(engine, example, blends))
 
 
+def parse_pair(spec: str) -> tuple[float, float]:
+    t, _, scale = spec.partition(":")
+    try:
+        return float(t), float(scale)
+    except ValueError:
+        raise SystemExit(f"--ape-sweep {spec!r}: expected T:S") from None
+
+
+def sweep_name(spec: str) -> str:
+    t, scale = parse_pair(spec)
+    return f"ape {t:g} {scale:g}"
+
+
 APE_SEED = 31337  # the calibration prompts' stream: neither training's (0, 99, 10000 + seed) nor the rows' (777, 2026)
 
 
@@ -167,7 +192,8 @@ def calibrate_ape(engine, prompts: int, chunk_counts: list[int], tasks: tuple[st
 
 def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: list[str],
         codecs: list[str] = (), tasks: tuple[str, ...] = TASKS, targets: list[float | str] = (),
-        ape: str | tuple[float, float] | None = None, ape_calibration: int = 64, ape_seed: int = APE_SEED) -> dict:
+        ape: str | tuple[float, float] | None = None, ape_calibration: int = 64, ape_seed: int = APE_SEED,
+        sweep: list[str] = ()) -> dict:
     """`ape`: None (no APE rows), "calibrate" (calibrated on `ape_calibration` prompts of stream `ape_seed`), or
     a (temperature, scale) pair."""
     engine = pc_rag.Engine.from_pretrained(model, store="memory")
@@ -186,7 +212,7 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
     coded = {c: pc_rag.Engine(engine.model, engine.tokenizer, store=f"disk:{folder / c}?compress={c}") for c in codecs}
     modes = [*BASE_MODES[:3], *(f"modular {c}" for c in codecs), *(["modular ape"] if with_ape else []),
              *(blend_name(b) for b in blends), *(blend_name(b) + " ape" for b in blends if with_ape),
-             *(auto_name(t) for t in targets), BASE_MODES[3]]
+             *(auto_name(t) for t in targets), *(sweep_name(p) for p in sweep), BASE_MODES[3]]
     name_list, value_list = names(), values()
     layers = engine.runner.shape.num_layers
     rng = random.Random(seed)
@@ -197,7 +223,7 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
             agree = dict.fromkeys(modes, 0)
             kls = dict.fromkeys(modes, 0.0)
             work = {**{blend_name(b): 0.0 for b in blends}, **{auto_name(t): 0.0 for t in targets},
-                    **({"modular ape": 0.0} if with_ape else {}),
+                    **({"modular ape": 0.0} if with_ape else {}), **{sweep_name(p): 0.0 for p in sweep},
                     **{blend_name(b) + " ape": 0.0 for b in blends if with_ape}}
             t0 = time.time()
             for _ in range(prompts):
@@ -205,7 +231,7 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
                 ids = [i for s in engine.segmenter.segments(ex.prompt()) for i in s.token_ids]
                 assert ids == token_ids(engine.tokenizer, ex), "engine tokenization differs from training"
                 recomputed = {}
-                logps = answer_logprobs(engine, ex, blends, coded, targets, recomputed, with_ape)
+                logps = answer_logprobs(engine, ex, blends, coded, targets, recomputed, with_ape, sweep)
                 chunk_tokens = sum(len(engine.segmenter.ids(c)) for c in ex.chunks)
                 for b in blends:
                     ratio, select = parse_blend(b)
@@ -276,7 +302,7 @@ def markdown(result: dict) -> str:
             acc = f"{100 * r['accuracy'][m]:.1f}%"
             cells.append(acc if m == "full" else f"{acc} ({100 * r['agreement_with_full'][m]:.0f}%)")
         lines.append(f"| {TASK_TITLES[r['task']]} | {r['chunks']} | {r['prompts']} | " + " | ".join(cells) + " |")
-    blends = [m for m in modes if m.startswith(("blend", "auto")) or m == "modular ape"]
+    blends = [m for m in modes if m.startswith(("blend", "auto", "ape ")) or m == "modular ape"]
     lines += [
         "",
         "Share of modular's loss recovered, (mode - modular) / (full - modular), and for blends the compute: "
@@ -325,6 +351,8 @@ def main(argv=None):
     ap.add_argument("--ape", action="store_true",
                     help="also modular and every blend with align='ape', T and S calibrated first (or --ape-pair)")
     ap.add_argument("--ape-pair", type=float, nargs=2, metavar=("T", "S"), help="APE's pair, not calibrated")
+    ap.add_argument("--ape-sweep", nargs="*", default=[], metavar="T:S",
+                    help="also modular with APE at each of these pairs (rows 'ape T S')")
     ap.add_argument("--ape-calibration", type=int, default=64, help="prompts APE is calibrated on")
     ap.add_argument("--ape-seed", type=int, default=APE_SEED, help="the calibration prompts' stream")
     ap.add_argument("--seed", type=int, default=777)
@@ -336,9 +364,11 @@ def main(argv=None):
         parse_blend(spec)
     for spec in args.auto:
         parse_auto(spec)
+    for spec in args.ape_sweep:
+        parse_pair(spec)
     ape = tuple(args.ape_pair) if args.ape_pair else "calibrate" if args.ape else None
     result = run(args.model, args.prompts, args.chunks, args.seed, args.blend, args.codec, tuple(args.tasks),
-                 args.auto, ape, args.ape_calibration, args.ape_seed)
+                 args.auto, ape, args.ape_calibration, args.ape_seed, args.ape_sweep)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"accuracy-seed{args.seed}.json").write_text(json.dumps(result, indent=1))
