@@ -223,3 +223,20 @@ def test_check_reports_ape_and_at_one_one_it_is_modular(loaded, docs):
     assert ape.align == "ape" and modular.align is None
     assert ape.identical == modular.identical
     assert ape.kl_mean == pytest.approx(modular.kl_mean, rel=1e-3, abs=1e-6)
+
+
+def test_explain_command_shows_ape(tiny_path, docs, tmp_path, capsys):
+    import json
+
+    from pc_rag import cli
+    from pc_rag.align import DEFAULT
+
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    prompt = "Context:\n" + docs[0] + "\n\nQuestion: what does it say?"
+    args = ["explain", prompt, "--chunk", docs[0], "--model", str(tiny_path), *cache]
+    assert cli.main([*args, "--align", "ape", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ape"] == DEFAULT.as_dict()
+    assert cli.main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ape"] is None
+    assert cli.main([*args, "--align", "ape", "--mode", "exact"]) != 0
+    assert "align" in capsys.readouterr().err
