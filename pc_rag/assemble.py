@@ -21,11 +21,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from .align import Aligned, aligned_slots
+from .align import aligned_slots
 from .blocks import KVBlock
 from .errors import PCRagError
 from .lookups import StoreLookups
 from .model import HeldBlock, LlamaRunner, SlotCache
+from .model.aligned import Aligned
 from .plan import COMPUTED, Event, Load, Piece, Plan, Planner, Source, Wanted
 from .prefix import EXTENT_BLOCKS, Link, Run, after_link, extents, far_groups, in_groups, run_blocks
 from .store import PendingBlock, ReadTarget, Store
@@ -268,7 +269,7 @@ class Assembler:
         # there are neither read nor copied again (a system text or conversation sent again: 2K tokens of fp32
         # KV were 22% of such a request's time to first token, bench model).
         changed = {e.slot for e in events}
-        # APE's attention reads every slot from one buffer (align.attend): no shared prefix read in place
+        # APE's attention reads every slot from one buffer (model/aligned.py): no shared prefix read in place
         lead, whole = self._shared_lead(plan, changed, recompute) if plan.align is None else ([], 0)
         base = self.runner.take_shared_prefix(
             tuple(_held(p) for p in lead), whole,

@@ -21,7 +21,6 @@ from concurrent.futures import Future
 import torch
 
 from .align import APE, ape_for, check_align
-from .align import calibrate as calibrate_ape
 from .assemble import Assembler
 from .batch import MAX_BATCH, BatchDecoder, Traffic
 from .errors import OptionError, PromptError
@@ -33,7 +32,7 @@ from .passages import tokenizer_markers
 from .plan import COMPUTED, Planner
 from .pml import PML, Schema, SchemaRegistry
 from .prefetch import PREFETCHER, Prefetcher
-from .quality import Calibration, deviation_reference, gate
+from .quality import Calibration, calibrate_ape, deviation_reference, gate
 from .request import Generation, Request, next_token_logits
 from .scaffolds import ScaffoldBuilder
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment, check_text, chunk_list
@@ -239,9 +238,9 @@ class Engine:
         return explain(self, prompt, mode, checked_cache_salt(cache_salt), ape)
 
     def calibrate_ape(self, prompts=None, **grid) -> tuple[APE, dict]:
-        """Choose APE's temperature and scale for this model (align.calibrate: a grid searched for the pair closest
-        to full's next token, on `prompts` or the built-in ones; `temperatures=`, `scales=` another grid), and use
-        it from now on (`ape`). Returns the pair and what each pair tried measured."""
+        """Choose APE's temperature and scale for this model (quality.calibrate_ape: a grid searched for the pair
+        closest to full's next token, on `prompts` or the built-in ones; `temperatures=`, `scales=` another grid), and
+        use it from now on (`ape`). Returns the pair and what each pair tried measured."""
         return calibrate_ape(self, prompts, **grid)
 
     def register(self, texts: Iterable[str], public: bool = False) -> int:

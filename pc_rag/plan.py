@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
+from .align import APE
 from .blocks import chunk_key, root_key, scaffold_key
 from .errors import PCRagError, PromptError, UnsupportedModelError
 from .options import MODES
@@ -191,7 +192,7 @@ class Plan:
     events: tuple[Event, ...] = ()  # what changed while it ran (none for a request without faults)
     # APE's temperature and scale on the attention over the reused chunks (align.APE), or None: modular as it is.
     # The prefix chain then stops at the first relocated block, as in blend: what follows was computed with it.
-    align: object | None = None
+    align: APE | None = None
 
     def with_events(self, events: Sequence[Event]) -> Plan:
         return replace(self, events=self.events + tuple(events)) if events else self
@@ -251,7 +252,7 @@ class Planner:
 
     # ---- the plan --------------------------------------------------------------------------------------------
     def plan(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups,
-             namespace: str | None = None, first_sight: bool = False, align=None) -> Plan:
+             namespace: str | None = None, first_sight: bool = False, align: APE | None = None) -> Plan:
         """`first_sight`: every passage is worth reusing, sent before or not (`Engine.passages_from_first_sight`).
         `align`: an `align.APE` pair for the attention over the reused chunks (modular, blend), or None."""
         if align is not None and mode not in REUSING_CHUNKS:

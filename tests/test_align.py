@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 import pc_rag
 from pc_rag import Chunk, Text
-from pc_rag.align import APE, Aligned, attend
+from pc_rag.align import APE
+from pc_rag.model.aligned import Aligned, attend
 from pc_rag.options import GenerationOptions
 from pc_rag.request import prefill
 

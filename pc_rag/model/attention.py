@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import align
 from . import kernels
+from .aligned import Aligned
+from .aligned import attend as attend_aligned
 from .backends import Backends
 
 # From this many fresh tokens after a cached prefix, attention runs in two parts on CPU. Measured (bench model,
@@ -118,14 +119,14 @@ class Writes:
 
 def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, window: int | None, q, k, v,
            w: Writes, backends: Backends, written: bool = False,
-           base: tuple[torch.Tensor, torch.Tensor] | None = None, aligned: align.Aligned | None = None,
+           base: tuple[torch.Tensor, torch.Tensor] | None = None, aligned: Aligned | None = None,
            layer: int = 0) -> torch.Tensor:
     """Write the fresh keys and values `k`, `v` [1, H_kv, n, D] into one layer's buffers [1, H_kv, capacity, D]
     at `w`'s slots (unless `written`: they are views of the buffers there already), then attend (sliding `window`,
     if any) by the runner's `backends`: [1, H_q, n, D]. `base`: a shared prefix's keys and values [1, H_kv, P, D]
     before the buffer's slot 0 (model/cache.py), which every query sees; `w`'s slots count from the buffer's.
     `aligned` (a request with APE, never with a shared prefix): APE's attention over the reused chunks of this
-    `layer` (align.attend: plain torch ops, no kernel takes its per-key bias)."""
+    `layer` (aligned.py: plain torch ops, no kernel takes its per-key bias)."""
     if not written and w.layout == "slots":
         layer_keys.index_copy_(2, w.index, k)
         layer_values.index_copy_(2, w.index, v)
@@ -133,7 +134,7 @@ def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, w
         layer_keys[:, :, w.start: w.start + w.n] = k
         layer_values[:, :, w.start: w.start + w.n] = v
     if aligned is not None:
-        return align.attend(q, layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv], w.rows(q.device), heads.scaling,
+        return attend_aligned(q, layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv], w.rows(q.device), heads.scaling,
                             heads.num_key_value_groups, window, heads.softcap, aligned, layer)
     if base is not None:
         return _attend_with_base(q, base, layer_keys, layer_values, w, heads, backends)

@@ -23,11 +23,11 @@ from dataclasses import replace
 
 import torch
 
-from .. import align
 from ..batch import TurnLock
 from ..errors import Cancelled, OptionError, PCRagError, UnsupportedModelError
 from . import checkpoint, heap, kernels, quant
 from . import rope as rope_check
+from .aligned import attend as attend_aligned
 from .architecture import DEFAULT_ROPE
 from .attention import Heads, Writes, attend, attend_at, attend_decode
 from .backends import LINEAR_ROWS, MODULES, ONEDNN, QUANT, QUANT_ROWS_BACKEND, TORCH, Backends, Choice, choose, unfit
@@ -713,7 +713,7 @@ class LlamaRunner:
                         rope = {name: (cos[:, keep], sin[:, keep]) for name, (cos, sin) in rope.items()}
                         writes, parts = [w.keep(keep, w.rows(dev))], [(q, k, v)]
                 for c, w in zip(caches, writes, strict=True):
-                    if c.align is not None:  # these rows hold fresh KV in this layer from now on (align.py)
+                    if c.align is not None:  # these rows hold fresh KV in this layer from now on (aligned.py)
                         c.align.computed(i, w.rows(dev))
                 outs = [attend(c.keys[i], c.values[i], self.heads, layers[i].window, q, k, v, w, self.backends,
                                written, c.base_views(i), c.align, i)
@@ -770,7 +770,7 @@ class LlamaRunner:
             cache.wrote(slot, slot + 1)
         aligned = [c.align for c in caches]
         if any(a is not None for a in aligned):
-            fused = False  # the fused step's attention takes no per-key bias: module by module (align.py)
+            fused = False  # the fused step's attention takes no per-key bias: module by module (aligned.py)
         if fused and self._fused is not None:
             with self._lock:
                 return self._fused.step(caches, ids, positions, slots)
@@ -801,7 +801,7 @@ class LlamaRunner:
                 bases = [c.base_views(i) for c in caches] if shared else None
                 if any(a is not None for a in aligned):
                     o = torch.cat([
-                        align.attend(q[b: b + 1], seen[b][0][i], seen[b][1][i],
+                        attend_aligned(q[b: b + 1], seen[b][0][i], seen[b][1][i],
                                      torch.tensor([slots[b]], device=dev), self.heads.scaling,
                                      self.heads.num_key_value_groups, window, self.heads.softcap, aligned[b], i)
                         if aligned[b] is not None else
