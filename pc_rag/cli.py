@@ -135,7 +135,8 @@ def _parser() -> argparse.ArgumentParser:
                         "\"question\": ...} (each document a chunk)")
     p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                    help="modes to compare with full: exact, modular, blend[:RATIO[:SELECTION]] (SELECTION: "
-                        "progressive, deviation, chunk_start); default: " + " ".join(_check_defaults()))
+                        "progressive, deviation, chunk_start), auto[:TARGET], each but exact with :ape for APE "
+                        "(ape alone: modular:ape); default: " + " ".join(_check_defaults()))
     p.add_argument("--target", type=float, default=0.9, help="agreement a mode must reach to be recommended (0.9)")
     p.add_argument("-k", type=int, default=4, help="chunks retrieved per question (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=16,
