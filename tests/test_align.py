@@ -241,3 +241,23 @@ def test_explain_command_shows_ape(tiny_path, docs, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["ape"] is None
     assert cli.main([*args, "--align", "ape", "--mode", "exact"]) != 0
     assert "align" in capsys.readouterr().err
+
+
+def test_server_takes_align_and_refuses_a_bad_one(loaded, docs):
+    """`align` is one of the server's extensions: "ape" with modular runs (200), an unknown value or "ape" with a mode
+    that reuses no chunk is a 400 naming it."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from pc_rag.serve.app import ServerSettings, create_app
+    from pc_rag.store import MemoryStore
+
+    engine = pc_rag.Engine(*loaded, store=MemoryStore())
+    body = {"model": "m", "max_tokens": 4, "temperature": 0, "chunks": [docs[0]],
+            "prompt": "Context:\n" + docs[0] + "\n\nQuestion: what does it say?\nAnswer:"}
+    with TestClient(create_app(engine, ServerSettings("tiny"))) as http:
+        ok = http.post("/v1/completions", json={**body, "mode": "modular", "align": "ape"})
+        assert ok.status_code == 200, ok.text
+        for bad in ({"mode": "modular", "align": "apex"}, {"mode": "exact", "align": "ape"}):
+            refused = http.post("/v1/completions", json={**body, **bad})
+            assert refused.status_code == 400 and "align" in refused.text, refused.text
