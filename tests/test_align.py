@@ -261,3 +261,22 @@ def test_server_takes_align_and_refuses_a_bad_one(loaded, docs):
         for bad in ({"mode": "modular", "align": "apex"}, {"mode": "exact", "align": "ape"}):
             refused = http.post("/v1/completions", json={**body, **bad})
             assert refused.status_code == 400 and "align" in refused.text, refused.text
+
+
+def test_blends_recomputed_rows_through_the_kernels_equal_ape_attention_over_every_row(engine, docs, monkeypatch):
+    """Blend with APE sends its recomputed chunk rows (no APE for them) through the runner's kernels and the rest
+    through APE's attention; the reference runs every row through APE's attention (1e-4, fp32)."""
+    from pc_rag.model import attention
+
+    engine.ape = APE(0.7, 1.5)
+    prompt = rag_prompt(docs, order=(1, 2, 0))
+    split = _logits(engine, prompt, "blend", recompute_ratio=0.2, align="ape")
+
+    def every_row(layer_keys, layer_values, heads, window, q, w, backends, aligned, layer):
+        return attend(q, layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv], w.rows(q.device), heads.scaling,
+                      heads.num_key_value_groups, window, heads.softcap, aligned, layer)
+
+    monkeypatch.setattr(attention, "_attend_with_ape", every_row)
+    whole = _logits(engine, prompt, "blend", recompute_ratio=0.2, align="ape")
+    assert (split - whole).abs().max().item() <= 1e-4
+    assert (split - _logits(engine, prompt, "blend", recompute_ratio=0.2)).abs().max().item() > 1e-3
