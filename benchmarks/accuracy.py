@@ -20,7 +20,12 @@ greedy first token is the right answer, in each mode:
   before it);
 - modular int8 (with --codec int8): modular with every chunk block read back from a disk tier that stores
   compressed blocks (8-bit keys and values with scales), i.e. the fidelity cost of compression on top of
-  modular.
+  modular;
+- modular ape, blend R S ape (with --ape): the same with `align="ape"` (pc_rag/align.py: the question attends to
+  the reused chunks with APE's temperature T and scale S), T and S calibrated first on --ape-calibration prompts
+  of a stream the rows do not use (--ape-seed; `Engine.calibrate_ape`), or given (--ape-pair T S). No recompute:
+  work 0 for modular ape, blend's own for blend ape;
+- ape T S (with --ape-sweep T:S ...): modular with APE at that pair, to see the accuracy over the grid.
 Also per mode: how often its answer equals full's, the share of modular's loss it recovers ((mode - modular) /
 (full - modular)), and for blends the compute: token-layers of the chunk tokens computed in context as a share
 of a full recompute (`recompute_work`). Writes accuracy-seed<SEED>.json and .md to --out; `pool` merges
@@ -81,7 +86,8 @@ def auto_name(spec: str | float) -> str:
 
 
 def answer_logprobs(engine, example, blends: list[str], coded: dict | None = None, targets: list[float | str] = (),
-                    recomputed: dict | None = None) -> dict[str, torch.Tensor]:
+                    recomputed: dict | None = None, ape: bool = False,
+                    sweep: list[str] = ()) -> dict[str, torch.Tensor]:
     """Per mode, the log-probabilities of the answer token (the next token after the prompt). `coded`: codec
     name -> an engine on the same model over a disk tier that stores blocks with that codec. `targets`: blend
     with these quality targets; `recomputed` (when given) receives, per such mode, the chunk tokens it recomputed."""
@@ -94,16 +100,31 @@ def answer_logprobs(engine, example, blends: list[str], coded: dict | None = Non
         other.warm(list(example.chunks), progress=False)  # stored compressed, then read back by the request
         out[f"modular {codec}"] = torch.log_softmax(other.next_token_logits(prompt, mode="modular").float(), -1)
 
-    def logp(mode, ratio=0.0):
-        return torch.log_softmax(engine.next_token_logits(prompt, mode=mode, recompute_ratio=ratio).float(), -1)
+    def logp(mode, ratio=0.0, align=None):
+        return torch.log_softmax(engine.next_token_logits(prompt, mode=mode, recompute_ratio=ratio,
+                                                          align=align).float(), -1)
 
     out["full"] = logp("full")
     out["modular"] = logp("modular")
+    if ape:
+        out["modular ape"] = logp("modular", align="ape")
+    if sweep:
+        from pc_rag.align import APE
+
+        chosen = engine.ape
+        try:
+            for spec in sweep:
+                engine.ape = APE(*parse_pair(spec))
+                out[sweep_name(spec)] = logp("modular", align="ape")
+        finally:
+            engine.ape = chosen
     selection = engine.blend_selection
     try:
         for spec in blends:
             ratio, engine.blend_selection = parse_blend(spec)
             out[blend_name(spec)] = logp("blend", ratio)
+            if ape:
+                out[blend_name(spec) + " ape"] = logp("blend", ratio, "ape")
     finally:
         engine.blend_selection = selection
     for spec in targets:
@@ -139,14 +160,59 @@ def answers(engine, example, blends: list[str]) -> dict[str, str]:
     return greedy(engine.tokenizer, answer_logprobs(engine, example, blends))
 
 
+def parse_pair(spec: str) -> tuple[float, float]:
+    t, _, scale = spec.partition(":")
+    try:
+        return float(t), float(scale)
+    except ValueError:
+        raise SystemExit(f"--ape-sweep {spec!r}: expected T:S") from None
+
+
+def sweep_name(spec: str) -> str:
+    t, scale = parse_pair(spec)
+    return f"ape {t:g} {scale:g}"
+
+
+APE_SEED = 31337  # the calibration prompts' stream: neither training's (0, 99, 10000 + seed) nor the rows' (777, 2026)
+
+
+def calibrate_ape(engine, prompts: int, chunk_counts: list[int], tasks: tuple[str, ...], seed: int) -> dict:
+    """APE's pair for the model, chosen on `prompts` examples spread over the tasks and chunk counts (a stream of
+    its own), and what every pair of the grid measured there."""
+    rng = random.Random(seed)
+    name_list, value_list = names(), values()
+    cases = [(t, k) for t in tasks for k in chunk_counts]
+    examples = [make_example(rng, *cases[i % len(cases)], name_list, value_list).prompt() for i in range(prompts)]
+    t0 = time.time()
+    ape, table = engine.calibrate_ape(examples)
+    return {"temperature": ape.temperature, "scale": ape.scale, "prompts": prompts, "seed": seed,
+            "seconds": round(time.time() - t0, 1),
+            "grid": [{"temperature": t, "scale": s, **m} for (t, s), m in table.items()]}
+
+
 def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: list[str],
-        codecs: list[str] = (), tasks: tuple[str, ...] = TASKS, targets: list[float | str] = ()) -> dict:
+        codecs: list[str] = (), tasks: tuple[str, ...] = TASKS, targets: list[float | str] = (),
+        ape: str | tuple[float, float] | None = None, ape_calibration: int = 64, ape_seed: int = APE_SEED,
+        sweep: list[str] = ()) -> dict:
+    """`ape`: None (no APE rows), "calibrate" (calibrated on `ape_calibration` prompts of stream `ape_seed`), or
+    a (temperature, scale) pair."""
     engine = pc_rag.Engine.from_pretrained(model, store="memory")
+    calibration = None
+    if ape == "calibrate":
+        calibration = calibrate_ape(engine, ape_calibration, chunk_counts, tasks, ape_seed)
+        print(json.dumps({k: v for k, v in calibration.items() if k != "grid"}), flush=True)
+    elif ape is not None:
+        from pc_rag.align import APE
+
+        engine.ape = APE(*ape)
+        calibration = {"temperature": ape[0], "scale": ape[1], "prompts": 0}
+    with_ape = ape is not None
     # A disk tier alone: a block is written compressed and every later request reads it back from there.
     folder = Path(tempfile.mkdtemp(prefix="pc_rag_accuracy_"))
     coded = {c: pc_rag.Engine(engine.model, engine.tokenizer, store=f"disk:{folder / c}?compress={c}") for c in codecs}
-    modes = [*BASE_MODES[:3], *(f"modular {c}" for c in codecs), *(blend_name(b) for b in blends),
-             *(auto_name(t) for t in targets), BASE_MODES[3]]
+    modes = [*BASE_MODES[:3], *(f"modular {c}" for c in codecs), *(["modular ape"] if with_ape else []),
+             *(blend_name(b) for b in blends), *(blend_name(b) + " ape" for b in blends if with_ape),
+             *(auto_name(t) for t in targets), *(sweep_name(p) for p in sweep), BASE_MODES[3]]
     name_list, value_list = names(), values()
     layers = engine.runner.shape.num_layers
     rng = random.Random(seed)
@@ -156,19 +222,24 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
             right = dict.fromkeys(modes, 0)
             agree = dict.fromkeys(modes, 0)
             kls = dict.fromkeys(modes, 0.0)
-            work = {**{blend_name(b): 0.0 for b in blends}, **{auto_name(t): 0.0 for t in targets}}
+            work = {**{blend_name(b): 0.0 for b in blends}, **{auto_name(t): 0.0 for t in targets},
+                    **({"modular ape": 0.0} if with_ape else {}), **{sweep_name(p): 0.0 for p in sweep},
+                    **{blend_name(b) + " ape": 0.0 for b in blends if with_ape}}
             t0 = time.time()
             for _ in range(prompts):
                 ex = make_example(rng, task, k, name_list, value_list)
                 ids = [i for s in engine.segmenter.segments(ex.prompt()) for i in s.token_ids]
                 assert ids == token_ids(engine.tokenizer, ex), "engine tokenization differs from training"
                 recomputed = {}
-                logps = answer_logprobs(engine, ex, blends, coded, targets, recomputed)
+                logps = answer_logprobs(engine, ex, blends, coded, targets, recomputed, with_ape, sweep)
                 chunk_tokens = sum(len(engine.segmenter.ids(c)) for c in ex.chunks)
                 for b in blends:
                     ratio, select = parse_blend(b)
-                    work[blend_name(b)] += recompute_work(select, ratio, chunk_tokens, layers,
-                                                          engine.runner.shift_probe_share(len(ids))) / prompts
+                    share = recompute_work(select, ratio, chunk_tokens, layers,
+                                           engine.runner.shift_probe_share(len(ids))) / prompts
+                    work[blend_name(b)] += share
+                    if with_ape:  # APE adds no recompute
+                        work[blend_name(b) + " ape"] += share
                 for name, chosen in recomputed.items():  # the probe, then the tokens it chose, narrowed as progressive
                     if name.endswith("shift"):  # the cheap probe over every candidate, then layer 0 over 3x its pick
                         work[name] += recompute_work("shift", chosen / chunk_tokens, chunk_tokens, layers,
@@ -189,7 +260,10 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
                          "seconds": round(time.time() - t0, 1)})
             print(json.dumps(rows[-1]), flush=True)
     shutil.rmtree(folder, ignore_errors=True)
-    return {"model": str(model), "seed": seed, "modes": modes, "rows": rows}
+    out = {"model": str(model), "seed": seed, "modes": modes, "rows": rows}
+    if calibration is not None:
+        out["ape"] = calibration
+    return out
 
 
 def pool(results: list[dict]) -> dict:
@@ -228,7 +302,7 @@ def markdown(result: dict) -> str:
             acc = f"{100 * r['accuracy'][m]:.1f}%"
             cells.append(acc if m == "full" else f"{acc} ({100 * r['agreement_with_full'][m]:.0f}%)")
         lines.append(f"| {TASK_TITLES[r['task']]} | {r['chunks']} | {r['prompts']} | " + " | ".join(cells) + " |")
-    blends = [m for m in modes if m.startswith(("blend", "auto"))]
+    blends = [m for m in modes if m.startswith(("blend", "auto", "ape ")) or m == "modular ape"]
     lines += [
         "",
         "Share of modular's loss recovered, (mode - modular) / (full - modular), and for blends the compute: "
@@ -252,6 +326,11 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         cells = [f"{r['mean_kl_from_full'][m]:.2e}" for m in compared]
         lines.append(f"| {TASK_TITLES[r['task']]} | {r['chunks']} | " + " | ".join(cells) + " |")
+    ape = result.get("ape")
+    if ape is not None:
+        lines += ["", f"APE (`align=\"ape\"`): temperature {ape['temperature']:g}, scale {ape['scale']:g}"
+                  + (f", calibrated on {ape['prompts']} prompts (seed {ape['seed']}) by mean KL(full ‖ APE) of the "
+                     "next token" if ape.get("prompts") else ", given")]
     return "\n".join(lines) + "\n"
 
 
@@ -269,6 +348,13 @@ def main(argv=None):
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(ALL_TASKS),
                     help="alias: a chunk naming an entity only an earlier chunk defines (a model trained on it: "
                          "benchmarks/deep-retrieval-model)")
+    ap.add_argument("--ape", action="store_true",
+                    help="also modular and every blend with align='ape', T and S calibrated first (or --ape-pair)")
+    ap.add_argument("--ape-pair", type=float, nargs=2, metavar=("T", "S"), help="APE's pair, not calibrated")
+    ap.add_argument("--ape-sweep", nargs="*", default=[], metavar="T:S",
+                    help="also modular with APE at each of these pairs (rows 'ape T S')")
+    ap.add_argument("--ape-calibration", type=int, default=64, help="prompts APE is calibrated on")
+    ap.add_argument("--ape-seed", type=int, default=APE_SEED, help="the calibration prompts' stream")
     ap.add_argument("--seed", type=int, default=777)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench_out")
@@ -278,8 +364,11 @@ def main(argv=None):
         parse_blend(spec)
     for spec in args.auto:
         parse_auto(spec)
+    for spec in args.ape_sweep:
+        parse_pair(spec)
+    ape = tuple(args.ape_pair) if args.ape_pair else "calibrate" if args.ape else None
     result = run(args.model, args.prompts, args.chunks, args.seed, args.blend, args.codec, tuple(args.tasks),
-                 args.auto)
+                 args.auto, ape, args.ape_calibration, args.ape_seed, args.ape_sweep)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"accuracy-seed{args.seed}.json").write_text(json.dumps(result, indent=1))

@@ -272,6 +272,7 @@ def stream_generation(engine, prompt: Sequence[Text | Chunk], options: Generatio
         recompute_ratio=options.recompute_ratio, cache_salt=options.cache_salt, grammar=options.grammar,
         n=options.n, logprobs=options.logprobs, presence_penalty=options.presence_penalty,
         frequency_penalty=options.frequency_penalty, logit_bias=dict(options.logit_bias) or None,
+        align=options.align,
     )
 
 

@@ -21,10 +21,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from .align import aligned_slots
 from .blocks import KVBlock
 from .errors import PCRagError
 from .lookups import StoreLookups
 from .model import HeldBlock, LlamaRunner, SlotCache
+from .model.aligned import Aligned
 from .plan import COMPUTED, Event, Load, Piece, Plan, Planner, Source, Wanted
 from .prefix import EXTENT_BLOCKS, Link, Run, after_link, extents, far_groups, in_groups, run_blocks
 from .store import PendingBlock, ReadTarget, Store
@@ -267,7 +269,8 @@ class Assembler:
         # there are neither read nor copied again (a system text or conversation sent again: 2K tokens of fp32
         # KV were 22% of such a request's time to first token, bench model).
         changed = {e.slot for e in events}
-        lead, whole = self._shared_lead(plan, changed, recompute)
+        # APE's attention reads every slot from one buffer (model/aligned.py): no shared prefix read in place
+        lead, whole = self._shared_lead(plan, changed, recompute) if plan.align is None else ([], 0)
         base = self.runner.take_shared_prefix(
             tuple(_held(p) for p in lead), whole,
             lambda keys, values: self._build_shared(lead[:whole], in_hand, keys, values)) if lead else None
@@ -293,6 +296,9 @@ class Assembler:
         cache.length = total
         if not cache.base:  # a buffer after a shared prefix holds its slots shifted: it offers nothing in place later
             cache.hold(tuple(_held(p) for p in pieces if p.load in (Load.COPY, Load.READ, Load.ENCODE, Load.STORED)))
+        # APE (align.py): the reused chunks' slots, which the tokens computed after them attend to aligned
+        cache.align = None if plan.align is None else Aligned.of(
+            plan.align, aligned_slots(pieces), cache.own_capacity, self.runner.shape.num_layers, cache.keys.device)
         if total - 1 not in fresh:
             # The prompt ends inside a cached block: recompute its last token so we have its logits.
             fresh.add(total - 1)

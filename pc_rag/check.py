@@ -47,7 +47,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -65,29 +65,42 @@ WARM_GROUP_TOKENS = 2048  # passages sent per warm-up request (bounded by the mo
 @dataclass(frozen=True)
 class Setting:
     """A mode to compare with full: "exact", "modular", or "blend" at a recompute ratio with a selection, or
-    blend with a quality target (`recompute_target`: it recomputes what each prompt needs, "auto")."""
+    blend with a quality target (`recompute_target`: it recomputes what each prompt needs, "auto"); modular, blend
+    and auto with APE too (`align` "ape": pc_rag/align.py)."""
 
     mode: str
     recompute_ratio: float | None = None
     selection: str | None = None
     recompute_target: float | None = None
+    align: str | None = None
 
     @property
     def name(self) -> str:
+        ape = " ape" if self.align else ""
         if self.recompute_target is not None:
-            return f"auto {self.recompute_target:g}"
-        return f"blend {self.recompute_ratio:g} {self.selection}" if self.mode == "blend" else self.mode
+            return f"auto {self.recompute_target:g}{ape}"
+        return (f"blend {self.recompute_ratio:g} {self.selection}" if self.mode == "blend" else self.mode) + ape
 
     @classmethod
     def parse(cls, spec: str | Setting) -> Setting:
         """"exact", "modular", "blend" (ratio 0.2, progressive), "blend:RATIO", "blend:RATIO:SELECTION", or
-        "auto:TARGET" (blend with recompute_target TARGET, default 0.9, progressive)."""
+        "auto:TARGET" (blend with recompute_target TARGET, default 0.9, progressive); any but exact followed by
+        ":ape" (APE's alignment, the engine's pair), and "ape" alone for "modular:ape"."""
         if isinstance(spec, Setting):
             return spec
         if not isinstance(spec, str):
             raise PCRagError(f"check: a mode is a string such as 'modular' or 'blend:0.2:progressive', got "
                              f"{type(spec).__name__}")
-        mode, _, rest = spec.strip().partition(":")
+        text = spec.strip()
+        if text == "ape":
+            text = "modular:ape"
+        if text.endswith(":ape"):
+            base = cls.parse(text[: -len(":ape")])
+            if base.mode == "exact" or base.align:
+                raise PCRagError(f"check: {spec!r}: APE aligns attention over reused chunks (exact has none), once; "
+                                 f"write modular:ape, blend:RATIO:SELECTION:ape or auto:TARGET:ape")
+            return replace(base, align="ape")
+        mode, _, rest = text.partition(":")
         if mode in ("exact", "modular") and not rest:
             return cls(mode)
         if mode == "blend":
@@ -110,7 +123,7 @@ class Setting:
                 raise PCRagError(f"check: bad quality target {spec!r}; write auto:TARGET with TARGET in [0, 1]")
             return cls("blend", None, "progressive", target)
         raise PCRagError(f"check: unknown mode {spec!r}; choose exact, modular, blend[:RATIO[:SELECTION]] "
-                         f"or auto[:TARGET] "
+                         f"or auto[:TARGET], each but exact with :ape for APE (ape alone: modular:ape) "
                          f"(full is the reference every mode is compared with)")
 
 
@@ -123,6 +136,7 @@ class ModeResult:
     recompute_ratio: float | None
     selection: str | None
     recompute_target: float | None = None  # "auto" settings: blend's quality target
+    align: str | None = None  # "ape": APE's alignment (pc_rag/align.py)
     prompts: int = 0
     identical: int = 0  # prompts whose greedy answer is full's, token for token
     agreement: float = 0.0  # identical / prompts
@@ -230,7 +244,8 @@ def check(engine, prompts: Sequence, modes: Sequence[str | Setting] = DEFAULT_MO
     engine.next_token_logits(prompts[0], mode="full")  # set-up (allocator, kernels) outside every timing
     spent["warm"] += time.perf_counter() - t
 
-    results = {s.name: ModeResult(s.name, s.mode, s.recompute_ratio, s.selection, s.recompute_target) for s in settings}
+    results = {s.name: ModeResult(s.name, s.mode, s.recompute_ratio, s.selection, s.recompute_target, s.align)
+               for s in settings}
     per_mode = {s.name: {"ttft": [], "kl": [], "diverge": [], "reused": [], "recomputed": []} for s in settings}
     full_ttft, prompt_tokens, answer_tokens, mismatches, details = [], [], [], 0, []
     order = [s for s in settings if s.mode != "exact"] + [s for s in settings if s.mode == "exact"]
@@ -265,7 +280,7 @@ def check(engine, prompts: Sequence, modes: Sequence[str | Setting] = DEFAULT_MO
                 ratio = s.recompute_ratio if s.mode == "blend" and s.recompute_ratio is not None else 0.0
                 try:
                     first = engine.generate(prompt, mode=s.mode, max_new_tokens=1, recompute_ratio=ratio,
-                                            recompute_target=s.recompute_target)
+                                            recompute_target=s.recompute_target, align=s.align)
                 except UnsupportedModelError as e:
                     r.refused = str(e)
                     bar.update(1)
@@ -278,7 +293,8 @@ def check(engine, prompts: Sequence, modes: Sequence[str | Setting] = DEFAULT_MO
                     forced = segments + [Text(engine.tokenizer.decode(answer[:j]), token_ids=tuple(answer[:j]))] \
                         if j else segments
                     logits = engine.next_token_logits(forced, mode=s.mode, recompute_ratio=ratio,
-                                                      recompute_target=s.recompute_target).float().cpu()
+                                                      recompute_target=s.recompute_target,
+                                                      align=s.align).float().cpu()
                     logp = torch.log_softmax(logits, -1)
                     kls.append(float(torch.sum(reference[j].exp() * (reference[j] - logp))))
                     pick = int(logp.argmax())

@@ -109,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "become chunks wherever they appear in the prompt.")
     p.add_argument("prompt", help="the prompt text; '-' reads it from stdin")
     p.add_argument("--mode", default="modular", help="full, exact, modular (default) or blend")
+    p.add_argument("--align", choices=["ape"], default=None,
+                   help="APE's temperature and scale on the attention over reused chunks (modular, blend)")
     p.add_argument("--chunk", action="append", default=[], metavar="TEXT", help="a document text (repeatable)")
     p.add_argument("--docs", action="append", default=[], metavar="DIR_OR_FILE",
                    help=".txt/.md files or folders whose chunks are documents (repeatable)")
@@ -133,7 +135,8 @@ def _parser() -> argparse.ArgumentParser:
                         "\"question\": ...} (each document a chunk)")
     p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                    help="modes to compare with full: exact, modular, blend[:RATIO[:SELECTION]] (SELECTION: "
-                        "progressive, deviation, chunk_start); default: " + " ".join(_check_defaults()))
+                        "progressive, deviation, chunk_start), auto[:TARGET], each but exact with :ape for APE "
+                        "(ape alone: modular:ape); default: " + " ".join(_check_defaults()))
     p.add_argument("--target", type=float, default=0.9, help="agreement a mode must reach to be recommended (0.9)")
     p.add_argument("-k", type=int, default=4, help="chunks retrieved per question (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=16,
@@ -340,18 +343,22 @@ def _explain(args, _extra) -> int:
     import json
     from dataclasses import asdict
 
+    from .align import check_align
     from .demo.retrieval import read_documents
     from .options import check_mode
 
     check_mode(args.mode)
+    check_align(args.align, args.mode)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise PCRagError("the prompt is empty; pass its text, or '-' to read it from stdin")
     chunks = list(args.chunk) + (read_documents(args.docs) if args.docs else [])  # bad paths fail before the model
     engine, _, _ = _engine(args, _cache_dir(args))
-    explained = engine.explain(engine.split(prompt, chunk_texts=chunks), args.mode)
+    explained = engine.explain(engine.split(prompt, chunk_texts=chunks), args.mode, align=args.align)
     if args.json:
+        ape = explained.plan.align
         print(json.dumps({"mode": explained.mode, "prompt_tokens": len(explained.plan.ids),
+                          "ape": ape.as_dict() if ape is not None else None,
                           "reused_tokens": explained.reused_tokens, "encoded_tokens": explained.encoded_tokens,
                           "computed_tokens": explained.computed_tokens, "stored_tokens": explained.plan.stored_tokens,
                           "rows": [asdict(r) for r in explained.rows]}, indent=2))

@@ -20,18 +20,19 @@ from concurrent.futures import Future
 
 import torch
 
+from .align import APE, ape_for, check_align
 from .assemble import Assembler
 from .batch import MAX_BATCH, BatchDecoder, Traffic
 from .errors import OptionError, PromptError
 from .explain import Explanation, explain
 from .grammar import Grammar, Grammars
 from .model import LlamaRunner, release_team, releasing_team
-from .options import DEFAULT_RECOMPUTE_RATIO, GenerationOptions, check_device, checked_cache_salt
+from .options import DEFAULT_RECOMPUTE_RATIO, GenerationOptions, check_device, check_mode, checked_cache_salt
 from .passages import tokenizer_markers
 from .plan import COMPUTED, Planner
 from .pml import PML, Schema, SchemaRegistry
 from .prefetch import PREFETCHER, Prefetcher
-from .quality import Calibration, deviation_reference, gate
+from .quality import Calibration, calibrate_ape, deviation_reference, gate
 from .request import Generation, Request, next_token_logits
 from .scaffolds import ScaffoldBuilder
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment, check_text, chunk_list
@@ -132,6 +133,9 @@ class Engine:
                                                     self.runner.prefill_chunk_tokens), release_team)
         self.measured_deviation: dict[str, float] = {}  # quality.deviation_reference per probe, once measured
         self.calibration: Calibration | None = None  # quality.calibrate, once measured (min_agreement set)
+        # APE's pair for align="ape" requests (align.py): None takes this model's calibration in this process
+        # (`calibrate_ape`), else align.DEFAULT.
+        self.ape: APE | None = None
         self.runner.others_decoding = self.traffic.busy  # long prefills are chunked while others run
         release_team()  # loading and packing the weights computed on this thread, which may serve none (threads.py)
 
@@ -155,16 +159,19 @@ class Engine:
                  recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, cache_salt: str | None = None,
                  grammar: Grammar | None = None, *, n: int = 1, logprobs: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 logit_bias: Mapping[int, float] | None = None, recompute_target: float | None = None) -> Generation:
+                 logit_bias: Mapping[int, float] | None = None, recompute_target: float | None = None,
+                 align: str | None = None) -> Generation:
         """Generate a reply; the arguments are those of `GenerationOptions` (checked before any work).
         `cache_salt`: the request's cache namespace (see the module docstring); `grammar`: constrained
         decoding (`pc_rag.Grammar`); `n`: replies to the one prompt (`Generation.choices`); `logprobs=k`: each
         token's log-probability and the k most likely (`Generation.logprobs`); `presence_penalty`,
         `frequency_penalty`, `logit_bias`: OpenAI's; `recompute_target`: blend recomputes what this prompt needs
-        for that quality target (assemble.Recompute; `Generation.deviation` says what its probe measured)."""
+        for that quality target (assemble.Recompute; `Generation.deviation` says what its probe measured);
+        `align="ape"` (modular, blend): APE's temperature and scale on the attention over the reused chunks
+        (pc_rag.align; the pair is `ape`, else the model's calibration, else the default)."""
         options = self.checked_options(GenerationOptions(
             mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt, grammar, n, logprobs,
-            presence_penalty, frequency_penalty, logit_bias, recompute_target))
+            presence_penalty, frequency_penalty, logit_bias, recompute_target, align))
         *_, generation = self._stream_generation(prompt, options)
         return generation
 
@@ -173,7 +180,8 @@ class Engine:
                recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, cache_salt: str | None = None,
                grammar: Grammar | None = None, *, n: int = 1, logprobs: int | None = None,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               logit_bias: Mapping[int, float] | None = None, recompute_target: float | None = None) -> Iterator[str]:
+               logit_bias: Mapping[int, float] | None = None, recompute_target: float | None = None,
+               align: str | None = None) -> Iterator[str]:
         """Text pieces as they are decoded; never splits a multi-byte character or emits part of a stop string.
         With `logprobs`, every piece is a `decode.Piece` (a str) carrying its tokens' logprobs; with `n` > 1 the
         choices' pieces interleave, and `decode.choice_of(piece)` says which each belongs to.
@@ -182,7 +190,7 @@ class Engine:
         the first `next()`."""
         options = self.checked_options(GenerationOptions(
             mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt, grammar, n, logprobs,
-            presence_penalty, frequency_penalty, logit_bias, recompute_target))
+            presence_penalty, frequency_penalty, logit_bias, recompute_target, align))
         return (item for item in self._stream_generation(prompt, options) if isinstance(item, str))
 
     def stream_generation(self, prompt: Prompt, mode: str = "modular", max_new_tokens: int = 32,
@@ -191,12 +199,13 @@ class Engine:
                           cache_salt: str | None = None, grammar: Grammar | None = None, *, n: int = 1,
                           logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                           logit_bias: Mapping[int, float] | None = None,
-                          recompute_target: float | None = None) -> Iterator[str | Generation]:
+                          recompute_target: float | None = None,
+                          align: str | None = None) -> Iterator[str | Generation]:
         """Like `stream`, then the final `Generation` (token counts, TTFT) as the last item; options are
         checked at the call, as in `stream`."""
         options = self.checked_options(GenerationOptions(
             mode, max_new_tokens, temperature, top_p, stop, seed, recompute_ratio, cache_salt, grammar, n, logprobs,
-            presence_penalty, frequency_penalty, logit_bias, recompute_target))
+            presence_penalty, frequency_penalty, logit_bias, recompute_target, align))
         return self._stream_generation(prompt, options)
 
     def checked_options(self, options: GenerationOptions) -> GenerationOptions:
@@ -217,12 +226,22 @@ class Engine:
             if not isinstance(item, str) or item:
                 yield item
 
-    def explain(self, prompt: Prompt | str | PML, mode: str = "modular", cache_salt: str | None = None) -> Explanation:
+    def explain(self, prompt: Prompt | str | PML, mode: str = "modular", cache_salt: str | None = None,
+                align: str | None = None) -> Explanation:
         """Where a request for `prompt` would get its KV, piece by piece (tokens, slots, positions, and a memory,
         disk or Redis hit, an encode, or the forward), without running it (pc_rag.explain): it answers "why was
         this slow, why did nothing hit" on a live engine. A plain-string prompt is split as `generate` splits it;
-        `cache_salt`: the namespace of the request explained (it sees what that request would)."""
-        return explain(self, prompt, mode, checked_cache_salt(cache_salt))
+        `cache_salt`: the namespace of the request explained (it sees what that request would); `align`: as
+        `generate`'s (the APE pair it would use is shown)."""
+        check_mode(mode)
+        ape = ape_for(self) if check_align(align, mode) == "ape" else None
+        return explain(self, prompt, mode, checked_cache_salt(cache_salt), ape)
+
+    def calibrate_ape(self, prompts=None, **grid) -> tuple[APE, dict]:
+        """Choose APE's temperature and scale for this model (quality.calibrate_ape: a grid searched for the pair
+        closest to full's next token, on `prompts` or the built-in ones; `temperatures=`, `scales=` another grid), and
+        use it from now on (`ape`). Returns the pair and what each pair tried measured."""
+        return calibrate_ape(self, prompts, **grid)
 
     def register(self, texts: Iterable[str], public: bool = False) -> int:
         """Register document texts: wherever one appears in a plain-string prompt it becomes a `Chunk` (its KV
@@ -296,12 +315,14 @@ class Engine:
         return schema
 
     def next_token_logits(self, prompt: Prompt, mode: str = "modular", recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
-                          cache_salt: str | None = None, recompute_target: float | None = None) -> torch.Tensor:
+                          cache_salt: str | None = None, recompute_target: float | None = None,
+                          align: str | None = None) -> torch.Tensor:
         """Next-token logits after the prompt, [vocab] float32. Like `generate`, it leaves the prompt's prefix
         blocks behind (stored after the logits are computed, in namespace `cache_salt`), so scoring many
         continuations of one long context computes the context once."""
         return next_token_logits(self, prompt, GenerationOptions(
-            mode=mode, recompute_ratio=recompute_ratio, cache_salt=cache_salt, recompute_target=recompute_target))
+            mode=mode, recompute_ratio=recompute_ratio, cache_salt=cache_salt, recompute_target=recompute_target,
+            align=align))
 
     @releasing_team
     def warm(self, chunks: Iterable[Chunk | str], progress: bool = True, cache_salt: str | None = None) -> int:

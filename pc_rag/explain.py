@@ -31,6 +31,7 @@ class ExplainRow:
     kv: str  # the two above in words ("memory hit", "disk hit, read into the buffer", ...)
     key: str | None  # the store key of its block
     text: str  # the start of its text
+    relocated: bool = False  # a block encoded on its own and moved here (what APE aligns the attention over)
 
 
 # How `explain` words each way a piece's KV is obtained (plan.py, `Piece.load`).
@@ -71,16 +72,22 @@ class Explanation:
         lines.append(f"{self.mode}: {len(self.plan.ids)} prompt tokens; {self.reused_tokens} from the store, "
                      f"{self.encoded_tokens} to encode, {self.computed_tokens} computed by the forward; "
                      f"{self.plan.stored_tokens} newly stored")
+        if self.plan.align is not None:
+            ape, reused = self.plan.align, sum(r.tokens for r in self.rows if r.relocated)
+            lines.append(f"APE: the tokens computed after the {reused} reused chunk tokens attend to them with "
+                         f"temperature {ape.temperature:g} and scale {ape.scale:g}" if reused else
+                         "APE: no reused chunk tokens, nothing to align")
         return "\n".join(lines)
 
 
-def explain(engine, prompt, mode: str, namespace: str | None) -> Explanation:
+def explain(engine, prompt, mode: str, namespace: str | None, align=None) -> Explanation:
     """`Engine.explain` for a checked namespace. A mode a request would refuse for this model (a RoPE that cannot
     be relocated, a failed relocation self-check) is refused, by what is known without a forward pass."""
     segments, _ = prompt_segments(engine, prompt, mode, namespace)
     if mode in REUSING_CHUNKS:
         engine.runner.check_relocation(probe=False)
-    plan = engine.planner.plan(segments, mode, WhereLookups(engine.store), namespace, engine.passages_from_first_sight)
+    plan = engine.planner.plan(segments, mode, WhereLookups(engine.store), namespace, engine.passages_from_first_sight,
+                               align)
     rows = []
     for p in plan.pieces:
         kv = _LOADS[p.load].format(tier=p.origin)
@@ -90,5 +97,5 @@ def explain(engine, prompt, mode: str, namespace: str | None) -> Explanation:
         text = engine.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         rows.append(ExplainRow(p.kind, p.n, (p.slot, p.slot + p.n), (p.position, p.position + p.n - 1), p.source,
                                p.load, None if p.load == Load.ENCODE else p.origin, kv, p.key,
-                               repr(text[:40]) + ("..." if p.n > 16 else "")))
+                               repr(text[:40]) + ("..." if p.n > 16 else ""), p.relocated))
     return Explanation(mode, plan, tuple(rows))

@@ -12,6 +12,7 @@ import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from .align import check_align
 from .errors import OptionError, OptionTypeError, PromptError
 from .grammar import Grammar
 from .segments import unicode_problem
@@ -63,6 +64,9 @@ class GenerationOptions:
                      stored as sorted (id, bias) pairs. The engine checks the ids against its vocabulary.
     recompute_target: blend only: None (the engine's `recompute_target`, else `recompute_ratio`), or a quality
                      target in [0, 1]: as many reused chunk tokens recomputed as this prompt needs (assemble.Recompute).
+    align:           None, or "ape" (modular and blend only): the tokens computed after the reused chunks attend to
+                     them with APE's temperature and scale, the engine's pair (`Engine.ape`, else its model's
+                     calibration, else the default: align.py).
     """
 
     mode: str = "modular"
@@ -80,9 +84,11 @@ class GenerationOptions:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     recompute_target: float | None = None
+    align: str | None = None
 
     def __post_init__(self):
         check_mode(self.mode)
+        check_align(self.align, self.mode)
         set_ = object.__setattr__  # frozen: normalised values are written once, here
         set_(self, "max_new_tokens", checked_int("max_new_tokens", self.max_new_tokens, low=1))
         for name, value in zip(("temperature", "top_p", "seed"),

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
+from .align import APE
 from .blocks import chunk_key, root_key, scaffold_key
 from .errors import PCRagError, PromptError, UnsupportedModelError
 from .options import MODES
@@ -189,6 +190,9 @@ class Plan:
     passages: tuple[Wanted, ...] = field(default=(), repr=False)
     passages_held: frozenset[str] = frozenset()
     events: tuple[Event, ...] = ()  # what changed while it ran (none for a request without faults)
+    # APE's temperature and scale on the attention over the reused chunks (align.APE), or None: modular as it is.
+    # The prefix chain then stops at the first relocated block, as in blend: what follows was computed with it.
+    align: APE | None = None
 
     def with_events(self, events: Sequence[Event]) -> Plan:
         return replace(self, events=self.events + tuple(events)) if events else self
@@ -248,8 +252,16 @@ class Planner:
 
     # ---- the plan --------------------------------------------------------------------------------------------
     def plan(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups,
-             namespace: str | None = None, first_sight: bool = False) -> Plan:
-        """`first_sight`: every passage is worth reusing, sent before or not (`Engine.passages_from_first_sight`)."""
+             namespace: str | None = None, first_sight: bool = False, align: APE | None = None) -> Plan:
+        """`first_sight`: every passage is worth reusing, sent before or not (`Engine.passages_from_first_sight`).
+        `align`: an `align.APE` pair for the attention over the reused chunks (modular, blend), or None."""
+        if align is not None and mode not in REUSING_CHUNKS:
+            raise PromptError(f"APE aligns attention over reused chunks: mode {mode!r} reuses none")
+        return replace(self._planned(segments, mode, lookups, namespace, first_sight, align is not None),
+                       align=align)
+
+    def _planned(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups,
+                 namespace: str | None, first_sight: bool, aligned: bool) -> Plan:
         if mode not in MODES:
             raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode in REUSING_CHUNKS and not self.relocatable:
@@ -258,11 +270,11 @@ class Planner:
                 f"by rotation is not exact; use mode='exact' or mode='full' with this model"
             )
         if mode in REUSING_CHUNKS and any(s.passage for s in segments):
-            return self._with_passages(segments, mode, _Asked(lookups), namespace, first_sight)
-        return self._plan(segments, mode, lookups, namespace)
+            return self._with_passages(segments, mode, _Asked(lookups), namespace, first_sight, aligned)
+        return self._plan(segments, mode, lookups, namespace, aligned)
 
     def _with_passages(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups,
-                       namespace: str | None, first_sight: bool) -> Plan:
+                       namespace: str | None, first_sight: bool, aligned: bool = False) -> Plan:
         """The plan of a prompt with passages: those worth reusing (stored, or sent before in `namespace`, or any
         with `first_sight`) and lying mostly past the end of the exact cached prefix become relocated chunks; the
         rest stay text. The prefix is what the plan of the prompt as text reuses before its first fresh slot; when
@@ -278,7 +290,7 @@ class Planner:
         answers = dict(zip(keys, lookups.find(keys), strict=True))
         held = frozenset(k for k, found in answers.items() if found is not None)
         worth = [(i, w) for i, w in candidates if first_sight or w.key in held or self.passages.seen(namespace, w.key)]
-        plan = self._plan(segments, mode, lookups, namespace)
+        plan = self._plan(segments, mode, lookups, namespace, aligned)
         if worth:
             # A passage the exact prefix runs into stays text unless most of it lies past the prefix's end (a few
             # exact tokens are not worth recomputing the rest: two passages may begin with the same words).
@@ -286,10 +298,11 @@ class Planner:
             promoted = {i for i, w in worth if exact_end - w.slot < w.slot + len(w.token_ids) - exact_end}
             if promoted:
                 segments = [replace(s, kind="passage") if i in promoted else s for i, s in enumerate(segments)]
-                plan = self._plan(segments, mode, lookups, namespace)
+                plan = self._plan(segments, mode, lookups, namespace, aligned)
         return replace(plan, passages=tuple(w for _, w in candidates), passages_held=held)
 
-    def _plan(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups, namespace: str | None) -> Plan:
+    def _plan(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups, namespace: str | None,
+              aligned: bool = False) -> Plan:
         ids = tuple(t for s in segments for t in s.token_ids)
         positions = tuple(q for s in segments for q in range(s.start, s.end))
         pieces: list[Piece] = []
@@ -300,9 +313,10 @@ class Planner:
         for item in self._layout(segments, mode, lookups, namespace):
             if isinstance(item, Piece):  # a relocated block
                 pieces.append(item)
-                if mode == "blend":
-                    # Blend recomputes part of the relocated KV in context, so nothing after the first relocated
-                    # block has KV that a key could name: the chain stops there.
+                if mode == "blend" or aligned:
+                    # Blend recomputes part of the relocated KV in context, and APE changes how what follows attends
+                    # to it, so nothing after the first relocated block has KV that a key could name: the chain
+                    # stops there.
                     walking = storing = False
                 if storing:
                     link = Link(item.slot, item.slot + item.n, item.key, item.position)

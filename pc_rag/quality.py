@@ -7,6 +7,9 @@ deviation (at layer 1, as blend's probe measures it) of chunks placed after unre
 (`assemble.Recompute.target`): a prompt whose chunks deviate less than the reference, because they need little of
 what precedes them, is left as modular left it, and one whose chunks deviate more gets more recomputed.
 
+`calibrate_ape` chooses APE's temperature and scale per model (align.py): the pair of a grid closest to full's next
+token, by mean KL, on the user's prompts or the gate's built-in ones.
+
 `calibrate` is the gate per model (`Engine.min_agreement`, off by default): on built-in prompts (chunks of the
 same documentation in several orders, each after unrelated ones) it relates each prompt's deviation to whether
 modular's next token is full's, once per engine, before its first modular or blend request. When modular agrees
@@ -20,10 +23,13 @@ prompts are English prose: a model trained for something else (the retrieval tes
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from . import align
+from .align import APE, SCALES, TEMPERATURES
 from .errors import PromptError, UnsupportedModelError
 from .segments import Chunk, Text
 
@@ -189,3 +195,54 @@ def gate(engine, mode: str) -> None:
             f"{len(cal.prompts)} built-in prompts (mean KL {cal.kl:.3g} nats), below engine.min_agreement = "
             f"{engine.min_agreement:g}; use blend (recompute_target=0.9), exact or full, or measure your own "
             f"documents with `pc-rag check`")
+
+
+def calibrate_ape(engine, prompts=None, temperatures: Sequence[float] = TEMPERATURES,
+                  scales: Sequence[float] = SCALES) -> tuple[APE, dict]:
+    """Choose T and S for the engine's model: on `prompts` (default: the quality gate's built-in prompts,
+    quality.calibration_prompts), the pair of the grid whose next-token distribution (modular with APE) is closest
+    to full's, by mean KL(full || APE). Measured in a store of its own (nothing kept in the engine's), remembered
+    per model fingerprint (`align.CALIBRATED`) and set as the engine's. Returns the pair and, per pair tried, its
+    mean KL and top-1 agreement with full."""
+    from .assemble import Recompute
+
+    with _lock:
+        planner, assembler = _own_assembler(engine)
+        if prompts is None:
+            built = [_fitting(engine, lambda chars, i=i: calibration_prompts(chars)[i])
+                     for i in range(len(calibration_prompts()))]
+        else:
+            from .request import prompt_segments
+
+            built = [prompt_segments(engine, p, "modular")[0] for p in prompts]
+        fulls, plans = [], []
+        for segments in built:
+            for seg in segments:  # each chunk's own encoding first, as a warm cache holds it
+                if seg.kind in ("chunk", "passage"):
+                    assembler.ensure_stored(planner.chunk_wanted(seg))
+            lookups = assembler.lookups()
+            # full: blend recomputing every chunk token (full up to float rounding), as quality.py measures it
+            asm = assembler.assemble(planner.plan(segments, "blend", lookups), lookups.blocks, 0,
+                                     Recompute(1.0, "deviation"))
+            engine.runner.release_cache(asm.cache)
+            fulls.append(torch.log_softmax(asm.logits.float(), -1))
+            plans.append(segments)
+        table = {}
+        for t in temperatures:
+            for s in scales:
+                ape = APE(t, s)
+                kl = agree = 0.0
+                for segments, logp_full in zip(plans, fulls, strict=True):
+                    lookups = assembler.lookups()
+                    asm = assembler.assemble(planner.plan(segments, "modular", lookups, align=ape),
+                                             lookups.blocks, 0)
+                    engine.runner.release_cache(asm.cache)
+                    logp = torch.log_softmax(asm.logits.float(), -1)
+                    kl += float((logp_full.exp() * (logp_full - logp)).sum()) / len(plans)
+                    agree += (int(logp.argmax()) == int(logp_full.argmax())) / len(plans)
+                table[(t, s)] = {"kl": kl, "agreement": agree}
+        best = min(table, key=lambda ts: (table[ts]["kl"], abs(1 - ts[0]) + abs(1 - ts[1])))
+        chosen = APE(*best)
+        align.CALIBRATED[engine.planner.fingerprint] = chosen
+        engine.ape = chosen
+        return chosen, table

@@ -22,6 +22,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 
 from . import after_reply
+from .align import ape_for
 from .assemble import Assembled, Recompute
 from .batch import RowTokens, decode_steps_needed
 from .decode import Sampler, Sampling, TextStream, TokenLogprob, TokenTexts
@@ -138,7 +139,8 @@ def prefill(engine, prompt, options: GenerationOptions, extra_capacity: int = 0,
         engine.runner.check_relocation()
         engine.check_quality(mode)  # and modular where the gate measured it too far from full (min_agreement)
     lookups = engine.assembler.lookups()
-    plan = engine.planner.plan(segments, mode, lookups, namespace, engine.passages_from_first_sight)
+    ape = ape_for(engine) if options.align == "ape" else None
+    plan = engine.planner.plan(segments, mode, lookups, namespace, engine.passages_from_first_sight, ape)
     if mode in REUSING_CHUNKS:
         engine.scaffolds.observe(segments, namespace)
     recompute = None

@@ -111,6 +111,18 @@ def test_blend_at_ratio_one_equals_full(family, docs):
         assert (blend - full).abs().max().item() <= 1e-4, selection
 
 
+def test_ape_at_temperature_and_scale_one_is_modular(family, docs):
+    # APE's own attention (pc_rag/model/aligned.py) over windows, soft-caps and mixed layer kinds, in the prompt's
+    # forward and in decode steps: at T = S = 1 it is modular's attention (<= 1e-4, the same greedy tokens).
+    engine = fresh(family)
+    engine.ape = pc_rag.align.APE(1.0, 1.0)
+    prompt = rag_prompt(docs, order=(2, 0, 1))
+    modular = engine.next_token_logits(prompt, "modular")
+    assert (engine.next_token_logits(prompt, "modular", align="ape") - modular).abs().max().item() <= 1e-4
+    plain = engine.generate(prompt, mode="modular", max_new_tokens=4)
+    assert engine.generate(prompt, mode="modular", align="ape", max_new_tokens=4).token_ids == plain.token_ids
+
+
 def test_batched_decoding_equals_one_at_a_time(family, docs):
     # Prompts of 300 to 480 characters (80 to 120 tokens): every decode step reads past the windows.
     _check_decode_batch(fresh(family), docs, chars=300)

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .aligned import Aligned
+from .aligned import attend as attend_aligned
 from .backends import Backends
 
 # From this many fresh tokens after a cached prefix, attention runs in two parts on CPU. Measured (bench model,
@@ -117,17 +119,22 @@ class Writes:
 
 def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, window: int | None, q, k, v,
            w: Writes, backends: Backends, written: bool = False,
-           base: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           base: tuple[torch.Tensor, torch.Tensor] | None = None, aligned: Aligned | None = None,
+           layer: int = 0) -> torch.Tensor:
     """Write the fresh keys and values `k`, `v` [1, H_kv, n, D] into one layer's buffers [1, H_kv, capacity, D]
     at `w`'s slots (unless `written`: they are views of the buffers there already), then attend (sliding `window`,
     if any) by the runner's `backends`: [1, H_q, n, D]. `base`: a shared prefix's keys and values [1, H_kv, P, D]
-    before the buffer's slot 0 (model/cache.py), which every query sees; `w`'s slots count from the buffer's."""
+    before the buffer's slot 0 (model/cache.py), which every query sees; `w`'s slots count from the buffer's.
+    `aligned` (a request with APE, never with a shared prefix): APE's attention over the reused chunks of this
+    `layer` (aligned.py: plain torch ops, no kernel takes its per-key bias)."""
     if not written and w.layout == "slots":
         layer_keys.index_copy_(2, w.index, k)
         layer_values.index_copy_(2, w.index, v)
     elif not written:
         layer_keys[:, :, w.start: w.start + w.n] = k
         layer_values[:, :, w.start: w.start + w.n] = v
+    if aligned is not None:
+        return _attend_with_ape(layer_keys, layer_values, heads, window, q, w, backends, aligned, layer)
     if base is not None:
         return _attend_with_base(q, base, layer_keys, layer_values, w, heads, backends)
     if w.layout == "after" and w.n == 1:  # a decode step: the last `window` keys at most
@@ -163,6 +170,29 @@ def attend(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, w
             mask = _mask(w.index, w.kv, q.dtype)
     return F.scaled_dot_product_attention(q, layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv],
                                           attn_mask=mask, scale=heads.scaling, **_gqa(heads))
+
+
+def _attend_with_ape(layer_keys: torch.Tensor, layer_values: torch.Tensor, heads: Heads, window: int | None,
+                     q: torch.Tensor, w: Writes, backends: Backends, aligned: Aligned, layer: int) -> torch.Tensor:
+    """`attend` for a request with APE (its KV written already): the rows outside the reused chunks (the question,
+    text between chunks, a decode step) through APE's attention (aligned.py); blend's recomputed chunk rows, which APE
+    leaves as a full prefill would see them, through the runner's own kernels as scattered rows (they are most of
+    blend's rows: all of them through APE's plain torch ops took 3.6x blend's time at 3.9K tokens)."""
+    rows = w.rows(q.device)
+    plain = aligned.reused[rows]  # [n] rows at reused chunk slots: recomputed by blend
+    if not bool(plain.any()):
+        return attend_aligned(q, layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv], rows, heads.scaling,
+                              heads.num_key_value_groups, window, heads.softcap, aligned, layer)
+    out = torch.empty_like(q)
+    at = plain.nonzero().squeeze(1)
+    out[:, :, at] = attend(layer_keys, layer_values, heads, window, q[:, :, at], None, None,
+                           Writes.scattered(rows[at], w.kv, q.dtype, backends), backends, written=True)
+    at = (~plain).nonzero().squeeze(1)
+    if len(at):
+        out[:, :, at] = attend_aligned(q[:, :, at], layer_keys[:, :, : w.kv], layer_values[:, :, : w.kv], rows[at],
+                                       heads.scaling, heads.num_key_value_groups, window, heads.softcap, aligned,
+                                       layer)
+    return out
 
 
 def attend_at(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, heads: Heads,

@@ -62,6 +62,7 @@ class SlotCache:
         self.values = torch.empty_like(self.keys)
         self.length = 0
         self.base: SharedPrefix | None = None  # slots [0, offset) read in place; keys/values hold the slots after
+        self.align = None  # the request's attention alignment over reused chunks (aligned.Aligned), while it runs
         self.hold(())  # `held`: the blocks copied in and not written over since
 
     @property

@@ -27,6 +27,7 @@ from ..batch import TurnLock
 from ..errors import Cancelled, OptionError, PCRagError, UnsupportedModelError
 from . import checkpoint, heap, kernels, quant
 from . import rope as rope_check
+from .aligned import attend as attend_aligned
 from .architecture import DEFAULT_ROPE
 from .attention import Heads, Writes, attend, attend_at, attend_decode
 from .backends import LINEAR_ROWS, MODULES, ONEDNN, QUANT, QUANT_ROWS_BACKEND, TORCH, Backends, Choice, choose, unfit
@@ -407,6 +408,7 @@ class LlamaRunner:
         cache.keys[:, :, :, :n].copy_(src.keys[:, :, :, :n])
         cache.values[:, :, :, :n].copy_(src.values[:, :, :, :n])
         cache.length = tokens
+        cache.align = src.align  # read only once the prompt's forward is done
         return cache
 
     @property
@@ -472,6 +474,7 @@ class LlamaRunner:
         if cache.base is not None:
             self.let_go(cache.base)
             cache.attach(None)
+        cache.align = None
         with self._pool_lock:
             kept, total = [], 0
             for c in sorted([*self._pool, cache], key=lambda c: c.capacity, reverse=True):
@@ -709,8 +712,11 @@ class LlamaRunner:
                         hidden, q, k, v = hidden[:, keep], q[:, :, keep], k[:, :, keep], v[:, :, keep]
                         rope = {name: (cos[:, keep], sin[:, keep]) for name, (cos, sin) in rope.items()}
                         writes, parts = [w.keep(keep, w.rows(dev))], [(q, k, v)]
+                for c, w in zip(caches, writes, strict=True):
+                    if c.align is not None:  # these rows hold fresh KV in this layer from now on (aligned.py)
+                        c.align.computed(i, w.rows(dev))
                 outs = [attend(c.keys[i], c.values[i], self.heads, layers[i].window, q, k, v, w, self.backends,
-                               written, c.base_views(i))
+                               written, c.base_views(i), c.align, i)
                         for c, w, (q, k, v) in zip(caches, writes, parts, strict=True)]
                 o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
                 if fused is not None:  # hidden updated in place
@@ -762,6 +768,9 @@ class LlamaRunner:
         """
         for cache, slot in zip(caches, slots, strict=True):
             cache.wrote(slot, slot + 1)
+        aligned = [c.align for c in caches]
+        if any(a is not None for a in aligned):
+            fused = False  # the fused step's attention takes no per-key bias: module by module (aligned.py)
         if fused and self._fused is not None:
             with self._lock:
                 return self._fused.step(caches, ids, positions, slots)
@@ -790,8 +799,18 @@ class LlamaRunner:
                     keys.append(k_b)
                     values.append(v_b)
                 bases = [c.base_views(i) for c in caches] if shared else None
-                hidden = self._after_attention(i, hidden, attend_decode(q, keys, values, self.heads, self.backends,
-                                                                        bases))
+                if any(a is not None for a in aligned):
+                    o = torch.cat([
+                        attend_aligned(q[b: b + 1], seen[b][0][i], seen[b][1][i],
+                                     torch.tensor([slots[b]], device=dev), self.heads.scaling,
+                                     self.heads.num_key_value_groups, window, self.heads.softcap, aligned[b], i)
+                        if aligned[b] is not None else
+                        attend_decode(q[b: b + 1], keys[b: b + 1], values[b: b + 1], self.heads, self.backends,
+                                      bases[b: b + 1] if bases is not None else None)
+                        for b in range(n)])
+                else:
+                    o = attend_decode(q, keys, values, self.heads, self.backends, bases)
+                hidden = self._after_attention(i, hidden, o)
             logits = self._logits(hidden)[:, 0]  # [B, vocab]
         for cache, s in zip(caches, slots, strict=True):
             cache.length = max(cache.length, s + 1)

@@ -374,6 +374,7 @@ def _options(body, settings: ServerSettings, engine, namespace: str | None = Non
             stop=body.stop_list,
             seed=body.seed,
             recompute_ratio=body.recompute_ratio,
+            align=body.align,
             cache_salt=namespace,
             n=body.choices_decoded,
             logprobs=body.logprobs_asked,

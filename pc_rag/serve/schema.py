@@ -11,6 +11,8 @@ parallel_tool_calls, response_format, tool messages and assistant tool_calls: pc
 Extensions (the `openai` client sends them with `extra_body={...}`):
 - `mode`: "modular" (default), "exact", "blend" or "full" (see the README's "Modes").
 - `recompute_ratio`: blend's share of reused chunk tokens recomputed.
+- `align`: null, or "ape" (modular and blend): APE's temperature and scale on the attention over reused chunks
+  (pc_rag/align.py; the engine's pair).
 - `chunks`: texts to treat as chunks wherever they appear in this request's prompt (the completions
   counterpart of chat content parts marked with `cache_control`).
 - `cache_salt` (vLLM's name): narrows the request's cache namespace within its tenant's (a string of 1 to 256
@@ -34,7 +36,7 @@ from ..options import DEFAULT_RECOMPUTE_RATIO, MODES
 from ..segments import unicode_problem
 
 MAX_CACHE_SALT_CHARS = 256
-EXTENSIONS = ("mode", "recompute_ratio", "chunks", "cache_salt")
+EXTENSIONS = ("mode", "recompute_ratio", "align", "chunks", "cache_salt")
 # vLLM's and SGLang's own request fields, at the values that ask for what pc_rag does anyway (SGLang's router adds
 # the first seven to every request it forwards, at these values): taken at them, refused at any other.
 NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -79,6 +81,7 @@ class _Request(BaseModel):
     # pc_rag extensions
     mode: str = "modular"
     recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0.0, le=1.0)
+    align: Literal["ape"] | None = None
     chunks: list[PromptText] = Field(default_factory=list)
     cache_salt: PromptText | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
                                           description="Narrows the cache namespace within the tenant's.")
