@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import pc_rag
-from pc_rag import Chunk, Text
+from pc_rag import Chunk, Text, quality
 from pc_rag.align import APE
 from pc_rag.model.aligned import Aligned, attend
 from pc_rag.options import GenerationOptions
@@ -179,11 +179,25 @@ def test_calibration_picks_the_pair_closest_to_full_and_the_engine_uses_it(engin
     prompts = [rag_prompt(docs, order=o) for o in ((0, 1, 2), (2, 0, 1))]
     ape, table = engine.calibrate_ape(prompts, temperatures=(1.0, 0.8), scales=(1.0, 1.5))
     assert set(table) == {(1.0, 1.0), (1.0, 1.5), (0.8, 1.0), (0.8, 1.5)}
-    assert table[(ape.temperature, ape.scale)]["kl"] == min(m["kl"] for m in table.values())
+    best = min(table.values(), key=lambda m: m["kl"])
+    plain = table[(1.0, 1.0)]
+    earned = best["kl"] <= (1 - quality.APE_MIN_KL_GAIN) * plain["kl"] and best["agreement"] >= plain["agreement"]
+    assert table[(ape.temperature, ape.scale)] == (best if earned else plain)
     assert engine.ape == ape
     other = pc_rag.Engine(engine.model, engine.tokenizer, store=pc_rag.store.MemoryStore())
     assert pc_rag.align.ape_for(other) == ape  # remembered for the model's fingerprint in this process
     assert engine.store.tier_stats()[0].entries == 0  # measured in a store of its own
+
+
+def test_calibration_keeps_modular_when_no_pair_earns_its_place(engine, docs, monkeypatch):
+    """A pair whose KL is not APE_MIN_KL_GAIN below modular's is not taken: a scale of 1.001 moves the KL by far
+    less than that, so calibration returns T = S = 1 (modular), which is measured even when the grid lacks it."""
+    monkeypatch.setattr(pc_rag.align, "CALIBRATED", {})
+    prompts = [rag_prompt(docs, order=o) for o in ((0, 1, 2), (2, 0, 1))]
+    ape, table = engine.calibrate_ape(prompts, temperatures=(1.0,), scales=(1.001,))
+    assert set(table) == {(1.0, 1.0), (1.0, 1.001)}
+    assert abs(table[(1.0, 1.001)]["kl"] - table[(1.0, 1.0)]["kl"]) < quality.APE_MIN_KL_GAIN * table[(1.0, 1.0)]["kl"]
+    assert (ape.temperature, ape.scale) == (1.0, 1.0) and engine.ape == ape
 
 
 def test_a_chunk_prompt_reuses_bos_once(engine, docs):
