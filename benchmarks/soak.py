@@ -125,9 +125,11 @@ def send(http: httpx.Client, path: str, body: dict, key: str, cut: int | None) -
         return r.status_code
 
 
-def caches(http: httpx.Client, key: str) -> dict:
-    """What the server's bounded indexes and store hold (/health with a key: `caches`)."""
-    return http.get("/health", headers={"Authorization": f"Bearer {key}"}).json()["caches"]
+def caches(http: httpx.Client, key: str) -> tuple[dict, dict]:
+    """What the server's bounded indexes and store hold, and what its heap releases cost (/health with a key:
+    `caches`, `heap_releases`)."""
+    health = http.get("/health", headers={"Authorization": f"Bearer {key}"}).json()
+    return health["caches"], health.get("heap_releases", {})
 
 
 def drive(url: str, keys: dict[str, str], mix: Mix, requests: int, clients: int, sample_every: int,
@@ -167,9 +169,10 @@ def drive(url: str, keys: dict[str, str], mix: Mix, requests: int, clients: int,
                         rate = (n - last[1]) / (now - last[0])
                         last[:] = [now, n]
                 if sample:
-                    held = caches(http, keys[TENANTS[0]])
+                    held, released = caches(http, keys[TENANTS[0]])
                     on_sample({"requests": n, "rss_mib": rss() / 2**20, "req_per_s": rate,
                                "store_mib": held.pop("store_bytes") / 2**20, "caches": held,
+                               "heap_releases": released,
                                "statuses": dict(sorted(statuses.items()))})
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(clients)]
@@ -203,6 +206,10 @@ def markdown(report: dict) -> str:
         lines += [f"Resident memory from request {g['from_requests']:,} to {g['to_requests']:,}: "
                   f"{g['rss_start_mib']:.1f} -> {g['rss_end_mib']:.1f} MiB ({g['growth_mib']:+.1f} MiB; at most "
                   f"{g['max_above_start_mib']:+.1f} MiB above the start).", ""]
+    released = report["curve"][-1].get("heap_releases") if report["curve"] else None
+    if released:
+        lines += [f"The server gave its free heap back {released['count']:,} times (every 30 s), the longest in "
+                  f"{released['max_ms']:.1f} ms.", ""]
     lines += ["| requests | RSS MiB | store MiB | prefix blocks | replies | passages | req/s |",
               "|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['requests']:,} | {r['rss_mib']:.1f} | {r['store_mib']:.1f} | {r['caches']['prefix_blocks']:,} | "

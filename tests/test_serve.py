@@ -11,6 +11,7 @@ requests; the server's own /health counts and resident memory for the disconnect
 from __future__ import annotations
 
 import json
+import platform
 import random
 import threading
 import time
@@ -549,3 +550,40 @@ def test_a_model_without_chat_template_answers_chat_with_a_400(loaded, tiny_path
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
         r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_the_server_gives_free_heap_back_while_it_runs(loaded, monkeypatch):
+    """The lifespan's trimmer calls model.heap.release every TRIM_EVERY_S, in a thread, while requests are served
+    (a soak's arenas otherwise stay at their high-water marks: docs/serve.md, "A long run"), and stops with the app."""
+    from fastapi.testclient import TestClient
+
+    from pc_rag.model import heap
+    from pc_rag.serve import ServerSettings, app, create_app
+
+    calls, threads = [], set()
+    real = heap.release
+
+    def counted():
+        threads.add(threading.current_thread().name)
+        calls.append(real())
+        return calls[-1]
+
+    monkeypatch.setattr(app, "TRIM_EVERY_S", 0.01)
+    monkeypatch.setattr(heap, "release", counted)
+    model, tok = loaded
+    server = create_app(pc_rag.Engine(model, tok, store=MemoryStore()), ServerSettings("m"))
+    with TestClient(server) as http:
+        body = {"prompt": "Tell me about lists.", "max_tokens": 3, "temperature": 0}
+        first = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        deadline = time.monotonic() + 10
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(calls) >= 3 and threading.main_thread().name not in threads
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == first
+        released = http.get("/health").json()["heap_releases"]
+        assert released["count"] >= 3 and released["max_ms"] >= released["last_ms"] > 0
+    after = len(calls)
+    time.sleep(0.1)
+    assert len(calls) == after  # stopped with the app
+    if platform.libc_ver()[0] == "glibc":
+        assert all(calls)  # glibc's malloc_trim ran

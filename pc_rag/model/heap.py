@@ -60,9 +60,18 @@ def trim() -> None:
     checkpoint's tensors they were made from are free, and with TRIM_BYTES kept that stayed resident (0.37B shape in
     bf16: the loaded model added 1.11x its weights' bytes to the process). Nothing where malloc is not glibc's."""
     gc.collect()  # what loading left for the collector (a GGUF reader's parsed fields, say) first
+    release()
+
+
+def release() -> bool:
+    """glibc's malloc_trim(0) alone: the free pages of every arena (not only the tops) given back to the OS. A
+    server calls it now and then (serve/app.py, TRIM_EVERY_S): a long-running process's arenas otherwise stay
+    resident at their high-water marks, which the churn of its bounded caches (store blocks, indexes) raises by
+    fragmentation, step by step, for as long as it runs. ctypes drops the GIL for the call. Whether it ran."""
     try:
         libc = ctypes.CDLL(None)
         libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
         libc.malloc_trim(0)
     except (OSError, AttributeError):
-        pass
+        return False
+    return True
