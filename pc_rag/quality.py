@@ -126,21 +126,39 @@ def _own_assembler(engine):
     return planner, Assembler(engine.runner, MemoryStore(), planner)
 
 
-def _measure(engine, planner, assembler, segments) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Full's next-token logits (blend recomputing every chunk token: full up to float rounding), modular's, and
-    the deviation blend's probe measured."""
+def _stored(planner, assembler, segments) -> None:
+    """Each chunk's (and passage's) own encoding stored first, as a warm cache holds it."""
+    for seg in segments:
+        if seg.kind in ("chunk", "passage"):
+            assembler.ensure_stored(planner.chunk_wanted(seg))
+
+
+def _assembled(engine, planner, assembler, segments, mode: str, recompute=None, align: APE | None = None):
+    """The prompt assembled in `mode` (its cache released at once): the logits and what blend's probe measured."""
+    lookups = assembler.lookups()
+    asm = assembler.assemble(planner.plan(segments, mode, lookups, align=align), lookups.blocks, 0, recompute)
+    engine.runner.release_cache(asm.cache)
+    return asm
+
+
+def _full(engine, planner, assembler, segments):
+    """Full's assembly: blend recomputing every chunk token (full up to float rounding)."""
     from .assemble import Recompute
 
-    for seg in segments:  # each chunk's own encoding first, as a warm cache holds it
-        if seg.kind == "chunk":
-            assembler.ensure_stored(planner.chunk_wanted(seg))
-    out = []
-    for mode, recompute in (("blend", Recompute(1.0, "deviation")), ("modular", None)):
-        lookups = assembler.lookups()
-        asm = assembler.assemble(planner.plan(segments, mode, lookups), lookups.blocks, 0, recompute)
-        engine.runner.release_cache(asm.cache)
-        out.append(asm)
-    return out[0].logits.float(), out[1].logits.float(), max(out[0].deviation or 0.0, 1e-6)
+    return _assembled(engine, planner, assembler, segments, "blend", Recompute(1.0, "deviation"))
+
+
+def _kl(logp_full: torch.Tensor, logp: torch.Tensor) -> float:
+    """KL(full || other) of two next-token log-distributions, nats."""
+    return float((logp_full.exp() * (logp_full - logp)).sum())
+
+
+def _measure(engine, planner, assembler, segments) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Full's next-token logits, modular's, and the deviation blend's probe measured."""
+    _stored(planner, assembler, segments)
+    full = _full(engine, planner, assembler, segments)
+    modular = _assembled(engine, planner, assembler, segments, "modular")
+    return full.logits.float(), modular.logits.float(), max(full.deviation or 0.0, 1e-6)
 
 
 def calibrate(engine) -> Calibration:
@@ -152,8 +170,7 @@ def calibrate(engine) -> Calibration:
             for i in range(len(CALIBRATION_ORDERS)):
                 segments = _fitting(engine, lambda chars, i=i: calibration_prompts(chars)[i])
                 full, modular, deviation = _measure(engine, planner, assembler, segments)
-                logp_full, logp_mod = torch.log_softmax(full, -1), torch.log_softmax(modular, -1)
-                kl = float((logp_full.exp() * (logp_full - logp_mod)).sum())
+                kl = _kl(torch.log_softmax(full, -1), torch.log_softmax(modular, -1))
                 measured.append(CalibrationPrompt(deviation, int(full.argmax()) == int(modular.argmax()), kl))
             engine.calibration = Calibration(tuple(measured))
         return engine.calibration
@@ -170,15 +187,10 @@ def deviation_reference(engine, select: str = "progressive") -> float:
 
             planner, assembler = _own_assembler(engine)
             segments = _fitting(engine, reference_prompt)
-            for seg in segments:  # each chunk's own encoding first, as a warm cache holds it
-                if seg.kind == "chunk":
-                    assembler.ensure_stored(planner.chunk_wanted(seg))
-            lookups = assembler.lookups()
-            plan = planner.plan(segments, "blend", lookups)
+            _stored(planner, assembler, segments)
             # keys: every token recomputed, layer 1 measured on the way; shift: target 0 reads the probe only
             recompute = Recompute(1.0, "deviation") if probe == "keys" else Recompute(0.0, "shift", 0.0)
-            asm = assembler.assemble(plan, lookups.blocks, 0, recompute)
-            engine.runner.release_cache(asm.cache)
+            asm = _assembled(engine, planner, assembler, segments, "blend", recompute)
             engine.measured_deviation[probe] = max(asm.deviation or 0.0, 1e-6)
         return engine.measured_deviation[probe]
 
@@ -213,8 +225,6 @@ def calibrate_ape(engine, prompts=None, temperatures: Sequence[float] = TEMPERAT
     that APE as calibrated is modular. Measured in a store of its own (nothing kept in the engine's), remembered
     per model fingerprint (`align.CALIBRATED`) and set as the engine's. Returns the pair and, per pair tried, its
     mean KL and top-1 agreement with full."""
-    from .assemble import Recompute
-
     with _lock:
         planner, assembler = _own_assembler(engine)
         if prompts is None:
@@ -224,30 +234,19 @@ def calibrate_ape(engine, prompts=None, temperatures: Sequence[float] = TEMPERAT
             from .request import prompt_segments
 
             built = [prompt_segments(engine, p, "modular")[0] for p in prompts]
-        fulls, plans = [], []
+        fulls = []
         for segments in built:
-            for seg in segments:  # each chunk's own encoding first, as a warm cache holds it
-                if seg.kind in ("chunk", "passage"):
-                    assembler.ensure_stored(planner.chunk_wanted(seg))
-            lookups = assembler.lookups()
-            # full: blend recomputing every chunk token (full up to float rounding), as quality.py measures it
-            asm = assembler.assemble(planner.plan(segments, "blend", lookups), lookups.blocks, 0,
-                                     Recompute(1.0, "deviation"))
-            engine.runner.release_cache(asm.cache)
-            fulls.append(torch.log_softmax(asm.logits.float(), -1))
-            plans.append(segments)
+            _stored(planner, assembler, segments)
+            fulls.append(torch.log_softmax(_full(engine, planner, assembler, segments).logits.float(), -1))
         table = {}
         for t, s in [(1.0, 1.0), *((t, s) for t in temperatures for s in scales if (t, s) != (1.0, 1.0))]:
             ape = APE(t, s)
             kl = agree = 0.0
-            for segments, logp_full in zip(plans, fulls, strict=True):
-                lookups = assembler.lookups()
-                asm = assembler.assemble(planner.plan(segments, "modular", lookups, align=ape),
-                                         lookups.blocks, 0)
-                engine.runner.release_cache(asm.cache)
+            for segments, logp_full in zip(built, fulls, strict=True):
+                asm = _assembled(engine, planner, assembler, segments, "modular", align=ape)
                 logp = torch.log_softmax(asm.logits.float(), -1)
-                kl += float((logp_full.exp() * (logp_full - logp)).sum()) / len(plans)
-                agree += (int(logp.argmax()) == int(logp_full.argmax())) / len(plans)
+                kl += _kl(logp_full, logp) / len(built)
+                agree += (int(logp.argmax()) == int(logp_full.argmax())) / len(built)
             table[(t, s)] = {"kl": kl, "agreement": agree}
         best = min(table, key=lambda ts: (table[ts]["kl"], abs(1 - ts[0]) + abs(1 - ts[1])))
         plain = table[(1.0, 1.0)]
