@@ -257,11 +257,6 @@ class Planner:
         `align`: an `align.APE` pair for the attention over the reused chunks (modular, blend), or None."""
         if align is not None and mode not in REUSING_CHUNKS:
             raise PromptError(f"APE aligns attention over reused chunks: mode {mode!r} reuses none")
-        return replace(self._planned(segments, mode, lookups, namespace, first_sight, align is not None),
-                       align=align)
-
-    def _planned(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups,
-                 namespace: str | None, first_sight: bool, aligned: bool) -> Plan:
         if mode not in MODES:
             raise PromptError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode in REUSING_CHUNKS and not self.relocatable:
@@ -270,11 +265,11 @@ class Planner:
                 f"by rotation is not exact; use mode='exact' or mode='full' with this model"
             )
         if mode in REUSING_CHUNKS and any(s.passage for s in segments):
-            return self._with_passages(segments, mode, _Asked(lookups), namespace, first_sight, aligned)
-        return self._plan(segments, mode, lookups, namespace, aligned)
+            return self._with_passages(segments, mode, _Asked(lookups), namespace, first_sight, align)
+        return self._plan(segments, mode, lookups, namespace, align)
 
     def _with_passages(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups,
-                       namespace: str | None, first_sight: bool, aligned: bool = False) -> Plan:
+                       namespace: str | None, first_sight: bool, align: APE | None = None) -> Plan:
         """The plan of a prompt with passages: those worth reusing (stored, or sent before in `namespace`, or any
         with `first_sight`) and lying mostly past the end of the exact cached prefix become relocated chunks; the
         rest stay text. The prefix is what the plan of the prompt as text reuses before its first fresh slot; when
@@ -290,7 +285,7 @@ class Planner:
         answers = dict(zip(keys, lookups.find(keys), strict=True))
         held = frozenset(k for k, found in answers.items() if found is not None)
         worth = [(i, w) for i, w in candidates if first_sight or w.key in held or self.passages.seen(namespace, w.key)]
-        plan = self._plan(segments, mode, lookups, namespace, aligned)
+        plan = self._plan(segments, mode, lookups, namespace, align)
         if worth:
             # A passage the exact prefix runs into stays text unless most of it lies past the prefix's end (a few
             # exact tokens are not worth recomputing the rest: two passages may begin with the same words).
@@ -298,11 +293,11 @@ class Planner:
             promoted = {i for i, w in worth if exact_end - w.slot < w.slot + len(w.token_ids) - exact_end}
             if promoted:
                 segments = [replace(s, kind="passage") if i in promoted else s for i, s in enumerate(segments)]
-                plan = self._plan(segments, mode, lookups, namespace, aligned)
+                plan = self._plan(segments, mode, lookups, namespace, align)
         return replace(plan, passages=tuple(w for _, w in candidates), passages_held=held)
 
     def _plan(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups, namespace: str | None,
-              aligned: bool = False) -> Plan:
+              align: APE | None = None) -> Plan:
         ids = tuple(t for s in segments for t in s.token_ids)
         positions = tuple(q for s in segments for q in range(s.start, s.end))
         pieces: list[Piece] = []
@@ -313,7 +308,7 @@ class Planner:
         for item in self._layout(segments, mode, lookups, namespace):
             if isinstance(item, Piece):  # a relocated block
                 pieces.append(item)
-                if mode == "blend" or aligned:
+                if mode == "blend" or align is not None:
                     # Blend recomputes part of the relocated KV in context, and APE changes how what follows attends
                     # to it, so nothing after the first relocated block has KV that a key could name: the chain
                     # stops there.
@@ -341,7 +336,7 @@ class Planner:
         if storing and (not layout or isinstance(layout[-1], Link)):
             layout.append(Run(len(ids), len(ids), closed=False))  # the reply, after a prompt ending in a block
         return Plan(mode, ids, positions, tuple(pieces), tuple(layout), frozenset(hits),
-                    stored_tokens(pieces, layout), tuple(found_blocks), namespace)
+                    stored_tokens(pieces, layout), tuple(found_blocks), namespace, align=align)
 
     def _layout(self, segments: Sequence[TokenSegment], mode: str, lookups: Lookups, namespace: str | None) -> list:
         """The prompt as relocated blocks (Pieces) and runs of in-context slots ((Run, [(first slot, segment
