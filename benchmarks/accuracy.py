@@ -49,7 +49,7 @@ import pc_rag
 from pc_rag.assemble import SELECTIONS, recompute_work
 
 from .fidelity import kl
-from .retrieval_task import ALL_TASKS, TASKS, make_example, names, token_ids, values
+from .retrieval_task import ALL_TASKS, TASKS, chunk_tokens_of, in_prose, make_example, names, token_ids, values
 
 BASE_MODES = ("full", "exact", "modular", "scaffold")
 DEFAULT_BLENDS = ("0.2:chunk_start", "0.2:deviation", "0.1:progressive", "0.15:progressive", "0.2:progressive",
@@ -176,13 +176,20 @@ def sweep_name(spec: str) -> str:
 APE_SEED = 31337  # the calibration prompts' stream: neither training's (0, 99, 10000 + seed) nor the rows' (777, 2026)
 
 
-def calibrate_ape(engine, prompts: int, chunk_counts: list[int], tasks: tuple[str, ...], seed: int) -> dict:
+def example(rng: random.Random, task: str, k: int, lengths: tuple[int, int] | None):
+    """A held-out prompt of the testbed: one-sentence chunks, or (`lengths`, the long-chunk testbed's) each fact in
+    prose."""
+    ex = make_example(rng, task, k, names(), values())
+    return in_prose(rng, ex, *lengths) if lengths else ex
+
+
+def calibrate_ape(engine, prompts: int, chunk_counts: list[int], tasks: tuple[str, ...], seed: int,
+                  lengths: tuple[int, int] | None = None) -> dict:
     """APE's pair for the model, chosen on `prompts` examples spread over the tasks and chunk counts (a stream of
     its own), and what every pair of the grid measured there."""
     rng = random.Random(seed)
-    name_list, value_list = names(), values()
     cases = [(t, k) for t in tasks for k in chunk_counts]
-    examples = [make_example(rng, *cases[i % len(cases)], name_list, value_list).prompt() for i in range(prompts)]
+    examples = [example(rng, *cases[i % len(cases)], lengths).prompt() for i in range(prompts)]
     t0 = time.time()
     ape, table = engine.calibrate_ape(examples)
     return {"temperature": ape.temperature, "scale": ape.scale, "prompts": prompts, "seed": seed,
@@ -197,9 +204,10 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
     """`ape`: None (no APE rows), "calibrate" (calibrated on `ape_calibration` prompts of stream `ape_seed`), or
     a (temperature, scale) pair."""
     engine = pc_rag.Engine.from_pretrained(model, store="memory")
+    lengths = chunk_tokens_of(model)
     calibration = None
     if ape == "calibrate":
-        calibration = calibrate_ape(engine, ape_calibration, chunk_counts, tasks, ape_seed)
+        calibration = calibrate_ape(engine, ape_calibration, chunk_counts, tasks, ape_seed, lengths)
         print(json.dumps({k: v for k, v in calibration.items() if k != "grid"}), flush=True)
     elif ape is not None:
         from pc_rag.align import APE
@@ -213,7 +221,6 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
     modes = [*BASE_MODES[:3], *(f"modular {c}" for c in codecs), *(["modular ape"] if with_ape else []),
              *(blend_name(b) for b in blends), *(blend_name(b) + " ape" for b in blends if with_ape),
              *(auto_name(t) for t in targets), *(sweep_name(p) for p in sweep), BASE_MODES[3]]
-    name_list, value_list = names(), values()
     layers = engine.runner.shape.num_layers
     rng = random.Random(seed)
     rows = []
@@ -222,12 +229,15 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
             right = dict.fromkeys(modes, 0)
             agree = dict.fromkeys(modes, 0)
             kls = dict.fromkeys(modes, 0.0)
-            work = {**{blend_name(b): 0.0 for b in blends}, **{auto_name(t): 0.0 for t in targets},
+            # token-layers of reused chunk tokens computed in context, as a share of a full recompute: full 1,
+            # nothing reused; exact, modular, its codecs and scaffold 0, they recompute nothing at the request
+            work = {"full": 1.0, "exact": 0.0, "modular": 0.0, "scaffold": 0.0, **{f"modular {c}": 0.0 for c in codecs},
+                    **{blend_name(b): 0.0 for b in blends}, **{auto_name(t): 0.0 for t in targets},
                     **({"modular ape": 0.0} if with_ape else {}), **{sweep_name(p): 0.0 for p in sweep},
                     **{blend_name(b) + " ape": 0.0 for b in blends if with_ape}}
             t0 = time.time()
             for _ in range(prompts):
-                ex = make_example(rng, task, k, name_list, value_list)
+                ex = example(rng, task, k, lengths)
                 ids = [i for s in engine.segmenter.segments(ex.prompt()) for i in s.token_ids]
                 assert ids == token_ids(engine.tokenizer, ex), "engine tokenization differs from training"
                 recomputed = {}

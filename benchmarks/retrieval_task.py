@@ -21,7 +21,10 @@ the same segment layout as the engine: BOS, then each segment tokenized on its o
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+import re
+from collections import Counter
+from dataclasses import dataclass, replace
+from functools import cache
 
 import pc_rag
 
@@ -54,18 +57,20 @@ def values() -> list[str]:
     return [str(v) for v in sorted(rng.sample(range(100, 1000), N_VALUES))]
 
 
-def build_tokenizer(tasks=TASKS):
-    """The word-level tokenizer of `tasks`: the alias task adds its word at the end of the vocabulary."""
+def build_tokenizer(tasks=TASKS, prose: bool = False):
+    """The word-level tokenizer of `tasks`: the alias task adds its word at the end of the vocabulary, and the
+    long-chunk testbed (`prose`) the words of its prose after that."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    extra = ALIAS_WORDS if "alias" in tasks else []
+    extra = (ALIAS_WORDS if "alias" in tasks else []) + (prose_words() if prose else [])
     vocab = {w: i for i, w in enumerate(SPECIALS + WORDS + names() + values() + extra)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", model_max_length=128, clean_up_tokenization_spaces=False)
+                                   unk_token="<unk>", model_max_length=2048 if prose else 128,
+                                   clean_up_tokenization_spaces=False)
 
 
 # The name comes last in a fact and in a question: the question's last token is the name itself, and a fact's
@@ -177,3 +182,56 @@ def token_ids(tokenizer, example: Example) -> list[int]:
     for seg in example.prompt():
         ids += tokenizer(seg.text, add_special_tokens=False)["input_ids"]
     return ids
+
+
+# The long-chunk testbed: each fact sits at a random place inside prose, so that a chunk is 64-256 tokens as
+# documents in RAG are, and what one chunk needs from another is a small part of it. The prose is Python's
+# documentation (pydoc_data.topics, shipped with Python) reduced to its commonest words, none of them a word of the
+# facts or questions (so no prose can read as a fact), one token each.
+PROSE_WORDS = 384
+
+
+@cache
+def prose_words() -> list[str]:
+    from pydoc_data.topics import topics
+
+    taken = set(WORDS) | set(ALIAS_WORDS)
+    counts = Counter(w for k in sorted(topics) for w in re.findall(r"[a-z]+", topics[k].lower()) if w not in taken)
+    return sorted(w for w, _ in counts.most_common(PROSE_WORDS))
+
+
+@cache
+def prose_stream() -> tuple[str, ...]:
+    """The documentation's words in order, those outside the prose vocabulary left out."""
+    from pydoc_data.topics import topics
+
+    keep = set(prose_words())
+    return tuple(w for k in sorted(topics) for w in re.findall(r"[a-z]+", topics[k].lower()) if w in keep)
+
+
+def in_prose(rng: random.Random, example: Example, lo: int, hi: int) -> Example:
+    """`example` with each fact chunk grown to lo-hi words (one token each) by a window of prose around it, the
+    fact at a random place inside."""
+    stream = prose_stream()
+    chunks = []
+    for fact in example.chunks:
+        words = fact.split()
+        n = max(0, rng.randint(lo, hi) - len(words))
+        start = rng.randrange(len(stream) - n)
+        filler = list(stream[start:start + n])
+        cut = rng.randint(0, n)
+        chunks.append(" ".join(filler[:cut] + words + filler[cut:]))
+    return replace(example, chunks=tuple(chunks))
+
+
+def chunk_tokens_of(model) -> tuple[int, int] | None:
+    """The chunk lengths a testbed model was trained on (its training_log.json), None for one-sentence chunks."""
+    import json
+    from pathlib import Path
+
+    log = Path(model) / "training_log.json"
+    record = json.loads(log.read_text()) if log.exists() else {}
+    while record and not record.get("args", {}).get("chunk_tokens"):
+        record = record.get("tuned_from_record") or {}
+    lengths = record.get("args", {}).get("chunk_tokens") if record else None
+    return tuple(lengths) if lengths else None

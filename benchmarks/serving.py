@@ -421,11 +421,17 @@ def run_system(name: str, server, trace: list[Request], chunks: list[str], args)
     extra = {"mode": name.split()[1]} if name.startswith("pc-rag") else {}
     rng = random.Random(args.seed + 1)
     max_tokens = [rng.randint(*args.answer_tokens) for _ in trace]
-    rows, offset, rate = [], 0, args.rates[0]
+    rows, rate = [], args.rates[0]
     with server:
         warm = [Request(0.0, (0, 1, 2, 3), "A warm-up question.", 0)]  # load, allocator, kernels: outside timing
         asyncio.run(send_rate(server.url, warm, chunks, marked, extra, [8], 600, {}))
         history: dict[int, list[dict]] = {}
+        offset = args.warm_requests
+        # A service in its steady state: the trace's first requests, one at a time and unmeasured, fill every
+        # system's caches (pc_rag's store and passage index, vLLM's prefix cache) before the rates are measured.
+        for i, req in enumerate(trace[:offset]):
+            asyncio.run(send_rate(server.url, [replace(req, t_s=0.0)], chunks, marked, extra, [max_tokens[i]],
+                                  args.timeout, history))
         step = 2.0  # up while the SLO holds; where the first rate fails, down until one holds
         listed = list(args.rate_list or [])  # exactly these rates, instead of stepping
         if listed:
@@ -470,7 +476,7 @@ def load(args, out: Path) -> dict:
 
     model = Path(model_or_bench(args.model, out))
     chunks = (corpus_documents if args.trace == "documents" else corpus_chunks)(args.chunks, args.chunk_words)
-    n = args.requests_per_rate * 8
+    n = args.requests_per_rate * 8 + args.warm_requests
     trace = rag_trace(args.chunks, n, args.alpha, args.seed,
                       question_words=(1, 20) if args.trace == "documents" else None)
     peers = Path(args.peers) if args.peers else None
@@ -494,7 +500,7 @@ def load(args, out: Path) -> dict:
         systems[name] = run_system(name, server, trace, chunks, args)
         (out / "serving.partial.json").write_text(json.dumps(systems, indent=1))  # a long run keeps what it has
     return {"model": model.name, "trace": args.trace, "alpha": args.alpha, "slo_s": args.slo,
-            "requests_per_rate": args.requests_per_rate,
+            "requests_per_rate": args.requests_per_rate, "warm_requests": args.warm_requests,
             "chunks": args.chunks, "ttft_limit_s": args.ttft_limit, "answer_tokens": list(args.answer_tokens),
             "systems": systems}
 
@@ -574,7 +580,9 @@ def markdown(result: dict) -> str:
             else "one-paragraph chunks")
     lines = [f"Trace: {result['chunks']} chunks ({kind}), Zipf alpha {result['alpha']}, 4-8 chunks per question, "
              f"answers of {answers} tokens, "
-             f"{result['requests_per_rate']} requests per rate, SLO: TTFT p99 <= {result['slo_s']:g} s; model "
+             f"{result['requests_per_rate']} requests per rate"
+             + (f" after {result['warm_requests']} unmeasured ones, one at a time (a warm cache)"
+                if result.get("warm_requests") else "") + f", SLO: TTFT p99 <= {result['slo_s']:g} s; model "
              f"{result['model']}, CPU.", "",
              "| system | highest rate under the SLO (req/s) | rate | TTFT p50 / p90 / p99 (s) | inter-token (ms) "
              "| output tok/s | cached share | computed tok/req | encode fwd/req (path + after reply) "
@@ -641,6 +649,8 @@ def main(argv=None) -> int:
                     help="each answer's max_tokens, drawn in [LO, HI] per request (the issue's first table: 16 16)")
     ap.add_argument("--min-rate", type=float, default=0.125, help="where a first rate that fails steps down to")
     ap.add_argument("--requests-per-rate", type=int, default=200)
+    ap.add_argument("--warm-requests", type=int, default=0,
+                    help="send the trace's first N requests one at a time, unmeasured, before the rates (a warm cache)")
     ap.add_argument("--max-seconds-per-rate", type=float, default=240.0,
                     help="fewer requests at a rate whose arrivals would span longer (at least 50)")
     ap.add_argument("--slo", type=float, default=2.0, help="TTFT p99 bound in seconds")

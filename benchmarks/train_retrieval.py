@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .retrieval_task import ALL_TASKS, TASKS, build_tokenizer, make_example, names, token_ids, values
+from .retrieval_task import ALL_TASKS, TASKS, build_tokenizer, in_prose, make_example, names, token_ids, values
 
 
 def encode_fast(vocab: dict[str, int], bos: int, example) -> list[int]:
@@ -121,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--decay", action="store_true", help="cosine learning-rate decay to 0 at --max-steps")
     ap.add_argument("--until-step", type=int, help="stop after this step without changing the schedule (to "
                     "reproduce a run that --max-minutes cut short)")
+    ap.add_argument("--chunk-tokens", type=int, nargs=2, metavar=("LO", "HI"),
+                    help="the long-chunk testbed: each fact inside prose, chunks of LO-HI tokens (retrieval_task.py)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -130,19 +132,23 @@ def main(argv=None):
     tasks = tuple(t for t in ALL_TASKS if t in args.tasks)
     if "alias" in tasks and args.alias_share <= 0 or args.alias_share > 0 and "alias" not in tasks:
         raise SystemExit("--alias-share > 0 goes with --tasks ... alias")
-    tok = build_tokenizer(tasks)
+    tok = build_tokenizer(tasks, prose=bool(args.chunk_tokens))
+
+    def example(rng, task, k, **kw):
+        ex = make_example(rng, task, k, name_list, value_list, **kw)
+        return in_prose(rng, ex, *args.chunk_tokens) if args.chunk_tokens else ex
     vocab = tok.get_vocab()
     bos, pad = tok.bos_token_id, tok.pad_token_id
     name_list, value_list = names(), values()
     check = random.Random(99)
     for task in tasks:  # the fast encoder is the engine's segment tokenization
-        ex = make_example(check, task, 4, name_list, value_list)
+        ex = example(check, task, 4)
         assert encode_fast(vocab, bos, ex) == token_ids(tok, ex)
 
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=128,
+        max_position_embeddings=2048 if args.chunk_tokens else 128,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=bos,
         eos_token_id=tok.eos_token_id, pad_token_id=pad, tie_word_embeddings=True, initializer_range=0.02,
     )
@@ -166,11 +172,11 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
 
     def sample(rng, task, k):
-        ex = make_example(rng, task, k, name_list, value_list)
+        ex = example(rng, task, k)
         return encode_fast(vocab, bos, ex), vocab[ex.answer]
 
     def train_sample(rng, task, k):
-        ex = make_example(rng, task, k, name_list, value_list, p_code=0.75)
+        ex = example(rng, task, k, p_code=0.75)
         return encode_queries(vocab, bos, ex, args.queries, rng)
 
     eval_rng = random.Random(10_000 + args.seed)  # held-out: a separate stream from training

@@ -166,6 +166,66 @@ def test_training_grows_a_model_and_learns_the_alias_task_reproducibly(tmp_path)
         train_retrieval.main([*args[:-4], "--out", str(tmp_path / "c")])
 
 
+def test_block_layout_is_what_modular_computes_and_block_tuning_is_reproducible(tmp_path):
+    """Block-Attention's training forward (benchmarks/block_tune.py: one masked forward with a BOS copy before each
+    chunk) gives the answer logits pc_rag's modular mode gives, and its plain layout full's; a tuning run is
+    reproducible bit for bit and its checkpoint loads in pc_rag with a fingerprint of its own."""
+    from transformers import LlamaForCausalLM
+
+    from benchmarks import block_tune
+    from benchmarks.retrieval_task import ALL_TASKS, build_tokenizer
+
+    model = LlamaForCausalLM.from_pretrained(DEEP, attn_implementation="sdpa").eval()
+    tok = build_tokenizer(ALL_TASKS)
+    engine = pc_rag.Engine.from_pretrained(DEEP, store="memory")
+    rng = random.Random(5)
+    for i in range(6):
+        ex = make_example(rng, ALL_TASKS[i % 3], 2 + i % 4, names(), values())
+        modular, full = (engine.next_token_logits(ex.prompt(), mode=m) for m in ("modular", "full"))
+        assert (modular - full).abs().max() > 0.1  # the two layouts differ on this model: the check can fail
+        for want, block in ((modular, True), (full, False)):
+            with torch.no_grad():
+                got, _ = block_tune.answer_logits(model, [block_tune.block_layout(tok.get_vocab(), tok.bos_token_id,
+                                                                                  ex, block=block)])
+            assert torch.allclose(got[0], want, atol=1e-4 * want.abs().max()), (block, (got[0] - want).abs().max())
+    args = ["--model", str(DEEP), "--steps", "2", "--batch", "4", "--eval-every", "2", "--eval-n", "4",
+            "--eval-chunks", "3", "--threads", "1"]
+    for run in ("a", "b"):
+        block_tune.main([*args, "--out", str(tmp_path / run)])
+    a, b = (load_file(tmp_path / run / "model.safetensors") for run in ("a", "b"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    tuned = pc_rag.Engine.from_pretrained(tmp_path / "a", store="memory")
+    assert tuned.runner.fingerprint != engine.runner.fingerprint
+    ex = make_example(random.Random(2), "alias", 3, names(), values())
+    got = accuracy.answers(tuned, ex, ["1.0:chunk_start"])
+    assert got["exact"] == got["full"] == got["blend 1 chunk_start"]
+
+
+def test_long_chunk_testbed_puts_each_fact_inside_prose_and_accuracy_reads_its_lengths(tmp_path):
+    """The long-chunk testbed (issue 55): every chunk 64-256 tokens with its fact intact inside, the engine's
+    tokenization equal to training's, and a model trained on it carries its lengths to benchmarks/accuracy.py."""
+    from benchmarks.retrieval_task import ALL_TASKS, build_tokenizer, chunk_tokens_of, in_prose, prose_words, token_ids
+
+    tok = build_tokenizer(ALL_TASKS, prose=True)
+    assert len(tok) == len(build_tokenizer(ALL_TASKS)) + len(prose_words())  # the old ids stay where they were
+    rng = random.Random(8)
+    for task in ALL_TASKS:
+        ex = make_example(rng, task, 4, names(), values())
+        long = in_prose(rng, ex, 64, 256)
+        assert long.question == ex.question and long.answer == ex.answer
+        for fact, chunk in zip(ex.chunks, long.chunks, strict=True):
+            assert f" {fact} " in f" {chunk} " and 64 <= len(tok(chunk, add_special_tokens=False)["input_ids"]) <= 256
+        assert tok.unk_token_id not in token_ids(tok, long)
+    args = ["--grow-from", str(MODEL), "--chunk-tokens", "64", "96", "--batch", "2", "--max-steps", "2",
+            "--eval-every", "2", "--eval-n", "2", "--max-chunks", "3", "--start-level", "3", "--out", str(tmp_path)]
+    train_retrieval.main(args)
+    assert chunk_tokens_of(tmp_path) == (64, 96) and chunk_tokens_of(MODEL) is None
+    result = accuracy.run(str(tmp_path), 2, [3], 5, ["1.0:chunk_start"])
+    assert all(r["accuracy"]["exact"] == r["accuracy"]["full"] == r["accuracy"]["blend 1 chunk_start"]
+               for r in result["rows"])
+    assert all(r["work"]["modular"] == 0.0 and r["work"]["full"] == 1.0 for r in result["rows"])
+
+
 def test_ttft_benchmark_runs_and_stores_the_formula_bytes(tiny_path, tmp_path):
     from benchmarks import ttft
 
