@@ -39,7 +39,7 @@ import torch
 
 import pc_rag
 
-from .retrieval_task import ALL_TASKS, build_tokenizer, make_example, names, values
+from .retrieval_task import ALL_TASKS, TASKS, build_tokenizer, make_example, names, values
 
 FRESH, COPY = -1, -2  # block ids of tokens computed in context and of the BOS copies; chunks are 0, 1, ...
 
@@ -150,8 +150,7 @@ def main(argv=None):
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(args.model, attn_implementation="sdpa")
-    known = json.loads((Path(args.model) / "training_log.json").read_text())["args"]["tasks"] \
-        if (Path(args.model) / "training_log.json").exists() else ["single", "two_hop"]
+    known = ALL_TASKS if model.config.vocab_size == len(build_tokenizer(ALL_TASKS)) else TASKS  # alias has a word
     tasks = tuple(t for t in ALL_TASKS if t in (args.tasks or known))
     args.tasks = list(tasks)
     tok = build_tokenizer(tasks)
