@@ -121,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--decay", action="store_true", help="cosine learning-rate decay to 0 at --max-steps")
     ap.add_argument("--until-step", type=int, help="stop after this step without changing the schedule (to "
                     "reproduce a run that --max-minutes cut short)")
+    ap.add_argument("--bf16", action="store_true", help="training forward and backward under bf16 autocast (the "
+                    "weights and the optimizer stay fp32; evaluations run in fp32)")
     ap.add_argument("--chunk-tokens", type=int, nargs=2, metavar=("LO", "HI"),
                     help="the long-chunk testbed: each fact inside prose, chunks of LO-HI tokens (retrieval_task.py)")
     args = ap.parse_args(argv)
@@ -220,8 +222,9 @@ def main(argv=None):
                 pi.append(pos)
                 answers.append(a)
         x = batch_tensors(rows, pad)
-        logits = answer_logits(model, x, torch.tensor(ri), torch.tensor(pi))
-        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(answers))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            logits = answer_logits(model, x, torch.tensor(ri), torch.tensor(pi))
+        loss = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(answers))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

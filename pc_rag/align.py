@@ -34,15 +34,29 @@ fresh KV in that layer (not aligned there), and keeps its cached KV in the layer
 
 T and S per model: `quality.calibrate_ape` searches a small grid for the pair that brings modular's next-token
 distribution closest to full's (mean KL) on calibration prompts, and remembers it per model fingerprint in this
-process (`CALIBRATED`); uncalibrated, `DEFAULT` (the paper's released default, T = S = 0.9).
+process (`CALIBRATED`) and in the engine's cache folder (`Engine.calibration_dir`: the disk tier's folder, so the
+default store's ~/.cache/pc_rag), as calibration/ape-<hash of the fingerprint>.json. An engine whose folder holds
+its fingerprint's file starts with that pair: `pc-rag check --calibrate-ape` calibrates once, and `pc-rag serve`
+on the same folder uses it. The file names the whole fingerprint, and a file that does not (a hash collision, a
+copy from elsewhere) or that cannot be read is ignored with a warning, never used for another model. Uncalibrated,
+`DEFAULT` (the paper's released default, T = S = 0.9).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import math
+import os
+import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import OptionError
+
+log = logging.getLogger(__name__)
 
 ALIGNS = ("ape",)
 
@@ -101,7 +115,65 @@ def aligned_slots(pieces) -> list[int]:
 
 def ape_for(engine) -> APE:
     """The APE pair for the engine's model: the engine's own (`Engine.ape`), else this process's calibration of the
-    model (`quality.calibrate_ape`), else DEFAULT."""
+    model (`quality.calibrate_ape`, or the saved one its engine found at start: `load_calibration`), else DEFAULT."""
     if engine.ape is not None:
         return engine.ape
     return CALIBRATED.get(engine.planner.fingerprint, DEFAULT)
+
+
+# ---- calibrations kept in a cache folder -----------------------------------------------------------------------
+CALIBRATION_DIR = "calibration"
+
+
+def calibration_file(folder: str | os.PathLike, fingerprint: str) -> Path:
+    """Where `folder` keeps the APE calibration of the model with `fingerprint`."""
+    digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:32]
+    return Path(folder).expanduser() / CALIBRATION_DIR / f"ape-{digest}.json"
+
+
+def save_calibration(folder: str | os.PathLike, fingerprint: str, ape: APE, table: dict, prompts: int) -> Path:
+    """Write the chosen pair and what each pair tried measured (mean KL, top-1 agreement with full), atomically: a
+    reader sees the old file or the new one, never half of one."""
+    path = calibration_file(folder, fingerprint)
+    record = {"fingerprint": fingerprint, **ape.as_dict(), "prompts": prompts,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "measured": [{"temperature": t, "scale": s, **m} for (t, s), m in table.items()]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ape-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def remember_saved(folder: str | os.PathLike, fingerprint: str) -> None:
+    """Take the pair `folder` keeps for `fingerprint` as this process's calibration, unless this process already
+    calibrated the model (its own measurement is the newer)."""
+    if fingerprint not in CALIBRATED:
+        saved = load_calibration(folder, fingerprint)
+        if saved is not None:
+            CALIBRATED[fingerprint] = saved
+
+
+def load_calibration(folder: str | os.PathLike, fingerprint: str) -> APE | None:
+    """The pair `folder` keeps for `fingerprint`, or None: no file, or one that is damaged or names another
+    fingerprint (warned about: recalibrating rewrites it)."""
+    path = calibration_file(folder, fingerprint)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("ignoring the APE calibration %s: unreadable (%s); the default pair is used", path, e)
+        return None
+    try:
+        if record["fingerprint"] != fingerprint:
+            raise ValueError("it is another model's")
+        return APE(record["temperature"], record["scale"])
+    except (TypeError, KeyError, ValueError, OptionError) as e:
+        log.warning("ignoring the APE calibration %s: %s; the default pair is used", path, e)
+        return None

@@ -6,6 +6,8 @@ Cache folder (`--cache-dir`, default $PC_RAG_CACHE_DIR, else $XDG_CACHE_HOME/pc_
                         the default store; `stats` and `clear` see only these names, nothing else there)
     embeddings/         chunk embedding matrices of the demo's FAISS index, keyed by the chunk texts
     models/bench/       the offline demo Llama (random weights), built on first use when no --model is given
+    calibration/        APE's temperature and scale per model fingerprint, ape-<hash>.json (`check --calibrate-ape`;
+                        read by every engine whose disk tier is this folder: `serve`, `explain`)
     public-documents.jsonl  the chunks `warm --public` declared public (one JSON string a line): `serve` with
                         this folder registers them as shared by every tenant (docs/serve.md, "Security")
 
@@ -146,6 +148,10 @@ def _parser() -> argparse.ArgumentParser:
                         "documents are then reused as passages)")
     p.add_argument("--max-chunks", type=int, default=None, metavar="N",
                    help="retrieve from the first N chunks only (quick runs)")
+    p.add_argument("--calibrate-ape", action="store_true",
+                   help="first choose APE's temperature and scale for this model on these prompts (pc_rag/align.py) "
+                        "and save them in the cache folder, where `serve`, `explain` and later checks find them; "
+                        "the :ape modes then use them")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_check)
 
@@ -154,8 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_stats)
 
     p = sub.add_parser("clear", parents=[common], help="remove the cached KV blocks")
-    p.add_argument("--all", action="store_true", help="also remove cached embeddings, the built demo model and "
-                                                      "the list of public documents")
+    p.add_argument("--all", action="store_true", help="also remove cached embeddings, the built demo model, "
+                                                      "APE calibrations and the list of public documents")
     p.set_defaults(run=_clear)
 
     p = sub.add_parser("serve", parents=[common, model], help="an OpenAI-compatible HTTP server (docs/serve.md)",
@@ -376,9 +382,12 @@ def _check_defaults() -> tuple[str, ...]:
 def _check(args, _extra) -> int:
     import json
 
+    from . import align
     from .check import Setting, check
 
     modes = [Setting.parse(m) for m in (args.modes or _check_defaults())]  # a bad mode fails before the model loads
+    if args.calibrate_ape and not any(m.align for m in modes):
+        modes.append(Setting.parse("modular:ape"))  # what the calibration was for, measured beside the rest
     if not 0.0 <= args.target <= 1.0:
         raise PCRagError(f"--target is an agreement share in [0, 1], got {args.target}")
     if args.k < 1 or args.max_new_tokens < 1:
@@ -413,14 +422,28 @@ def _check(args, _extra) -> int:
 
         index = VectorIndex.build(chunks, SentenceEmbedder(), cache_dir=cache_dir / "embeddings", progress=progress)
         prompts = [rag_prompt([c for c, _ in index.search(q, args.k)], q, SYSTEM, args.plain) for q in questions]
+    # The check's store is memory only, but APE's calibration belongs to the cache folder: the one saved there is
+    # used by the :ape modes, and --calibrate-ape writes it there.
+    engine.calibration_dir = cache_dir
+    align.remember_saved(cache_dir, engine.planner.fingerprint)
+    calibrated = None
+    if args.calibrate_ape:
+        ape, table = engine.calibrate_ape(prompts)
+        calibrated = {**ape.as_dict(), "prompts": len(prompts),
+                      "saved": str(align.calibration_file(cache_dir, engine.planner.fingerprint)),
+                      "modular_kl": table[(1.0, 1.0)]["kl"], "kl": table[(ape.temperature, ape.scale)]["kl"]}
     report = check(engine, prompts, modes, max_new_tokens=args.max_new_tokens, target=args.target, progress=progress)
     if args.json:
         out = report.as_dict()
-        out.update(model=path, random_weights=random_weights, plain=args.plain)
+        out.update(model=path, random_weights=random_weights, plain=args.plain, ape_calibration=calibrated)
         print(json.dumps(out, indent=2))
     else:
         print(f"model: {path}" + (" (random weights: its answers are meaningless words; the comparison is real)"
                                   if random_weights else ""))
+        if calibrated:
+            print(f"APE calibrated on {calibrated['prompts']} prompts: temperature {calibrated['temperature']:g}, "
+                  f"scale {calibrated['scale']:g} (next-token KL from full {calibrated['kl']:.4g} nats, modular's "
+                  f"{calibrated['modular_kl']:.4g}); saved in {calibrated['saved']}")
         print(report)
     return 0
 
@@ -479,12 +502,14 @@ def _read_prompts(path: Path, plain: bool) -> list:
 def _stats(args, _extra) -> int:
     import json
 
+    from .align import CALIBRATION_DIR
     from .store import block_files
 
     cache_dir = _cache_dir(args)
     blocks = block_files(cache_dir)
     embeddings = _files(cache_dir / "embeddings", "*.npy")
     models = sorted(p.name for p in (cache_dir / "models").glob("*") if p.is_dir())
+    calibrations = sorted((cache_dir / CALIBRATION_DIR).glob("ape-*.json"))
     info = {
         "cache_dir": str(cache_dir),
         "kv_entries": len(blocks),
@@ -492,6 +517,7 @@ def _stats(args, _extra) -> int:
         "embedding_files": len(embeddings),
         "embedding_bytes": sum(s for _, s in embeddings),
         "models": models,
+        "ape_calibrations": len(calibrations),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -500,10 +526,12 @@ def _stats(args, _extra) -> int:
     print(f"KV blocks:    {info['kv_entries']} entries, {_size(info['kv_bytes'])} on disk")
     print(f"embeddings:   {info['embedding_files']} files, {_size(info['embedding_bytes'])}")
     print(f"models:       {', '.join(models) if models else 'none built'}")
+    print(f"APE calibrations: {len(calibrations)} (pc-rag check --calibrate-ape)")
     return 0
 
 
 def _clear(args, _extra) -> int:
+    from .align import CALIBRATION_DIR
     from .store import BLOCKS_DIR, DiskStore, block_files
 
     cache_dir = _cache_dir(args)
@@ -515,7 +543,7 @@ def _clear(args, _extra) -> int:
         DiskStore(cache_dir, max_bytes=1 << 62).clear()  # a bound no folder reaches: opening it evicts nothing
     print(f"removed {len(blocks)} KV blocks ({_size(sum(s for _, s in blocks))}) from {cache_dir}")
     if args.all:
-        for sub in ("embeddings", "models"):
+        for sub in ("embeddings", "models", CALIBRATION_DIR):
             if (cache_dir / sub).is_dir():
                 shutil.rmtree(cache_dir / sub)
                 print(f"removed {cache_dir / sub}")

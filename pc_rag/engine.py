@@ -17,9 +17,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 
+from . import align
 from .align import APE, ape_for, check_align
 from .assemble import Assembler
 from .batch import MAX_BATCH, BatchDecoder, Traffic
@@ -36,7 +38,7 @@ from .quality import Calibration, calibrate_ape, deviation_reference, gate
 from .request import Generation, Request, next_token_logits
 from .scaffolds import ScaffoldBuilder
 from .segments import Chunk, Prompt, SegmentTokenizer, Text, TokenSegment, check_text, chunk_list
-from .store import open_store
+from .store import disk_folder, open_store
 from .text_index import DISCOVERY, ChunkIndex, Discovery, ReplyIndex, marked, resolve, with_passages
 
 log = logging.getLogger("pc_rag")
@@ -134,8 +136,12 @@ class Engine:
         self.measured_deviation: dict[str, float] = {}  # quality.deviation_reference per probe, once measured
         self.calibration: Calibration | None = None  # quality.calibrate, once measured (min_agreement set)
         # APE's pair for align="ape" requests (align.py): None takes this model's calibration in this process
-        # (`calibrate_ape`), else align.DEFAULT.
+        # (`calibrate_ape`, or the one saved in `calibration_dir`), else align.DEFAULT.
         self.ape: APE | None = None
+        # Where `calibrate_ape` saves its pair and where it is found at start: the store's disk folder, if any.
+        self.calibration_dir: Path | None = disk_folder(self.store)
+        if self.calibration_dir is not None:
+            align.remember_saved(self.calibration_dir, self.planner.fingerprint)
         self.runner.others_decoding = self.traffic.busy  # long prefills are chunked while others run
         release_team()  # loading and packing the weights computed on this thread, which may serve none (threads.py)
 
@@ -240,7 +246,8 @@ class Engine:
     def calibrate_ape(self, prompts=None, **grid) -> tuple[APE, dict]:
         """Choose APE's temperature and scale for this model (quality.calibrate_ape: a grid searched for the pair
         closest to full's next token, on `prompts` or the built-in ones; `temperatures=`, `scales=` another grid), and
-        use it from now on (`ape`). Returns the pair and what each pair tried measured."""
+        use it from now on (`ape`); saved in `calibration_dir` (if set) for the engines started on it later. Returns
+        the pair and what each pair tried measured."""
         return calibrate_ape(self, prompts, **grid)
 
     def register(self, texts: Iterable[str], public: bool = False) -> int:

@@ -223,7 +223,8 @@ def calibrate_ape(engine, prompts=None, temperatures: Sequence[float] = TEMPERAT
     to full's, by mean KL(full || APE), if it earns its place: its KL at least APE_MIN_KL_GAIN below modular's
     (T = S = 1, always measured) and its top-1 agreement with full not below modular's; otherwise T = S = 1, so
     that APE as calibrated is modular. Measured in a store of its own (nothing kept in the engine's), remembered
-    per model fingerprint (`align.CALIBRATED`) and set as the engine's. Returns the pair and, per pair tried, its
+    per model fingerprint (`align.CALIBRATED`), saved in `engine.calibration_dir` if set, and set as the
+    engine's. Returns the pair and, per pair tried, its
     mean KL and top-1 agreement with full."""
     with _lock:
         planner, assembler = _own_assembler(engine)
@@ -255,4 +256,6 @@ def calibrate_ape(engine, prompts=None, temperatures: Sequence[float] = TEMPERAT
         chosen = APE(*best)
         align.CALIBRATED[engine.planner.fingerprint] = chosen
         engine.ape = chosen
+        if engine.calibration_dir is not None:
+            align.save_calibration(engine.calibration_dir, engine.planner.fingerprint, chosen, table, len(built))
         return chosen, table

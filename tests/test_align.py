@@ -4,7 +4,9 @@ References: modular's own logits (APE with T = S = 1 is modular: fp32, 1e-4), fu
 at ratio 1, leave nothing to align: 1e-4), and a hand-written attention with the temperature folded into the keys
 and the scale as an additive mask through sdpa (1e-5)."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from pc_rag.align import APE
 from pc_rag.model.aligned import Aligned, attend
 from pc_rag.options import GenerationOptions
 from pc_rag.request import prefill
+from pc_rag.store import DiskStore, MemoryStore
 
 from .test_engine import rag_prompt
 
@@ -294,3 +297,75 @@ def test_blends_recomputed_rows_through_the_kernels_equal_ape_attention_over_eve
     whole = _logits(engine, prompt, "blend", recompute_ratio=0.2, align="ape")
     assert (split - whole).abs().max().item() <= 1e-4
     assert (split - _logits(engine, prompt, "blend", recompute_ratio=0.2)).abs().max().item() > 1e-3
+
+
+def test_a_calibration_is_saved_in_the_cache_folder_and_a_later_engine_uses_it(loaded, docs, tmp_path, monkeypatch):
+    """Calibrate once, restart (this process's memory of it cleared), and an engine over the same disk folder
+    answers align="ape" with the saved pair: its logits equal those of that pair set by hand (1e-5)."""
+    monkeypatch.setattr(pc_rag.align, "CALIBRATED", {})
+    model, tok = loaded
+    first = pc_rag.Engine(model, tok, store=["memory", f"disk:{tmp_path}"])
+    assert first.calibration_dir == tmp_path
+    prompts = [rag_prompt(docs, order=o) for o in ((0, 1, 2), (2, 0, 1))]
+    ape, table = first.calibrate_ape(prompts, temperatures=(1.0, 0.6), scales=(1.0, 0.3, 2.0))
+    path = pc_rag.align.calibration_file(tmp_path, first.planner.fingerprint)
+    saved = json.loads(path.read_text())
+    assert (saved["temperature"], saved["scale"]) == (ape.temperature, ape.scale)
+    assert saved["fingerprint"] == first.planner.fingerprint and saved["prompts"] == 2
+    assert {(m["temperature"], m["scale"]) for m in saved["measured"]} == set(table)
+
+    monkeypatch.setattr(pc_rag.align, "CALIBRATED", {})  # a new process
+    later = pc_rag.Engine(model, tok, store=DiskStore(tmp_path))
+    assert pc_rag.align.ape_for(later) == ape and later.explain(prompts[0], align="ape").plan.align == ape
+    by_hand = pc_rag.Engine(model, tok, store=MemoryStore())
+    by_hand.ape = ape
+    prompt = rag_prompt(docs, order=(1, 2, 0))
+    got = _logits(later, prompt, align="ape")
+    assert (got - _logits(by_hand, prompt, align="ape")).abs().max().item() <= 1e-5
+
+    monkeypatch.setattr(pc_rag.align, "CALIBRATED", {})
+    elsewhere = pc_rag.Engine(model, tok, store=MemoryStore())  # no disk folder: nothing to find
+    assert elsewhere.calibration_dir is None and pc_rag.align.ape_for(elsewhere) == pc_rag.align.DEFAULT
+
+
+def test_a_damaged_or_foreign_calibration_is_ignored_with_a_warning(loaded, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(pc_rag.align, "CALIBRATED", {})
+    model, tok = loaded
+    fingerprint = pc_rag.Engine(model, tok, store=MemoryStore()).planner.fingerprint
+    path = pc_rag.align.calibration_file(tmp_path, fingerprint)
+    path.parent.mkdir(parents=True)
+    good = {"fingerprint": fingerprint, "temperature": 0.7, "scale": 0.5}
+    for damaged in ("{not json", json.dumps([1, 2]), json.dumps({**good, "fingerprint": "another model"}),
+                    json.dumps({**good, "temperature": 3.0}), json.dumps({**good, "scale": "big"}),
+                    json.dumps({"fingerprint": fingerprint})):
+        path.write_text(damaged)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pc_rag.align"):
+            engine = pc_rag.Engine(model, tok, store=DiskStore(tmp_path))
+        assert pc_rag.align.ape_for(engine) == pc_rag.align.DEFAULT, damaged
+        assert "ignoring the APE calibration" in caplog.text and str(path) in caplog.text
+    path.write_text(json.dumps(good))
+    assert pc_rag.align.ape_for(pc_rag.Engine(model, tok, store=DiskStore(tmp_path))) == APE(0.7, 0.5)
+
+
+def test_check_calibrates_ape_once_and_explain_then_uses_the_pair(tiny_path, docs, tmp_path, capsys, monkeypatch):
+    from pc_rag import cli
+
+    monkeypatch.setattr(pc_rag.align, "CALIBRATED", {})
+    lines = [json.dumps({"documents": [docs[0], docs[1], docs[2]], "question": "Why?"}),
+             json.dumps({"documents": [docs[2], docs[0]], "question": "How?"})]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert cli.main(["check", "--model", str(tiny_path), "--prompts", str(tmp_path / "prompts.jsonl"), "--modes",
+                     "modular", "--max-new-tokens", "2", "--calibrate-ape", "--json", *cache]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cal = out["ape_calibration"]
+    assert set(out["modes"]) == {"modular", "modular ape"} and cal["prompts"] == 2
+    assert Path(cal["saved"]).is_file() and cal["kl"] <= cal["modular_kl"]
+    monkeypatch.setattr(pc_rag.align, "CALIBRATED", {})  # a new process
+    assert cli.main(["explain", "facts", "--align", "ape", "--json", "--model", str(tiny_path), *cache]) == 0
+    assert json.loads(capsys.readouterr().out)["ape"] == {"temperature": cal["temperature"], "scale": cal["scale"]}
+    assert cli.main(["stats", "--json", *cache]) == 0
+    assert json.loads(capsys.readouterr().out)["ape_calibrations"] == 1
+    assert cli.main(["clear", "--all", *cache]) == 0
+    assert not Path(cal["saved"]).exists()

@@ -32,7 +32,7 @@ from .disk import BLOCKS_DIR, DiskStore, block_files
 from .memory import MemoryStore
 from .redis_cluster import RedisClusterStore
 from .redis_tier import RedisStore
-from .spec import default_cache_dir, open_store, parse_bytes
+from .spec import default_cache_dir, disk_folder, open_store, parse_bytes
 from .tier import (
     ForeignStore,
     Held,
@@ -67,6 +67,7 @@ __all__ = [
     "block_files",
     "check_key",
     "default_cache_dir",
+    "disk_folder",
     "open_store",
     "parse_bytes",
 ]

@@ -34,6 +34,15 @@ def default_cache_dir() -> Path:
     return Path(base).expanduser() / "pc_rag"
 
 
+def disk_folder(store: Store) -> Path | None:
+    """The folder of the store's first disk tier (a DiskStore, alone or in a TieredStore), else None: where files
+    that belong beside the cached blocks are kept (the engine's APE calibrations)."""
+    for tier in getattr(store, "tiers", [store]):
+        if isinstance(tier, DiskStore):
+            return tier.path
+    return None
+
+
 def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
