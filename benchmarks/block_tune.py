@@ -39,7 +39,7 @@ import torch
 
 import pc_rag
 
-from .retrieval_task import ALL_TASKS, TASKS, build_tokenizer, make_example, names, values
+from .retrieval_task import ALL_TASKS, TASKS, build_tokenizer, chunk_tokens_of, in_prose, make_example, names, values
 
 FRESH, COPY = -1, -2  # block ids of tokens computed in context and of the BOS copies; chunks are 0, 1, ...
 
@@ -143,6 +143,8 @@ def main(argv=None):
     ap.add_argument("--eval-n", type=int, default=256, help="held-out prompts per task and chunk count")
     ap.add_argument("--eval-chunks", type=int, nargs="+", default=[3, 4])
     ap.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it, bit for bit)")
+    ap.add_argument("--bf16", action="store_true", help="training forward and backward under bf16 autocast (the "
+                    "weights and the optimizer stay fp32; evaluations run in fp32)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -150,18 +152,23 @@ def main(argv=None):
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(args.model, attn_implementation="sdpa")
-    known = ALL_TASKS if model.config.vocab_size == len(build_tokenizer(ALL_TASKS)) else TASKS  # alias has a word
-    tasks = tuple(t for t in ALL_TASKS if t in (args.tasks or known))
+    lengths = chunk_tokens_of(args.model)  # the long-chunk testbed's chunks are facts inside prose
+    prose = lengths is not None
+    known = ALL_TASKS if model.config.vocab_size == len(build_tokenizer(ALL_TASKS, prose=prose)) else TASKS
+    tasks = tuple(t for t in ALL_TASKS if t in (args.tasks or known))  # (alias has a word of its own)
     args.tasks = list(tasks)
-    tok = build_tokenizer(tasks)
+    tok = build_tokenizer(tasks, prose=prose)
     if len(tok) != model.config.vocab_size:
         raise SystemExit(f"--model {args.model}: vocabulary {model.config.vocab_size} != the tasks' {len(tok)}")
     vocab, bos = tok.get_vocab(), tok.bos_token_id
     name_list, value_list = names(), values()
 
+    def example(rng, task, k, **kw):
+        ex = make_example(rng, task, k, name_list, value_list, **kw)
+        return in_prose(rng, ex, *lengths) if prose else ex
+
     eval_rng = random.Random(20_000 + args.seed)  # held-out: a stream apart from training's and the benchmarks'
-    held = {(t, k): [make_example(eval_rng, t, k, name_list, value_list) for _ in range(args.eval_n)]
-            for k in args.eval_chunks for t in tasks}
+    held = {(t, k): [example(eval_rng, t, k) for _ in range(args.eval_n)] for k in args.eval_chunks for t in tasks}
 
     def evaluate() -> dict:
         return {f"{layout} {t} {k}": round(accuracy(model, [block_layout(vocab, bos, ex, block=layout == "block")
@@ -183,11 +190,11 @@ def main(argv=None):
     for step in range(1, args.steps + 1):
         rows = []
         for i in range(args.batch):
-            ex = make_example(rng, tasks[i % len(tasks)], rng.randint(*args.chunks), name_list, value_list,
-                              p_code=0.75)
+            ex = example(rng, tasks[i % len(tasks)], rng.randint(*args.chunks), p_code=0.75)
             rows.append(block_layout(vocab, bos, ex, args.queries, rng, block=i < n_block))
-        logits, answers = answer_logits(model, rows)
-        loss = torch.nn.functional.cross_entropy(logits, answers)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            logits, answers = answer_logits(model, rows)
+        loss = torch.nn.functional.cross_entropy(logits.float(), answers)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

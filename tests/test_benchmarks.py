@@ -204,7 +204,15 @@ def test_block_layout_is_what_modular_computes_and_block_tuning_is_reproducible(
 def test_long_chunk_testbed_puts_each_fact_inside_prose_and_accuracy_reads_its_lengths(tmp_path):
     """The long-chunk testbed (issue 55): every chunk 64-256 tokens with its fact intact inside, the engine's
     tokenization equal to training's, and a model trained on it carries its lengths to benchmarks/accuracy.py."""
-    from benchmarks.retrieval_task import ALL_TASKS, build_tokenizer, chunk_tokens_of, in_prose, prose_words, token_ids
+    from benchmarks.retrieval_task import (
+        ALL_TASKS,
+        TASKS,
+        build_tokenizer,
+        chunk_tokens_of,
+        in_prose,
+        prose_words,
+        token_ids,
+    )
 
     tok = build_tokenizer(ALL_TASKS, prose=True)
     assert len(tok) == len(build_tokenizer(ALL_TASKS)) + len(prose_words())  # the old ids stay where they were
@@ -224,6 +232,26 @@ def test_long_chunk_testbed_puts_each_fact_inside_prose_and_accuracy_reads_its_l
     assert all(r["accuracy"]["exact"] == r["accuracy"]["full"] == r["accuracy"]["blend 1 chunk_start"]
                for r in result["rows"])
     assert all(r["work"]["modular"] == 0.0 and r["work"]["full"] == 1.0 for r in result["rows"])
+
+    # Block-Attention on it: the block layout of a prose prompt is still what modular computes, and the tuned
+    # checkpoint keeps the lengths (its tuned_from_record) for accuracy.py
+    from transformers import LlamaForCausalLM
+
+    from benchmarks import block_tune
+
+    model = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    engine = pc_rag.Engine.from_pretrained(tmp_path, store="memory")
+    vocab = build_tokenizer(TASKS, prose=True).get_vocab()  # this run's tasks: no alias word
+    assert len(vocab) == model.config.vocab_size
+    ex = in_prose(random.Random(3), make_example(random.Random(3), "two_hop", 3, names(), values()), 64, 96)
+    want = engine.next_token_logits(ex.prompt(), mode="modular")
+    assert (want - engine.next_token_logits(ex.prompt(), mode="full")).abs().max() > 0.1  # the check can fail
+    with torch.no_grad():
+        got, _ = block_tune.answer_logits(model, [block_tune.block_layout(vocab, engine.tokenizer.bos_token_id, ex)])
+    assert torch.allclose(got[0], want, atol=1e-4 * want.abs().max()), (got[0] - want).abs().max()
+    block_tune.main(["--model", str(tmp_path), "--out", str(tmp_path / "block"), "--steps", "1", "--batch", "2",
+                     "--eval-every", "1", "--eval-n", "2", "--eval-chunks", "3", "--threads", "1", "--bf16"])
+    assert chunk_tokens_of(tmp_path / "block") == (64, 96)
 
 
 def test_ttft_benchmark_runs_and_stores_the_formula_bytes(tiny_path, tmp_path):
