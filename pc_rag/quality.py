@@ -22,6 +22,7 @@ prompts are English prose: a model trained for something else (the retrieval tes
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from . import align
 from .align import APE, SCALES, TEMPERATURES
 from .errors import PromptError, UnsupportedModelError
 from .segments import Chunk, Text
+
+log = logging.getLogger(__name__)
 
 REFERENCE_CHUNKS = 3
 REFERENCE_CHARS = 600
@@ -257,5 +260,9 @@ def calibrate_ape(engine, prompts=None, temperatures: Sequence[float] = TEMPERAT
         align.CALIBRATED[engine.planner.fingerprint] = chosen
         engine.ape = chosen
         if engine.calibration_dir is not None:
-            align.save_calibration(engine.calibration_dir, engine.planner.fingerprint, chosen, table, len(built))
+            try:
+                align.save_calibration(engine.calibration_dir, engine.planner.fingerprint, chosen, table, len(built))
+            except OSError as e:  # a read-only or full cache folder: the pair is still this process's
+                log.warning("APE calibration not saved in %s (%s): it holds for this process only",
+                            engine.calibration_dir, e)
         return chosen, table

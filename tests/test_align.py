@@ -369,3 +369,15 @@ def test_check_calibrates_ape_once_and_explain_then_uses_the_pair(tiny_path, doc
     assert json.loads(capsys.readouterr().out)["ape_calibrations"] == 1
     assert cli.main(["clear", "--all", *cache]) == 0
     assert not Path(cal["saved"]).exists()
+
+
+def test_a_calibration_that_cannot_be_saved_still_holds_for_the_process(engine, docs, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(pc_rag.align, "CALIBRATED", {})
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder should be")
+    engine.calibration_dir = blocked
+    prompts = [rag_prompt(docs, order=(0, 1, 2))]
+    with caplog.at_level("WARNING", logger="pc_rag.quality"):
+        ape, _ = engine.calibrate_ape(prompts, temperatures=(1.0, 0.6), scales=(1.0, 0.3))
+    assert "not saved" in caplog.text and str(blocked) in caplog.text
+    assert engine.ape == ape and pc_rag.align.ape_for(engine) == ape
