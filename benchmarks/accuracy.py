@@ -87,10 +87,12 @@ def auto_name(spec: str | float) -> str:
 
 def answer_logprobs(engine, example, blends: list[str], coded: dict | None = None, targets: list[float | str] = (),
                     recomputed: dict | None = None, ape: bool = False,
-                    sweep: list[str] = ()) -> dict[str, torch.Tensor]:
+                    sweep: list[str] = (), ape_blends: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Per mode, the log-probabilities of the answer token (the next token after the prompt). `coded`: codec
     name -> an engine on the same model over a disk tier that stores blocks with that codec. `targets`: blend
-    with these quality targets; `recomputed` (when given) receives, per such mode, the chunk tokens it recomputed."""
+    with these quality targets; `recomputed` (when given) receives, per such mode, the chunk tokens it recomputed.
+    `ape`: APE rows, modular's and (`ape_blends`, default every blend) blend's."""
+    ape_blends = (blends if ape_blends is None else ape_blends) if ape else ()
     from pc_rag.options import GenerationOptions
     from pc_rag.request import prefill
 
@@ -123,7 +125,7 @@ def answer_logprobs(engine, example, blends: list[str], coded: dict | None = Non
         for spec in blends:
             ratio, engine.blend_selection = parse_blend(spec)
             out[blend_name(spec)] = logp("blend", ratio)
-            if ape:
+            if spec in ape_blends:
                 out[blend_name(spec) + " ape"] = logp("blend", ratio, "ape")
     finally:
         engine.blend_selection = selection
@@ -200,9 +202,9 @@ def calibrate_ape(engine, prompts: int, chunk_counts: list[int], tasks: tuple[st
 def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: list[str],
         codecs: list[str] = (), tasks: tuple[str, ...] = TASKS, targets: list[float | str] = (),
         ape: str | tuple[float, float] | None = None, ape_calibration: int = 64, ape_seed: int = APE_SEED,
-        sweep: list[str] = ()) -> dict:
+        sweep: list[str] = (), ape_blends: list[str] | None = None) -> dict:
     """`ape`: None (no APE rows), "calibrate" (calibrated on `ape_calibration` prompts of stream `ape_seed`), or
-    a (temperature, scale) pair."""
+    a (temperature, scale) pair; `ape_blends`: the blends also run with APE (default: every one)."""
     engine = pc_rag.Engine.from_pretrained(model, store="memory")
     lengths = chunk_tokens_of(model)
     calibration = None
@@ -215,11 +217,12 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
         engine.ape = APE(*ape)
         calibration = {"temperature": ape[0], "scale": ape[1], "prompts": 0}
     with_ape = ape is not None
+    ape_blends = (list(blends) if ape_blends is None else list(ape_blends)) if with_ape else []
     # A disk tier alone: a block is written compressed and every later request reads it back from there.
     folder = Path(tempfile.mkdtemp(prefix="pc_rag_accuracy_"))
     coded = {c: pc_rag.Engine(engine.model, engine.tokenizer, store=f"disk:{folder / c}?compress={c}") for c in codecs}
     modes = [*BASE_MODES[:3], *(f"modular {c}" for c in codecs), *(["modular ape"] if with_ape else []),
-             *(blend_name(b) for b in blends), *(blend_name(b) + " ape" for b in blends if with_ape),
+             *(blend_name(b) for b in blends), *(blend_name(b) + " ape" for b in ape_blends),
              *(auto_name(t) for t in targets), *(sweep_name(p) for p in sweep), BASE_MODES[3]]
     layers = engine.runner.shape.num_layers
     rng = random.Random(seed)
@@ -234,21 +237,21 @@ def run(model: str, prompts: int, chunk_counts: list[int], seed: int, blends: li
             work = {"full": 1.0, "exact": 0.0, "modular": 0.0, "scaffold": 0.0, **{f"modular {c}": 0.0 for c in codecs},
                     **{blend_name(b): 0.0 for b in blends}, **{auto_name(t): 0.0 for t in targets},
                     **({"modular ape": 0.0} if with_ape else {}), **{sweep_name(p): 0.0 for p in sweep},
-                    **{blend_name(b) + " ape": 0.0 for b in blends if with_ape}}
+                    **{blend_name(b) + " ape": 0.0 for b in ape_blends}}
             t0 = time.time()
             for _ in range(prompts):
                 ex = example(rng, task, k, lengths)
                 ids = [i for s in engine.segmenter.segments(ex.prompt()) for i in s.token_ids]
                 assert ids == token_ids(engine.tokenizer, ex), "engine tokenization differs from training"
                 recomputed = {}
-                logps = answer_logprobs(engine, ex, blends, coded, targets, recomputed, with_ape, sweep)
+                logps = answer_logprobs(engine, ex, blends, coded, targets, recomputed, with_ape, sweep, ape_blends)
                 chunk_tokens = sum(len(engine.segmenter.ids(c)) for c in ex.chunks)
                 for b in blends:
                     ratio, select = parse_blend(b)
                     share = recompute_work(select, ratio, chunk_tokens, layers,
                                            engine.runner.shift_probe_share(len(ids))) / prompts
                     work[blend_name(b)] += share
-                    if with_ape:  # APE adds no recompute
+                    if b in ape_blends:  # APE adds no recompute
                         work[blend_name(b) + " ape"] += share
                 for name, chosen in recomputed.items():  # the probe, then the tokens it chose, narrowed as progressive
                     if name.endswith("shift"):  # the cheap probe over every candidate, then layer 0 over 3x its pick
@@ -363,6 +366,8 @@ def main(argv=None):
     ap.add_argument("--ape-pair", type=float, nargs=2, metavar=("T", "S"), help="APE's pair, not calibrated")
     ap.add_argument("--ape-sweep", nargs="*", default=[], metavar="T:S",
                     help="also modular with APE at each of these pairs (rows 'ape T S')")
+    ap.add_argument("--ape-blend", nargs="*", default=None, metavar="RATIO:SELECTION",
+                    help="with --ape: the --blend settings also run with APE (default: every one)")
     ap.add_argument("--ape-calibration", type=int, default=64, help="prompts APE is calibrated on")
     ap.add_argument("--ape-seed", type=int, default=APE_SEED, help="the calibration prompts' stream")
     ap.add_argument("--seed", type=int, default=777)
@@ -376,9 +381,11 @@ def main(argv=None):
         parse_auto(spec)
     for spec in args.ape_sweep:
         parse_pair(spec)
+    if args.ape_blend is not None and not set(args.ape_blend) <= set(args.blend):
+        raise SystemExit(f"--ape-blend {' '.join(args.ape_blend)}: each must be one of --blend's settings")
     ape = tuple(args.ape_pair) if args.ape_pair else "calibrate" if args.ape else None
     result = run(args.model, args.prompts, args.chunks, args.seed, args.blend, args.codec, tuple(args.tasks),
-                 args.auto, ape, args.ape_calibration, args.ape_seed, args.ape_sweep)
+                 args.auto, ape, args.ape_calibration, args.ape_seed, args.ape_sweep, args.ape_blend)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"accuracy-seed{args.seed}.json").write_text(json.dumps(result, indent=1))
