@@ -18,6 +18,7 @@ from benchmarks.retrieval_task import make_example, names, values
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "benchmarks" / "retrieval-model"
 DEEP = REPO / "benchmarks" / "deep-retrieval-model"
+LONG = REPO / "benchmarks" / "long-retrieval-model"
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +40,21 @@ def test_accuracy_answers_exact_equals_full_and_blend_end_points(engine):
             assert got["blend 0 deviation"] == got["modular"], ex
 
 
-def test_deep_model_exact_equals_full_blend_end_points_and_a_lone_chunk_first():
-    """The 8-layer testbed (grown, GQA 8/4): the same end points as the 4-layer model, on its three tasks."""
-    engine = pc_rag.Engine.from_pretrained(DEEP, store="memory")
+@pytest.mark.parametrize("model", [DEEP, LONG], ids=["deep", "long"])
+def test_deep_model_exact_equals_full_blend_end_points_and_a_lone_chunk_first(model):
+    """The 8-layer testbeds (grown, GQA 8/4; the long one's chunks 64-256 tokens of prose around each fact): the
+    same end points as the 4-layer model, on their three tasks."""
+    from benchmarks.retrieval_task import chunk_tokens_of, in_prose
+
+    engine = pc_rag.Engine.from_pretrained(model, store="memory")
     assert engine.runner.shape.num_layers == 8
+    lengths = chunk_tokens_of(model)
+    assert (lengths is not None) == (model == LONG)
     rng = random.Random(4)
     for task in ("single", "two_hop", "alias"):
         for _ in range(3):
             ex = make_example(rng, task, 4, names(), values())
+            ex = in_prose(rng, ex, *lengths) if lengths else ex
             got = accuracy.answers(engine, ex, ["1.0:chunk_start", "0.0:deviation"])
             assert got["exact"] == got["full"] == got["blend 1 chunk_start"], ex
             assert got["blend 0 deviation"] == got["modular"], ex
