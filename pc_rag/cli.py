@@ -424,8 +424,7 @@ def _check(args, _extra) -> int:
         prompts = [rag_prompt([c for c, _ in index.search(q, args.k)], q, SYSTEM, args.plain) for q in questions]
     # The check's store is memory only, but APE's calibration belongs to the cache folder: the one saved there is
     # used by the :ape modes, and --calibrate-ape writes it there.
-    engine.calibration_dir = cache_dir
-    align.remember_saved(cache_dir, engine.planner.fingerprint)
+    engine.keep_calibrations_in(cache_dir)
     calibrated = None
     if args.calibrate_ape:
         ape, table = engine.calibrate_ape(prompts)

@@ -139,9 +139,9 @@ class Engine:
         # (`calibrate_ape`, or the one saved in `calibration_dir`), else align.DEFAULT.
         self.ape: APE | None = None
         # Where `calibrate_ape` saves its pair and where it is found at start: the store's disk folder, if any.
-        self.calibration_dir: Path | None = disk_folder(self.store)
-        if self.calibration_dir is not None:
-            align.remember_saved(self.calibration_dir, self.planner.fingerprint)
+        self.calibration_dir: Path | None = None
+        if (folder := disk_folder(self.store)) is not None:
+            self.keep_calibrations_in(folder)
         self.runner.others_decoding = self.traffic.busy  # long prefills are chunked while others run
         release_team()  # loading and packing the weights computed on this thread, which may serve none (threads.py)
 
@@ -249,6 +249,13 @@ class Engine:
         use it from now on (`ape`); saved in `calibration_dir` (if set) for the engines started on it later. Returns
         the pair and what each pair tried measured."""
         return calibrate_ape(self, prompts, **grid)
+
+    def keep_calibrations_in(self, folder: str | Path) -> None:
+        """Save `calibrate_ape`'s pair in `folder` from now on, and take the one it holds for this model now (unless
+        this process calibrated the model itself): a store without a disk tier can still share a cache folder's
+        calibration (`pc-rag check`)."""
+        self.calibration_dir = Path(folder)
+        align.remember_saved(self.calibration_dir, self.planner.fingerprint)
 
     def register(self, texts: Iterable[str], public: bool = False) -> int:
         """Register document texts: wherever one appears in a plain-string prompt it becomes a `Chunk` (its KV

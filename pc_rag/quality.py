@@ -227,8 +227,7 @@ def calibrate_ape(engine, prompts=None, temperatures: Sequence[float] = TEMPERAT
     (T = S = 1, always measured) and its top-1 agreement with full not below modular's; otherwise T = S = 1, so
     that APE as calibrated is modular. Measured in a store of its own (nothing kept in the engine's), remembered
     per model fingerprint (`align.CALIBRATED`), saved in `engine.calibration_dir` if set, and set as the
-    engine's. Returns the pair and, per pair tried, its
-    mean KL and top-1 agreement with full."""
+    engine's. Returns the pair and, per pair tried, its mean KL and top-1 agreement with full."""
     with _lock:
         planner, assembler = _own_assembler(engine)
         if prompts is None:
